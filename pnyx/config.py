@@ -1,0 +1,322 @@
+"""The configuration tree: one pydantic model, layered defaults → TOML file → dotted CLI flags.
+
+Each field is documented once (the docstring under it) and carries its bounds in its type. Nothing here
+rewrites a sibling field; derived values (the default store URL of `pnyx run`, the shipped model's path)
+are computed in `resolve_*` functions, in one explicit place. Knows nothing about torch, models or stores:
+importing this module is cheap, so `pnyx --help` stays instant.
+
+The resolved config is written into the run (`run.json`) by the trainer when it creates the run; workers
+read sampling settings from there, so a worker needs only the store URL.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pnyx.errors import ConfigError
+
+PosFloat = Annotated[float, Field(gt=0)]
+Prob = Annotated[float, Field(ge=0, le=1)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class StoreConfig(_Section):
+    url: str | None = None
+    """Object-store URL of the run root: a folder path, file://, memory://, s3://bucket/prefix?endpoint=..,
+    gs://bucket/prefix. Unset: `pnyx run` uses ./runs/<run.name>; trainer/worker require --store."""
+    retry_deadline_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    """Transient store errors retry with jittered backoff for at most this many seconds per operation."""
+
+
+class RunConfig(_Section):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")] | None = None
+    """Run name (folder under ./runs for `pnyx run`). Unset: a timestamped name."""
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    """Root seed: task streams, sampling and initialisation derive from it."""
+    steps: Annotated[int, Field(ge=1, le=10_000_000)] = 200
+    """Trainer step budget: the run stops after this many optimizer steps (published versions)."""
+    time_budget_s: Annotated[float, Field(gt=0)] = 900.0
+    """`pnyx run` stops the fleet after this many seconds even if the step budget is not spent."""
+    eval_every: Annotated[int, Field(ge=0, le=100_000)] = 10
+    """`pnyx run` evaluates held-out pass@1 every this many versions (0 = only before and after)."""
+    eval_tasks: Annotated[int, Field(ge=1, le=100_000)] = 200
+    """Held-out tasks per evaluation (one sample each at the run's temperature for pass@1)."""
+
+
+class ModelConfig(_Section):
+    path: str | None = None
+    """Local model folder (Hugging Face layout). Unset: the tiny base model shipped in pnyx/assets/."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype for generation and training (master weights are always fp32 on the trainer)."""
+    device: str = "cpu"
+    """Torch device: cpu, cuda, cuda:1, mps, or auto (cuda if present, else mps, else cpu)."""
+
+
+class EnvConfig(_Section):
+    name: str = "arith"
+    """Environment name from the registry (`pnyx envs list`)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the environment's constructor (difficulty, corpus paths, ...)."""
+
+
+class WorkerConfig(_Section):
+    group_size: Annotated[int, Field(ge=2, le=64)] = 8
+    """Completions sampled per prompt (G); the group is the unit of upload and of advantage estimation."""
+    prompts_per_cohort: Annotated[int, Field(ge=1, le=1024)] = 4
+    """Prompts generated together with one latched weight version (a cohort); swaps happen between cohorts."""
+    temperature: Annotated[float, Field(gt=0, le=4)] = 1.0
+    """Sampling temperature (behaviour logprobs are recorded under exactly this distribution)."""
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Nucleus truncation (1.0 = off)."""
+    top_k: Annotated[int, Field(ge=0, le=100_000)] = 0
+    """Top-k truncation (0 = off)."""
+    max_new_tokens: Annotated[int, Field(ge=1, le=32_768)] = 48
+    """Maximum tokens the model generates per episode (tool replies not counted)."""
+    poll_interval_s: Annotated[float, Field(gt=0, le=600)] = 1.0
+    """How often a worker polls the weights HEAD for a newer version (with backoff on errors)."""
+    heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
+    """How often a worker rewrites its heartbeat object."""
+    spool_max_groups: Annotated[int, Field(ge=0, le=1_000_000)] = 256
+    """Generated groups kept in the local spool while the store is unreachable (oldest dropped beyond)."""
+    int8: bool = False
+    """Run the worker's model from the int8 actor plane (dequantized on load) instead of bf16."""
+
+
+class TrainerConfig(_Section):
+    lr: Annotated[float, Field(gt=0, le=1)] = 2e-4
+    """AdamW learning rate."""
+    weight_decay: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """AdamW decoupled weight decay."""
+    betas: tuple[Prob, Prob] = (0.9, 0.99)
+    """AdamW betas."""
+    grad_clip: Annotated[float, Field(gt=0)] = 1.0
+    """Global gradient-norm clip."""
+    groups_per_step: Annotated[int, Field(ge=1, le=4096)] = 8
+    """Rollout groups per optimizer step."""
+    micro_batch_tokens: Annotated[int, Field(ge=64, le=10_000_000)] = 8192
+    """Token budget of one forward/backward micro-batch (bounds memory)."""
+    anchor_every: Annotated[int, Field(ge=1, le=100_000)] = 20
+    """Publish a full anchor every this many versions; deltas in between."""
+    keep_anchors: Annotated[int, Field(ge=1, le=100_000)] = 3
+    """Retention: keep the newest this many anchors and every delta reachable from them."""
+    publish_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of the published weights that workers run."""
+    checkpoint_every: Annotated[int, Field(ge=1, le=100_000)] = 1
+    """Write a resumable checkpoint every this many steps."""
+    max_wait_s: Annotated[float, Field(gt=0)] = 600.0
+    """Give up (clean stop) if no usable rollouts arrive for this long."""
+    device: str = "cpu"
+    """Torch device for training: cpu, cuda, mps or auto."""
+    tensorboard: bool = False
+    """Also write metrics to TensorBoard (needs `pnyx[tensorboard]`)."""
+    wandb_project: str | None = None
+    """Also log metrics to this Weights & Biases project (needs `pnyx[wandb]`)."""
+
+
+class AlgorithmConfig(_Section):
+    advantage: Literal["grpo", "drgrpo"] = "grpo"
+    """GRPO (R-mean)/(std+eps) or Dr.GRPO R-mean."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "drgrpo"] = "token_mean"
+    """Loss aggregation over tokens: token mean, per-sequence mean then mean, or sum/(G·max_len)."""
+    clip_low: Annotated[float, Field(ge=0, le=1)] = 0.2
+    """PPO clip ε_lo: ratio floor 1-ε_lo."""
+    clip_high: Annotated[float, Field(ge=0, le=10)] = 0.28
+    """PPO clip ε_hi: ratio ceiling 1+ε_hi."""
+    dual_clip: Annotated[float, Field(gt=1)] | None = 3.0
+    """Dual-clip constant c bounding the loss for negative advantages (None = off)."""
+    dppo_delta: Annotated[float, Field(gt=0, le=1)] | None = 0.2
+    """DPPO gate δ in probability space (None = gate off)."""
+    tis_cap: Annotated[float, Field(gt=1)] | None = None
+    """Truncated importance weight cap C on π/μ (None = off); use with int8 actors."""
+    kl_coef: Annotated[float, Field(ge=0)] = 0.0
+    """KL penalty to the initial policy (0 = off, no reference model kept)."""
+    max_staleness: Annotated[int, Field(ge=0, le=1000)] = 3
+    """Keep a group iff trainer version - rollout version <= this."""
+    max_reuse: Annotated[int, Field(ge=1, le=100)] = 1
+    """Each group is used at most this many times (replay)."""
+    max_groups_per_prompt: Annotated[int, Field(ge=1, le=1000)] = 2
+    """Each prompt (task id) contributes at most this many groups per step."""
+
+
+class SwarmConfig(_Section):
+    local_groups: Annotated[int, Field(ge=0, le=4096)] = 4
+    """I: groups per step from this node's own rollouts."""
+    external_groups: Annotated[int, Field(ge=0, le=4096)] = 4
+    """J: groups per step drawn from other nodes' recent uploads."""
+    foreign: Literal["onpolicy", "gated"] = "gated"
+    """Treatment of foreign text: ratio ≡ 1 as in SAPO's reference code, or own-logprob DPPO gating."""
+    prefer: Literal["uniform", "variance"] = "variance"
+    """How external groups are drawn: uniformly, or preferring groups with non-zero reward variance."""
+    window_s: Annotated[float, Field(gt=0)] = 300.0
+    """Only external groups uploaded within this many seconds are eligible."""
+    max_per_peer: Annotated[int, Field(ge=1, le=4096)] = 4
+    """At most this many external groups per peer per step (a noisy peer cannot dominate)."""
+    peer_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    """A peer whose heartbeat is older than this is considered gone."""
+
+
+class PnyxConfig(_Section):
+    """The whole configuration of a pnyx run."""
+
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    """Where the run lives."""
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Run identity and budgets."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """The environment (task + verifier)."""
+    worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    """Rollout generation (sampling settings are part of the run; workers read them from run.json)."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Optimisation and publishing."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """The RL objective and off-policy controls."""
+    swarm: SwarmConfig = Field(default_factory=SwarmConfig)
+    """Swarm mode (SAPO): local/external mix per step."""
+
+
+# --- layering -------------------------------------------------------------------------------------
+
+
+def _format_error(err: ValidationError, source: str) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(root)"
+        got = e.get("input")
+        got_s = f" (got {got!r})" if not isinstance(got, dict) else ""
+        lines.append(f"  {field}: {e['msg']}{got_s}")
+    return ConfigError(f"invalid configuration from {source}:\n" + "\n".join(lines))
+
+
+def _parse_value(text: str) -> Any:
+    """A CLI value: JSON/TOML-like literals (numbers, true/false, null, lists), else the raw string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        low = text.lower()
+        if low in {"true", "false"}:
+            return low == "true"
+        if low in {"none", "null"}:
+            return None
+        return text
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn `--trainer.lr=1e-4 --env.name arith` into a nested dict. Unknown shapes raise ConfigError."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(
+                f"unexpected argument {arg!r}: config overrides look like --section.field=value "
+                "(e.g. --trainer.lr=1e-4)"
+            )
+        if "=" in arg:
+            key, raw = arg[2:].split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {arg} has no value")
+            key, raw = arg[2:], args[i + 1]
+            i += 1
+        node = out
+        parts = key.replace("-", "_").split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key} conflicts with an earlier override")
+        node[parts[-1]] = _parse_value(raw)
+        i += 1
+    return out
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(merged.get(k), dict) and k != "kwargs":
+            merged[k] = _merge(merged[k], v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None
+) -> PnyxConfig:
+    """Resolve defaults → TOML file → overrides, validating once at the end; errors name field and bound."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from e
+        source = str(p)
+    if overrides:
+        over = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        data = _merge(data, over)
+        source += " + command-line overrides"
+    try:
+        return PnyxConfig.model_validate(data)
+    except ValidationError as e:
+        raise _format_error(e, source) from None
+
+
+def config_from_dict(data: dict[str, Any], source: str = "run.json") -> PnyxConfig:
+    """Rebuild a config from its JSON form (as stored in run.json)."""
+    try:
+        return PnyxConfig.model_validate(data)
+    except ValidationError as e:
+        raise _format_error(e, source) from None
+
+
+def to_toml(cfg: PnyxConfig) -> str:
+    """The resolved config as TOML (None values omitted, since TOML has no null)."""
+    import tomli_w
+
+    def drop_none(d: Any) -> Any:
+        if isinstance(d, dict):
+            return {k: drop_none(v) for k, v in d.items() if v is not None}
+        if isinstance(d, tuple | list):
+            return [drop_none(v) for v in d]
+        return d
+
+    return tomli_w.dumps(drop_none(cfg.model_dump(mode="json")))
+
+
+# --- derived values, computed in one place ----------------------------------------------------------
+
+
+def shipped_model_path() -> Path:
+    """The tiny base model that ships inside the package."""
+    return Path(__file__).parent / "assets" / "tiny-base"
+
+
+def resolve_model_path(cfg: PnyxConfig) -> Path:
+    """The model folder to load: the configured one, else the shipped tiny model."""
+    return Path(cfg.model.path).expanduser() if cfg.model.path else shipped_model_path()
+
+
+def resolve_device(device: str) -> str:
+    """Map 'auto' to the best available device; anything else is passed through to torch."""
+    if device != "auto":
+        return device
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"

@@ -1,0 +1,36 @@
+"""Causal LMs and tokenizers from local folders, the sampling distribution, and trainer-side logprobs.
+
+Public surface (imported lazily, so `import pnyx.models` does not import torch or transformers):
+`load_model`, `load_tokenizer`, `model_from_config`, `resolve_device`, `resolve_dtype`, `render_prompt`,
+`eos_token_ids`, `tokenizer_digest`, `completion_logprobs`, `sampling_logprobs`, `make_tiny_model_dir`.
+Knows nothing about the store or RL.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "load_model": "pnyx.models.loading",
+    "load_tokenizer": "pnyx.models.loading",
+    "model_from_config": "pnyx.models.loading",
+    "model_folder": "pnyx.models.loading",
+    "resolve_device": "pnyx.models.loading",
+    "resolve_dtype": "pnyx.models.loading",
+    "render_prompt": "pnyx.models.tokenizer",
+    "eos_token_ids": "pnyx.models.tokenizer",
+    "tokenizer_digest": "pnyx.models.tokenizer",
+    "completion_logprobs": "pnyx.models.logprobs",
+    "sampling_logprobs": "pnyx.models.logprobs",
+    "make_tiny_model_dir": "pnyx.models.testing",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pnyx.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,296 @@
+"""Encoding and validation of wire records: binary rollout groups and human-readable JSON records.
+
+A rollout group on the wire is a frame:
+
+    b"PNYX" | format version (1 byte) | xxh3-128 of the payload (16 bytes) | payload
+    payload = zstd(msgpack(RolloutGroup))
+
+`decode_group` trusts nothing: it bounds the compressed and the decompressed size before
+allocating (a zip bomb is rejected without being inflated), checks the digest, the schema, and
+every per-token invariant, and raises `RecordRejected(reason)` with a short machine-readable reason
+that the trainer uses as a drop counter key. Knows nothing about torch, the store or envs.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+import xxhash
+import zstandard
+
+from pnyx.errors import RecordRejected
+from pnyx.protocol.layout import check_name
+from pnyx.protocol.records import GROUP_SCHEMA, RolloutGroup, Sample
+
+MAGIC = b"PNYX"
+FORMAT_VERSION = 1
+HEADER_SIZE = len(MAGIC) + 1 + 16
+ZSTD_LEVEL = 3
+
+REASONS = (
+    "bad_magic",
+    "digest_mismatch",
+    "oversize_bytes",
+    "decode_error",
+    "wrong_schema",
+    "too_many_samples",
+    "too_many_tokens",
+    "token_out_of_range",
+    "bad_logprob",
+    "length_mismatch",
+    "bad_mask",
+    "bad_reward",
+    "empty_group",
+    "bad_field",
+)
+"""Every `RecordRejected.reason` this module raises."""
+
+T = TypeVar("T")
+
+_encoder = msgspec.msgpack.Encoder()
+_group_decoder = msgspec.msgpack.Decoder(RolloutGroup)
+
+
+class _SchemaProbe(msgspec.Struct):
+    schema: Any = None
+
+
+_probe_decoder = msgspec.msgpack.Decoder(_SchemaProbe)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds a decoded rollout group must respect (defaults fit the shipped configs with headroom)."""
+
+    max_bytes: int = 8 << 20
+    """Largest encoded (compressed) record accepted."""
+    max_decompressed_bytes: int = 32 << 20
+    """Largest msgpack payload inflated from it; decompression stops here (zip bombs)."""
+    max_samples: int = 64
+    """Most completions per group."""
+    max_tokens_per_sample: int = 4096
+    """Longest completion, in tokens (model and tool tokens together)."""
+    max_prompt_tokens: int = 4096
+    """Longest prompt, in tokens."""
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# --- binary rollout groups -------------------------------------------------------------------------------
+
+
+def encode_group(group: RolloutGroup, level: int = ZSTD_LEVEL) -> bytes:
+    """The framed wire bytes of `group` (does not validate; `decode_group` does)."""
+    payload = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(_encoder.encode(group))
+    return MAGIC + bytes([FORMAT_VERSION]) + xxhash.xxh3_128_digest(payload) + payload
+
+
+def group_digest(data: bytes) -> str:
+    """Hex xxh3-128 of an encoded group's payload (its identity), after verifying it against the frame.
+
+    Raises RecordRejected("bad_magic" | "wrong_schema" | "digest_mismatch").
+    """
+    return _check_frame(data).hex()
+
+
+def decode_group(data: bytes, limits: Limits | None = None, vocab_size: int | None = None) -> RolloutGroup:
+    """Decode and fully validate a framed rollout group. Raises RecordRejected(reason, detail).
+
+    `vocab_size`, when given, bounds every prompt and completion token id to [0, vocab_size).
+    """
+    limits = limits or DEFAULT_LIMITS
+    if len(data) > limits.max_bytes:
+        raise RecordRejected("oversize_bytes", f"{len(data)} bytes > max_bytes {limits.max_bytes}")
+    _check_frame(data)
+    raw = _inflate(memoryview(data)[HEADER_SIZE:], limits.max_decompressed_bytes)
+    try:
+        group = _group_decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        _reject_schema(_probe_schema(raw), exc)
+        raise RecordRejected("bad_field", str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise RecordRejected("decode_error", str(exc)) from exc
+    validate_group(group, limits, vocab_size)
+    return group
+
+
+def validate_group(group: RolloutGroup, limits: Limits | None = None, vocab_size: int | None = None) -> None:
+    """Check every invariant of a decoded group (see records.py). Raises RecordRejected(reason)."""
+    limits = limits or DEFAULT_LIMITS
+    if group.schema != GROUP_SCHEMA:
+        raise RecordRejected(
+            "wrong_schema", f"group schema {group.schema!r}, this reader knows {GROUP_SCHEMA}"
+        )
+    _check_header_fields(group)
+    if not group.samples:
+        raise RecordRejected("empty_group", "a group needs at least one sample")
+    if len(group.samples) > limits.max_samples:
+        raise RecordRejected("too_many_samples", f"{len(group.samples)} > max_samples {limits.max_samples}")
+    if len(group.prompt_tokens) > limits.max_prompt_tokens:
+        raise RecordRejected(
+            "too_many_tokens", f"prompt has {len(group.prompt_tokens)} > {limits.max_prompt_tokens} tokens"
+        )
+    _check_token_ids(group.prompt_tokens, vocab_size, "prompt")
+    for i, sample in enumerate(group.samples):
+        _check_sample(sample, i, limits, vocab_size)
+
+
+def _check_frame(data: bytes) -> bytes:
+    if len(data) < HEADER_SIZE or data[:4] != MAGIC:
+        raise RecordRejected("bad_magic", f"not a pnyx rollout record (first bytes {bytes(data[:4])!r})")
+    if data[4] != FORMAT_VERSION:
+        raise RecordRejected("wrong_schema", f"frame format {data[4]}, this reader knows {FORMAT_VERSION}")
+    stored = bytes(data[5:HEADER_SIZE])
+    actual = xxhash.xxh3_128_digest(memoryview(data)[HEADER_SIZE:])
+    if stored != actual:
+        raise RecordRejected(
+            "digest_mismatch", f"frame says {stored.hex()}, payload hashes to {actual.hex()}"
+        )
+    return actual
+
+
+def _inflate(payload: memoryview, max_out: int) -> bytes:
+    # Never trust the frame's content-size field: read through a bounded stream, one byte past the cap.
+    try:
+        declared = zstandard.frame_content_size(payload)
+    except zstandard.ZstdError as exc:
+        raise RecordRejected("decode_error", f"zstd frame header: {exc}") from exc
+    if declared > max_out:
+        raise RecordRejected("oversize_bytes", f"declares {declared} decompressed bytes > {max_out}")
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(payload)) as reader:
+            out = reader.read(max_out + 1)
+    except zstandard.ZstdError as exc:
+        raise RecordRejected("decode_error", f"zstd: {exc}") from exc
+    if len(out) > max_out:
+        raise RecordRejected("oversize_bytes", f"decompresses past {max_out} bytes")
+    return out
+
+
+def _probe_schema(raw: bytes) -> Any:
+    try:
+        return _probe_decoder.decode(raw).schema
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+
+
+def _reject_schema(schema: Any, exc: Exception) -> None:
+    if schema is not None and schema != GROUP_SCHEMA:
+        raise RecordRejected(
+            "wrong_schema", f"group schema {schema!r}, this reader knows {GROUP_SCHEMA}"
+        ) from exc
+
+
+def _check_header_fields(g: RolloutGroup) -> None:
+    try:
+        check_name(g.worker_id, "worker id")
+        check_name(g.run_id, "run id")
+    except ValueError as exc:
+        raise RecordRejected("bad_field", str(exc)) from exc
+    problems = []
+    if g.seq < 0 or g.seq > 9_999_999_999:
+        problems.append(f"seq {g.seq} outside [0, 9999999999]")
+    if g.policy_version < 0 or g.policy_version > 99_999_999:
+        problems.append(f"policy_version {g.policy_version} outside [0, 99999999]")
+    for name in ("env", "task_id", "weights_digest"):
+        value = getattr(g, name)
+        if not value or len(value) > 256:
+            problems.append(f"{name} must be 1-256 characters")
+    if not (math.isfinite(g.temperature) and g.temperature >= 0):
+        problems.append(f"temperature {g.temperature} must be finite and >= 0")
+    if not (math.isfinite(g.top_p) and 0 < g.top_p <= 1):
+        problems.append(f"top_p {g.top_p} must be in (0, 1]")
+    if g.top_k < 0:
+        problems.append(f"top_k {g.top_k} must be >= 0")
+    for name in ("created_at", "gen_seconds", "score_seconds"):
+        value = getattr(g, name)
+        if not (math.isfinite(value) and value >= 0):
+            problems.append(f"{name} {value} must be finite and >= 0")
+    if problems:
+        raise RecordRejected("bad_field", "; ".join(problems))
+
+
+def _check_token_ids(tokens: list[int] | np.ndarray, vocab_size: int | None, where: str) -> None:
+    if len(tokens) == 0:
+        return
+    ids = np.asarray(tokens, dtype=np.int64)
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+        bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        raise RecordRejected("token_out_of_range", f"{where} token ids span [{lo}, {hi}], need {bound}")
+
+
+def _check_sample(s: Sample, i: int, limits: Limits, vocab_size: int | None) -> None:
+    n = len(s.tokens)
+    if n > limits.max_tokens_per_sample:
+        raise RecordRejected("too_many_tokens", f"sample {i} has {n} > {limits.max_tokens_per_sample} tokens")
+    if len(s.logprobs) != n or len(s.loss_mask) != n:
+        raise RecordRejected(
+            "length_mismatch",
+            f"sample {i}: {n} tokens, {len(s.logprobs)} logprobs, {len(s.loss_mask)} mask entries",
+        )
+    if n:
+        # msgspec has already checked element types; numpy makes the range checks cheap.
+        mask = np.asarray(s.loss_mask, dtype=np.int64)
+        if ((mask != 0) & (mask != 1)).any():
+            raise RecordRejected("bad_mask", f"sample {i}: loss_mask values must be 0 or 1")
+        _check_token_ids(s.tokens, vocab_size, f"sample {i}")
+        lp = np.asarray(s.logprobs, dtype=np.float64)
+        if not np.isfinite(lp).all() or (lp > 0).any():
+            raise RecordRejected("bad_logprob", f"sample {i}: logprobs must be finite and <= 0")
+        if (lp[mask == 0] != 0.0).any():
+            raise RecordRejected("bad_logprob", f"sample {i}: logprob must be 0.0 where loss_mask is 0")
+    if not (math.isfinite(s.reward) and 0.0 <= s.reward <= 1.0):
+        raise RecordRejected("bad_reward", f"sample {i}: reward {s.reward} must be finite and in [0, 1]")
+    if not all(math.isfinite(v) for v in s.reward_parts.values()):
+        raise RecordRejected("bad_reward", f"sample {i}: reward_parts must be finite")
+    if not s.finish_reason or len(s.finish_reason) > 64 or s.num_tool_calls < 0:
+        raise RecordRejected("bad_field", f"sample {i}: bad finish_reason or num_tool_calls")
+
+
+# --- JSON records (run.json, heartbeats) ------------------------------------------------------------------
+
+
+def encode_json(record: msgspec.Struct) -> bytes:
+    """Human-readable, indented JSON for a record (run.json, heartbeats, other small manifests)."""
+    return msgspec.json.format(msgspec.json.encode(record), indent=2) + b"\n"
+
+
+def decode_json(data: bytes, type: type[T], max_bytes: int = 1 << 20) -> T:
+    """Decode a JSON record of `type`, checking its `schema` against the class's `SCHEMA`.
+
+    Raises RecordRejected("oversize_bytes" | "decode_error" | "bad_field" | "wrong_schema").
+    """
+    if len(data) > max_bytes:
+        raise RecordRejected("oversize_bytes", f"{len(data)} bytes > {max_bytes}")
+    expected = getattr(type, "SCHEMA", None)
+    try:
+        record = msgspec.json.decode(data, type=type)
+    except msgspec.ValidationError as exc:
+        found = _json_schema(data)
+        if expected is not None and found is not None and found != expected:
+            raise RecordRejected(
+                "wrong_schema", f"{type.__name__} schema {found!r}, this reader knows {expected}"
+            ) from exc
+        raise RecordRejected("bad_field", f"{type.__name__}: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise RecordRejected("decode_error", f"{type.__name__}: {exc}") from exc
+    found = getattr(record, "schema", None)
+    if expected is not None and found != expected:
+        raise RecordRejected(
+            "wrong_schema", f"{type.__name__} schema {found!r}, this reader knows {expected}"
+        )
+    return record
+
+
+def _json_schema(data: bytes) -> Any:
+    try:
+        return msgspec.json.decode(data, type=_SchemaProbe).schema
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None

@@ -1,0 +1,120 @@
+"""The run layout: every object key pnyx reads or writes is built here, and nowhere else.
+
+A store URL points at one run's root; keys are relative to it (DESIGN.md §3):
+
+    run.json                                create-only run manifest
+    weights/HEAD                            hint pointer {version, digest}
+    weights/v{V:08d}/manifest.json          create-only weight manifest (written after its payload)
+    weights/v{V:08d}/{name}                 payload objects (anchor shards, delta chunks)
+    rollouts/v{V:08d}/{worker}-{seq:010d}   create-only rollout groups, by producing policy version
+    workers/{worker}.json                   worker heartbeat (overwritten)
+    trainer/{name}                          trainer checkpoint objects and ingestion cursor
+    swarm/{node}/{seq:010d}                 swarm-mode shared groups (decoded text)
+    swarm/nodes/{node}.json                 swarm-mode node heartbeat
+
+Zero-padded numbers make lexicographic order equal numeric order, so `list(start_after=...)` walks
+versions and sequence numbers in order. Knows nothing about torch or any backend.
+"""
+
+from __future__ import annotations
+
+import re
+
+RUN_MANIFEST = "run.json"
+WEIGHTS_PREFIX = "weights/"
+WEIGHTS_HEAD = "weights/HEAD"
+ROLLOUTS_PREFIX = "rollouts/"
+WORKERS_PREFIX = "workers/"
+TRAINER_PREFIX = "trainer/"
+SWARM_PREFIX = "swarm/"
+SWARM_NODES_PREFIX = "swarm/nodes/"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_VERSION_DIR = re.compile(r"^v(\d{8})/$")
+_ROLLOUT = re.compile(r"^rollouts/v(\d{8})/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})-(\d{10})$")
+_SWARM = re.compile(r"^swarm/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/(\d{10})$")
+
+
+def check_name(name: str, what: str = "name") -> str:
+    """Validate a worker, node or object name used inside a key (letters, digits, `_.-`, ≤64 chars)."""
+    if not isinstance(name, str) or not _NAME.match(name) or name in {".", ".."}:
+        raise ValueError(
+            f"invalid {what} {name!r}: use 1-64 letters, digits, '_', '.', '-' (starting with a letter or digit)"
+        )
+    return name
+
+
+def _v(version: int) -> str:
+    if not isinstance(version, int) or version < 0 or version > 99_999_999:
+        raise ValueError(f"version must be an int in [0, 99999999], got {version!r}")
+    return f"v{version:08d}"
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+
+def weights_dir(version: int) -> str:
+    return f"{WEIGHTS_PREFIX}{_v(version)}/"
+
+
+def weights_manifest(version: int) -> str:
+    return f"{weights_dir(version)}manifest.json"
+
+
+def weights_payload(version: int, name: str) -> str:
+    return f"{weights_dir(version)}{check_name(name, 'payload name')}"
+
+
+def parse_weights_manifest(key: str) -> int | None:
+    """Version of a `weights/vNNNNNNNN/manifest.json` key, or None for any other key."""
+    m = re.match(r"^weights/v(\d{8})/manifest\.json$", key)
+    return int(m.group(1)) if m else None
+
+
+# --- rollouts ---------------------------------------------------------------------------------
+
+
+def rollouts_dir(version: int) -> str:
+    return f"{ROLLOUTS_PREFIX}{_v(version)}/"
+
+
+def rollout_key(version: int, worker: str, seq: int) -> str:
+    if not isinstance(seq, int) or seq < 0 or seq > 9_999_999_999:
+        raise ValueError(f"seq must be an int in [0, 9999999999], got {seq!r}")
+    return f"{rollouts_dir(version)}{check_name(worker, 'worker id')}-{seq:010d}"
+
+
+def parse_rollout_key(key: str) -> tuple[int, str, int] | None:
+    """(version, worker, seq) of a rollout key, or None if the key is not one (foreign junk)."""
+    m = _ROLLOUT.match(key)
+    return (int(m.group(1)), m.group(2), int(m.group(3))) if m else None
+
+
+# --- workers, trainer, swarm --------------------------------------------------------------------
+
+
+def worker_heartbeat(worker: str) -> str:
+    return f"{WORKERS_PREFIX}{check_name(worker, 'worker id')}.json"
+
+
+def trainer_key(name: str) -> str:
+    return f"{TRAINER_PREFIX}{check_name(name, 'trainer object name')}"
+
+
+def swarm_dir(node: str) -> str:
+    return f"{SWARM_PREFIX}{check_name(node, 'node name')}/"
+
+
+def swarm_key(node: str, seq: int) -> str:
+    if not isinstance(seq, int) or seq < 0 or seq > 9_999_999_999:
+        raise ValueError(f"seq must be an int in [0, 9999999999], got {seq!r}")
+    return f"{swarm_dir(node)}{seq:010d}"
+
+
+def parse_swarm_key(key: str) -> tuple[str, int] | None:
+    m = _SWARM.match(key)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def swarm_heartbeat(node: str) -> str:
+    return f"{SWARM_NODES_PREFIX}{check_name(node, 'node name')}.json"

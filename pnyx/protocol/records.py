@@ -1,0 +1,111 @@
+"""Wire records: the msgspec Structs that workers, trainers and swarm nodes exchange through the store.
+
+Each top-level record carries a `schema` integer (its class's `SCHEMA`); a reader refuses any other
+value instead of guessing, so an old trainer never misreads a newer worker's record. Structs are
+keyword-only. Knows nothing about torch, the store or how records are framed on the wire
+(`codec.py` does that); `WeightManifest` belongs to `pnyx.weights`, not here.
+
+Invariants a valid `RolloutGroup` keeps (checked by `codec.validate_group`, never by constructors):
+per sample, `tokens`, `logprobs` and `loss_mask` have equal length; the mask is 0/1; a logprob is
+finite and <= 0 where the mask is 1, and exactly 0.0 where it is 0; rewards are in [0, 1].
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+GROUP_SCHEMA = 1
+RUN_SCHEMA = 1
+HEARTBEAT_SCHEMA = 1
+PROTOCOL_VERSION = 1
+"""The run-layout/commit protocol version recorded in run.json (DESIGN.md §3)."""
+
+
+class Sample(msgspec.Struct, kw_only=True):
+    """One completion of a group, at the token-id level."""
+
+    tokens: list[int]
+    """Completion token ids: model tokens and tool/env tokens interleaved, never re-tokenized."""
+    logprobs: list[float]
+    """Behaviour logprob of each token under the exact sampling distribution; 0.0 where loss_mask is 0."""
+    loss_mask: list[int]
+    """1 = the model generated this token (trained on); 0 = a tool/env token (never trained on)."""
+    reward: float
+    """The worker's reward in [0, 1]; the trainer re-scores and never trusts it."""
+    reward_parts: dict[str, float] = msgspec.field(default_factory=dict)
+    """Named reward components (e.g. {"correct": 1.0, "format": 0.5})."""
+    finish_reason: str = "stop"
+    """"stop" | "length" | "tool_error" | "turn_limit" | ..."""
+    num_tool_calls: int = 0
+    """How many tool calls the episode made (multi-turn environments)."""
+
+
+class RolloutGroup(msgspec.Struct, kw_only=True):
+    """G completions of one prompt, produced by one worker under one policy version.
+
+    Stored create-only at `layout.rollout_key(policy_version, worker_id, seq)`.
+    """
+
+    SCHEMA: ClassVar[int] = GROUP_SCHEMA
+
+    schema: int = GROUP_SCHEMA
+    run_id: str
+    worker_id: str
+    seq: int
+    """The worker's sequence number for this group (unique per worker; part of the key)."""
+    policy_version: int
+    """The weights version that generated every sample (a group never spans two versions)."""
+    weights_digest: str
+    """The chain digest of those weights, so the trainer can tell forked histories apart."""
+    env: str
+    task_id: str
+    """Rebuilds the task (prompt and hidden answer) via `Environment.task(task_id)`."""
+    prompt_tokens: list[int]
+    samples: list[Sample]
+    temperature: float
+    top_p: float
+    top_k: int
+    created_at: float
+    """Unix time the group was finished (informational; ordering uses versions, not clocks)."""
+    gen_seconds: float
+    score_seconds: float
+
+
+class RunManifest(msgspec.Struct, kw_only=True):
+    """`run.json`: written create-only once per run; every role checks it before joining."""
+
+    SCHEMA: ClassVar[int] = RUN_SCHEMA
+
+    schema: int = RUN_SCHEMA
+    run_id: str
+    created_at: float
+    config: dict
+    """The resolved pnyx config as JSON."""
+    model: dict
+    """Model identity: name, tokenizer hash, vocab_size, ..."""
+    protocol: int = PROTOCOL_VERSION
+
+
+class Heartbeat(msgspec.Struct, kw_only=True):
+    """`workers/{id}.json` (or a swarm node's): liveness and throughput, overwritten periodically."""
+
+    SCHEMA: ClassVar[int] = HEARTBEAT_SCHEMA
+
+    schema: int = HEARTBEAT_SCHEMA
+    worker_id: str
+    role: str = "worker"
+    """"worker" | "trainer" | "node"."""
+    version: int = -1
+    """The policy version currently loaded (-1 before the first sync)."""
+    updated_at: float
+    rollouts: int = 0
+    """Completions uploaded so far."""
+    groups: int = 0
+    """Groups uploaded so far."""
+    tokens_per_s: float = 0.0
+    rollouts_per_s: float = 0.0
+    status: str = "running"
+    """"starting" | "running" | "syncing" | "stopped" | "error"."""
+    detail: str = ""

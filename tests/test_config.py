@@ -1,0 +1,88 @@
+"""Config: layering, bounds with field-naming errors, every example TOML parses, the CLI's dry run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pnyx.config import PnyxConfig, load_config, parse_overrides, to_toml
+from pnyx.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
+
+
+def test_examples_exist():
+    assert len(EXAMPLES) >= 3
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_toml_parses(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, PnyxConfig)
+
+
+def test_layering_defaults_then_file_then_flags(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[trainer]\nlr = 0.001\ngroups_per_step = 4\n[env]\nname = "countdown"\n')
+    cfg = load_config(f, ["--trainer.lr=0.01", "--worker.group_size", "4"])
+    assert cfg.trainer.lr == 0.01  # flag beats file
+    assert cfg.trainer.groups_per_step == 4  # file beats default
+    assert cfg.env.name == "countdown"
+    assert cfg.worker.group_size == 4
+    assert cfg.algorithm.max_staleness == PnyxConfig().algorithm.max_staleness  # default kept
+
+
+def test_bad_value_names_field_and_bound():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--trainer.lr=-1"])
+    assert "trainer.lr" in str(e.value) and "greater than 0" in str(e.value)
+
+
+def test_out_of_range_int_names_the_bound(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[worker]\ngroup_size = 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert "worker.group_size" in str(e.value) and "greater than or equal to 2" in str(e.value)
+
+
+def test_unknown_field_is_rejected():
+    with pytest.raises(ConfigError, match="trainer.lrr"):
+        load_config(None, ["--trainer.lrr=1"])
+
+
+def test_bad_toml_is_a_config_error(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[trainer\nlr=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(f)
+
+
+def test_override_values_parse_as_literals():
+    assert parse_overrides(["--a.b=1e-4", "--a.c=true", "--a.d=null", "--a.e=text"]) == {
+        "a": {"b": 1e-4, "c": True, "d": None, "e": "text"}
+    }
+    with pytest.raises(ConfigError, match="section.field"):
+        parse_overrides(["lr=1"])
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = load_config(None, ["--env.name=searchqa", "--env.kwargs={\"top_k\": 2}"])
+    f = tmp_path / "resolved.toml"
+    f.write_text(to_toml(cfg))
+    again = load_config(f)
+    assert again == cfg
+    assert again.env.kwargs == {"top_k": 2}
+
+
+def test_every_field_has_a_docstring():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no docstring"
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, PnyxConfig.__mro__[1]):
+                walk(ann)
+
+    walk(PnyxConfig)
