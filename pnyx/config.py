@@ -84,6 +84,9 @@ class WorkerConfig(_Section):
     """How often a worker polls the weights HEAD for a newer version (with backoff on errors)."""
     heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
     """How often a worker rewrites its heartbeat object."""
+    max_groups_per_version: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    """Back-pressure: a worker makes at most this many groups per policy version, then waits for the next
+    (None = unbounded). On a shared machine it leaves the cycles to the trainer instead of making stale data."""
     spool_max_groups: Annotated[int, Field(ge=0, le=1_000_000)] = 256
     """Generated groups kept in the local spool while the store is unreachable (oldest dropped beyond)."""
     int8: bool = False

@@ -99,6 +99,8 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     """"worker" | "trainer" | "node"."""
     version: int = -1
     """The policy version currently loaded (-1 before the first sync)."""
+    digest: str = ""
+    """Chain digest of the loaded (verified) weights, so an operator can see every worker is on the trainer's bits."""
     updated_at: float
     rollouts: int = 0
     """Completions uploaded so far."""
@@ -107,5 +109,5 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     tokens_per_s: float = 0.0
     rollouts_per_s: float = 0.0
     status: str = "running"
-    """"starting" | "running" | "syncing" | "stopped" | "error"."""
+    """"starting" | "syncing" | "generating" | "uploading" | "waiting" | "running" | "stopped" | "error"."""
     detail: str = ""

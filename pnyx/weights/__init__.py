@@ -9,7 +9,14 @@ Knows nothing about RL or environments. Importing this package does not import t
 
 from pnyx.weights.bits import TensorBits, from_torch, to_torch
 from pnyx.weights.chain import ChainReport, VersionInfo, inspect_chain, verify_chain
-from pnyx.weights.manifest import Head, PlaneManifest, WeightManifest, latest_version, list_versions, read_manifest
+from pnyx.weights.manifest import (
+    Head,
+    PlaneManifest,
+    WeightManifest,
+    latest_version,
+    list_versions,
+    read_manifest,
+)
 from pnyx.weights.publisher import Publisher, PublishStats
 from pnyx.weights.retention import apply_retention, plan_retention
 from pnyx.weights.syncer import Syncer, Verified

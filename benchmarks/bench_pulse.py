@@ -1,0 +1,161 @@
+"""PULSE benchmark: delta size vs the entropy bound and vs value encoding, codec speed vs memcpy, cold join.
+
+A Qwen2-shaped model (random init, ~100M parameters by default) is trained with AdamW at lr 1e-6 on random
+tokens with fp32 master weights; after every step the bf16 cast is published to a local-folder store. Per
+step it prints: the changed fraction, delta bytes / full bf16 bytes, the entropy bound / full bytes and the
+delta's ratio to it, the same positions encoded with new values instead of differences (and the ratio),
+encode and decode GB/s of the full state next to a memcpy of the same bytes, and the int8 plane's code
+change fraction and delta size. At the end: the cold join time (anchor + all deltas) from the store.
+
+    python benchmarks/bench_pulse.py                       # ~100M params, 11 versions (anchor + 10 deltas)
+    python benchmarks/bench_pulse.py --hidden 256 --layers 2 --vocab 4096 --steps 4   # a quick look
+
+Knows nothing about RL; the model is only a realistic source of weight updates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--steps", type=int, default=10, help="training steps = deltas after the anchor")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--store", type=str, default=None, help="local folder for the store (default: a temp dir)")
+    return p.parse_args()
+
+
+def memcpy_gbps(state: dict) -> float:
+    """GB/s of copying every tensor's bytes into preallocated buffers (best of 3)."""
+    src = [tb.data.reshape(-1) for tb in state.values()]
+    dst = [np.empty_like(a) for a in src]
+    nbytes = sum(a.nbytes for a in src)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for d, s in zip(dst, src, strict=True):
+            np.copyto(d, s)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def main() -> None:
+    args = parse()
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from pnyx.store import open_store
+    from pnyx.weights import Publisher, Syncer
+    from pnyx.weights import int8 as q8
+    from pnyx.weights.bits import from_torch
+    from pnyx.weights.codec import DeltaStats, apply_delta, encode_delta, entropy_bound_bytes, expected_of
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(512, args.seq), tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(cfg)
+    nparams = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def bf16_bits() -> dict:
+        return from_torch({k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()})
+
+    folder = args.store or tempfile.mkdtemp(prefix="bench-pulse-")
+    store = open_store(folder)
+    pub = Publisher(store, anchor_every=10**6, int8_plane=True)
+    old = bf16_bits()
+    full = sum(tb.nbytes for tb in old.values())
+    pub.publish_bits(0, old)
+    grid = q8.make_grid(old)
+    old8, grid = q8.quantize(old, grid)
+    full8 = sum(tb.nbytes for tb in old8.values())
+    print(f"model: Qwen2 {nparams / 1e6:.1f}M params ({len(old)} tensors), full bf16 state {full / 1e6:.1f} MB, "
+          f"int8 plane {full8 / 1e6:.1f} MB; AdamW lr={args.lr:g}, batch {args.batch}x{args.seq}, "
+          f"{args.threads} threads; store {folder}")
+    hdr = (f"{'step':>4} {'changed':>8} {'delta/full':>10} {'bound/full':>10} {'delta/bound':>11} "
+           f"{'values/full':>11} {'delta/values':>12} {'enc GB/s':>8} {'dec GB/s':>8} {'memcpy':>7} "
+           f"{'rt/memcpy':>9} {'int8 chg':>8} {'int8 d/full':>11} {'train s':>7} {'pub s':>6}")
+    print(hdr)
+    rows = []
+    for step in range(1, args.steps + 1):
+        t = time.perf_counter()
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        train_s = time.perf_counter() - t
+        new = bf16_bits()
+
+        stats = DeltaStats()
+        t = time.perf_counter()
+        chunks = list(encode_delta(old, new, stats=stats))
+        enc_s = time.perf_counter() - t
+        t = time.perf_counter()
+        rebuilt = apply_delta(old, chunks, expected_of(new))
+        dec_s = time.perf_counter() - t
+        if any(not np.array_equal(rebuilt[k].data, new[k].data) for k in new):
+            raise SystemExit("round trip is not bit-exact")
+        delta = sum(map(len, chunks))
+        values = sum(map(len, encode_delta(old, new, mode="value")))
+        bound = entropy_bound_bytes(old, new)
+        mem = memcpy_gbps(new)
+
+        new8, grid = q8.quantize(new, grid)
+        int8_changed = q8.code_change_fraction(old8, new8)
+        int8_delta = sum(map(len, encode_delta(old8, new8)))
+
+        t = time.perf_counter()
+        pub.publish_bits(step, new)
+        pub_s = time.perf_counter() - t
+        r = dict(
+            changed=stats.changed / stats.elements, delta=delta / full, bound=bound / full,
+            d_bound=delta / bound if bound else float("nan"), values=values / full, d_values=delta / values,
+            enc=full / enc_s / 1e9, dec=full / dec_s / 1e9, mem=mem, rt=(full / (enc_s + dec_s) / 1e9) / mem,
+            int8=int8_changed, int8_d=int8_delta / full8,
+        )
+        rows.append(r)
+        print(f"{step:>4} {100 * r['changed']:>7.3f}% {100 * r['delta']:>9.3f}% {100 * r['bound']:>9.3f}% "
+              f"{r['d_bound']:>11.3f} {100 * r['values']:>10.3f}% {r['d_values']:>12.3f} {r['enc']:>8.2f} "
+              f"{r['dec']:>8.2f} {r['mem']:>7.2f} {r['rt']:>9.3f} {100 * r['int8']:>7.3f}% "
+              f"{100 * r['int8_d']:>10.3f}% {train_s:>7.2f} {pub_s:>6.2f}", flush=True)
+        old, old8 = new, new8
+
+    t = time.perf_counter()
+    syn = Syncer(open_store(folder))
+    version, _ = syn.sync()
+    cold_s = time.perf_counter() - t
+    ok = syn.digest == pub._digest
+    moved = syn.last_route.nbytes if syn.last_route else 0
+    print(f"cold join: anchor + {version} deltas ({moved / 1e6:.1f} MB) from the local folder in {cold_s:.2f} s, "
+          f"digest {'matches' if ok else 'DIFFERS'}")
+
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    print(f"median: changed {100 * med['changed']:.3f}%  delta {100 * med['delta']:.3f}% of full  "
+          f"delta/bound {med['d_bound']:.3f} (goal <= 1.2)  delta/values {med['d_values']:.3f} (goal <= 0.65)  "
+          f"enc {med['enc']:.2f} GB/s dec {med['dec']:.2f} GB/s memcpy {med['mem']:.2f} GB/s  "
+          f"round trip/memcpy {med['rt']:.3f} (goal >= 0.25)  int8 codes changed {100 * med['int8']:.3f}% "
+          f"int8 delta {100 * med['int8_d']:.3f}% of the int8 plane")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""The sampling distribution, and per-token log-probabilities of completions under a model (trainer side).
+
+`sampling_logprobs` is the single definition of the distribution pnyx samples from: logits / temperature,
+then top-k, then top-p (nucleus) truncation, renormalised. The engine samples from it and records the
+sampled token's log-probability; `completion_logprobs` recomputes the same quantity for whole completions
+in one batched forward, so the trainer's recompute equals the worker's recorded behaviour logprob (up to
+floating-point noise) by construction.
+
+Definitions (the trainer must use the same):
+- temperature > 0: logits / temperature; top_k > 0 keeps the k largest (ties at the k-th value kept);
+  top_p < 1 keeps the smallest set of most likely tokens whose mass reaches top_p (the first always kept).
+  A token outside the kept set gets -inf.
+- temperature == 0 (greedy): the recorded logprob is the token's log-probability under the plain
+  temperature-1 distribution with no truncation (top_k/top_p ignored); it is what `completion_logprobs`
+  returns for temperature=0.
+
+Knows nothing about generation loops, the store or RL. Imports torch at module level: only heavy code
+imports this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Log-probabilities [..., V] (float32) of the distribution sampled at these settings; -inf = excluded."""
+    x = logits.float()
+    if temperature <= 0:
+        return F.log_softmax(x, dim=-1)
+    if temperature != 1.0:
+        x = x / temperature
+    vocab = x.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(x.detach(), top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x.detach() < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x.detach(), dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return F.log_softmax(x, dim=-1)
+
+
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
+
+
+def _split_rows(lengths: list[int], max_tokens: int | None) -> list[tuple[int, int]]:
+    """Contiguous row ranges whose padded size (rows x longest row) stays within max_tokens."""
+    if not max_tokens:
+        return [(0, len(lengths))]
+    chunks: list[tuple[int, int]] = []
+    start, longest = 0, 0
+    for i, n in enumerate(lengths):
+        longest_with = max(longest, n)
+        if i > start and longest_with * (i - start + 1) > max_tokens:
+            chunks.append((start, i))
+            start, longest_with = i, n
+        longest = longest_with
+    chunks.append((start, len(lengths)))
+    return chunks
+
+
+def _hidden_and_head(model: Any) -> tuple[Any, Any]:
+    """(decoder body returning hidden states, output projection), or (None, None) if not separable."""
+    get_decoder = getattr(model, "get_decoder", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if get_decoder is None or head is None:
+        return None, None
+    try:
+        body = get_decoder()
+    except (AttributeError, NotImplementedError):
+        return None, None
+    if body is None or body is model:
+        return None, None
+    return body, head
+
+
+def _chunk_logprobs(
+    model: Any,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    with_entropy: bool,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    device = next(model.parameters()).device
+    seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
+    seq_len = max(len(s) for s in seqs)
+    rows = len(seqs)
+    ids = torch.zeros(rows, seq_len, dtype=torch.long)
+    attn = torch.zeros(rows, seq_len, dtype=torch.long)
+    # Hidden state at position j predicts token j+1: completion token t of row i sits at len(prompt)+t,
+    # so it is predicted from position len(prompt)+t-1. Padded slots point at position 0 and are masked.
+    gather_pos = torch.zeros(rows, width, dtype=torch.long)
+    targets = torch.zeros(rows, width, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+        attn[i, : len(p) + len(c)] = 1
+        if c:
+            gather_pos[i, : len(c)] = torch.arange(len(p) - 1, len(p) + len(c) - 1)
+            targets[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+    ids, attn, gather_pos, targets = (t.to(device) for t in (ids, attn, gather_pos, targets))
+
+    body, head = _hidden_and_head(model)
+    if body is not None:
+        hidden = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+        picked = hidden.gather(1, gather_pos[..., None].expand(-1, -1, hidden.shape[-1]))
+        logits = head(picked)
+    else:
+        full = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        logits = full.gather(1, gather_pos[..., None].expand(-1, -1, full.shape[-1]))
+    logp_all = sampling_logprobs(logits, temperature, top_k, top_p)
+    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+    ent = _entropy(logp_all) if with_entropy else None
+    return logp, ent
+
+
+def completion_logprobs(
+    model: Any,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    with_entropy: bool = False,
+    max_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probabilities of each completion given its prompt, under the sampling distribution.
+
+    Returns `(logp [B, T] float32, mask [B, T] bool, entropy [B, T] float32 | None)` with T the longest
+    completion; `mask` is True on real completion tokens (padding slots hold 0.0). The language-model head
+    and the softmax run only on completion positions. Differentiable when grad is enabled. `max_tokens`
+    bounds rows x padded length per forward; rows are then processed in chunks (results are identical).
+    Every prompt needs at least one token.
+    """
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token (the first completion token is predicted from it)")
+    device = next(model.parameters()).device
+    width = max((len(c) for c in completion_ids), default=0)
+    rows = len(prompt_ids)
+    mask = torch.zeros(rows, width, dtype=torch.bool)
+    for i, c in enumerate(completion_ids):
+        mask[i, : len(c)] = True
+    mask = mask.to(device)
+    if rows == 0 or width == 0:
+        empty = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        return empty, mask, (empty.clone() if with_entropy else None)
+
+    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    parts, ents = [], []
+    for a, b in _split_rows(lengths, max_tokens):
+        lp, ent = _chunk_logprobs(
+            model, prompt_ids[a:b], completion_ids[a:b], temperature, top_k, top_p, with_entropy, width
+        )
+        parts.append(lp)
+        ents.append(ent)
+    logp = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
+    logp = logp.masked_fill(~mask, 0.0)
+    entropy = None
+    if with_entropy:
+        entropy = torch.cat(ents, 0) if len(ents) > 1 else ents[0]
+        entropy = entropy.masked_fill(~mask, 0.0)
+    return logp, mask, entropy

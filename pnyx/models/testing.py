@@ -1,0 +1,139 @@
+"""Tiny random models for tests: a Qwen2 causal LM plus a real byte-level BPE tokenizer, offline.
+
+`make_tiny_model_dir` writes a folder in Hugging Face layout (config.json, model.safetensors,
+generation_config.json, tokenizer.json, tokenizer_config.json, chat template) that `load_model` and
+`load_tokenizer` read like any downloaded checkpoint. Nothing here touches the network: the tokenizer is
+trained on a small built-in corpus with `tokenizers`, and the weights are random from a seeded generator.
+
+Invariant: the same arguments always produce the same tokenizer and bit-identical weights, so tests that
+compare two runs (or two processes) see the same model. Knows nothing about the store or RL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN]
+
+# A Qwen-style chat template, small enough to read: each message is wrapped in im_start/im_end and the
+# generation prompt opens an assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Training text for the BPE merges: the words and tags the built-in environments use, so common tokens
+# (digits, tags, answer markup) get merges and a stop string like "</search>" spans several tokens.
+_CORPUS = [
+    "What is 12 + 7? Answer with a number. <answer>19</answer>",
+    "Compute 3 * 4 - 5 and put the result in <answer></answer> tags. The answer is 7.",
+    "Use the numbers 2, 3, 7, 9 to make 24. <answer>(9 - 3) * (7 - 3)</answer>",
+    "<search>capital of France</search> <information>Paris is the capital of France.</information>",
+    "<search>who wrote Hamlet</search> <information>Hamlet is a tragedy by William Shakespeare.</information>",
+    "Let me think step by step. First, add the tens. Then add the ones. So the total is 42.",
+    "The quick brown fox jumps over the lazy dog. A question, an answer, a search, a result.",
+    "user assistant system You are a helpful assistant. Question: Answer: Reasoning:",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 100 1000",
+    "+ - * / = ( ) < > [ ] { } , . ; : ! ? ' \" # the of and to in is it that for on with as",
+]
+
+
+def build_tiny_tokenizer(vocab: int = 512):
+    """A byte-level BPE `PreTrainedTokenizerFast` with `vocab` entries (>= 259), chat template and EOS.
+
+    Byte-level, so any text round-trips (tool replies may contain anything). Deterministic.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab={vocab} is too small for a byte-level tokenizer; use at least 259")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+    )
+
+
+def tiny_qwen2_config(
+    vocab_size: int,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    max_positions: int = 2048,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+):
+    """A small `Qwen2Config` (tied embeddings); defaults give ~0.1M parameters for vocab 512."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+    )
+
+
+def make_tiny_model_dir(
+    path: str | Path,
+    vocab: int = 512,
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    init_std: float = 0.1,
+) -> Path:
+    """Write a tiny random Qwen2 model and its tokenizer to `path` (created) and return the folder.
+
+    `init_std` is larger than the usual 0.02 so the random model's next-token distributions are peaked
+    enough for top-k/top-p truncation and stop strings to matter in tests.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer(vocab)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    config = tiny_qwen2_config(
+        len(tokenizer), hidden, layers, heads, kv_heads, eos_token_id=eos_id, pad_token_id=pad_id
+    )
+    config.initializer_range = init_std
+    # Seed, build on CPU in fp32: bit-identical weights for the same arguments on any machine.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.eval()
+    model.save_pretrained(out)
+    GenerationConfig(eos_token_id=[eos_id], pad_token_id=pad_id).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

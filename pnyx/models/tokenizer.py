@@ -1,0 +1,79 @@
+"""Prompt rendering, end-of-sequence ids and the tokenizer digest recorded in run.json.
+
+`render_prompt` turns an environment's prompt into token ids the same way on every worker: a string is
+encoded as is (no special tokens added); a list of chat messages goes through the tokenizer's chat template
+with the generation prompt; a tokenizer without a template joins the contents with newlines.
+`tokenizer_digest` hashes the tokenizer files, so a worker with a different tokenizer is detected before it
+produces a single rollout. Knows nothing about models, the store or RL; imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from pnyx.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Every file that can change how text maps to ids (or how chats render). Absent files are skipped.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, Any]]) -> list[int]:
+    """Token ids of `prompt`: a string is encoded as is; messages go through the chat template."""
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
+    if not isinstance(prompt, list) or not all(isinstance(m, dict) and "content" in m for m in prompt):
+        raise ConfigError(
+            f"a prompt must be a string or a list of {{'role', 'content'}} messages, got {type(prompt).__name__}"
+        )
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    text = "\n".join(str(m["content"]) for m in prompt)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: Any = None) -> list[int]:
+    """The ids that end a completion: the tokenizer's EOS plus the model's generation-config EOS list."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif extra is not None:
+        ids.update(int(i) for i in extra)
+    return sorted(ids)
+
+
+def tokenizer_digest(tokenizer_dir: str | Path) -> str:
+    """xxh3-128 hex digest over the tokenizer files present in `tokenizer_dir` (names and contents)."""
+    folder = Path(tokenizer_dir)
+    h = xxhash.xxh3_128()
+    found = 0
+    for name in TOKENIZER_FILES:
+        f = folder / name
+        if f.is_file():
+            data = f.read_bytes()
+            h.update(name.encode() + b"\0" + len(data).to_bytes(8, "little"))
+            h.update(data)
+            found += 1
+    if not found:
+        raise ConfigError(f"{folder} holds no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
+    return h.hexdigest()

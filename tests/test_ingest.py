@@ -1,0 +1,250 @@
+"""Ingestion against real stores: window listing, validation, re-scoring, staleness, reuse, cursor."""
+
+from __future__ import annotations
+
+import pytest
+
+from pnyx.envs import get_env
+from pnyx.protocol import layout
+from pnyx.protocol.codec import encode_group
+from pnyx.protocol.records import RolloutGroup, Sample
+from pnyx.store import open_store
+from pnyx.train.ingest import Cursor, Ingestor, IngestSettings
+
+ENV = get_env("arith")
+RUN = "run-test"
+
+
+def detok(ids: list[int]) -> str:
+    """Byte-level 'tokenizer' for tests: token id = byte value."""
+    return bytes(ids).decode("utf-8", "replace")
+
+
+def tok(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def make_group(version: int, worker: str, seq: int, task_index: int = 0, answers=None, claimed=None):
+    """A group for task `arith/train/0/{task_index}`; `answers` are the completions' answer strings
+    (default: one right, one wrong), `claimed` the rewards the worker reports (default: honest)."""
+    task = ENV.sample("train", 0, task_index + 1)[task_index]
+    if answers is None:
+        answers = [str(task.answer), str(task.answer + 1)]
+    samples = []
+    for i, a in enumerate(answers):
+        ids = tok(f"<answer>{a}</answer>")
+        honest = ENV.score(task, detok(ids)).reward
+        samples.append(
+            Sample(
+                tokens=ids,
+                logprobs=[-0.5] * len(ids),
+                loss_mask=[1] * len(ids),
+                reward=claimed[i] if claimed is not None else honest,
+            )
+        )
+    return RolloutGroup(
+        run_id=RUN,
+        worker_id=worker,
+        seq=seq,
+        policy_version=version,
+        weights_digest="d",
+        env="arith",
+        task_id=task.id,
+        prompt_tokens=[1, 2, 3],
+        samples=samples,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        created_at=0.0,
+        gen_seconds=0.0,
+        score_seconds=0.0,
+    )
+
+
+def put(store, group) -> str:
+    key = layout.rollout_key(group.policy_version, group.worker_id, group.seq)
+    store.put(key, encode_group(group), mode="create")
+    return key
+
+
+def make_ingestor(store, **settings) -> Ingestor:
+    return Ingestor(store=store, env=ENV, detokenize=detok, settings=IngestSettings(**settings), run_id=RUN)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return open_store(str(tmp_path / "run"))
+
+
+def test_valid_groups_in_window_are_admitted_on_every_backend(store_url):
+    s = open_store(store_url)
+    keys = [put(s, make_group(0, "w1", i, task_index=i)) for i in range(3)]
+    ing = make_ingestor(s)
+    assert ing.poll(0) == 3
+    assert sorted(g.key for g in ing.select(0, 10)) == sorted(keys)
+
+
+def test_forged_reward_is_overwritten_by_the_rescore_and_counted(store):
+    # both completions are wrong (reward 0) but the worker claims 1.0 for the first
+    g = make_group(0, "liar", 0, answers=["-12345", "777"], claimed=[1.0, 0.0])
+    g.samples[1] = make_group(0, "liar", 0).samples[0]  # second sample right: the group has variance
+    put(store, g)
+    ing = make_ingestor(store)
+    ing.poll(0)
+    (scored,) = ing.select(0, 1)
+    assert scored.rewards == [0.0, 1.0]
+    assert scored.worker_rewards == [1.0, 1.0]
+    assert ing.cursor.disagreements == {"liar": 1}
+    assert scored.advantages[0] < 0 < scored.advantages[1]
+
+
+def test_staleness_boundary_keeps_exactly_max_staleness_and_drops_one_more(store):
+    put(store, make_group(2, "w", 0, task_index=0))  # age 3 at trainer version 5: kept
+    put(store, make_group(1, "w", 1, task_index=1))  # age 4: dropped as stale
+    ing = make_ingestor(store, max_staleness=3)
+    assert ing.poll(1) == 1  # at v1 only the v1 group is visible (v2 is in the future)
+    assert ing.poll(5) == 1
+    assert [g.version for g in ing.select(5, 10)] == [2]
+    assert ing.cursor.drops == {"stale": 1}
+
+
+def test_window_listing_never_reads_versions_outside_the_window(store):
+    put(store, make_group(0, "w", 0))
+    listed = []
+    real_list = store.list
+
+    def spy(prefix, *a, **k):
+        listed.append(prefix)
+        return real_list(prefix, *a, **k)
+
+    store.list = spy
+    ing = make_ingestor(store, max_staleness=2)
+    ing.cursor.swept_below = 8  # versions below 8 already left the window earlier
+    ing.poll(10)
+    assert listed == [layout.rollouts_dir(v) for v in (8, 9, 10)]
+
+
+def test_group_is_used_at_most_max_reuse_times(store):
+    key = put(store, make_group(0, "w", 0))
+    ing = make_ingestor(store, max_reuse=2, max_staleness=10)
+    uses = 0
+    for v in range(5):
+        ing.poll(v)
+        batch = ing.select(v, 4)
+        if batch:
+            ing.commit([g.key for g in batch])
+            uses += 1
+    assert uses == 2 and ing.cursor.uses == {key: 2}
+
+
+def test_a_batch_never_contains_the_same_group_twice(store):
+    put(store, make_group(0, "w", 0))
+    ing = make_ingestor(store, max_reuse=5)
+    ing.poll(0)
+    assert len(ing.select(0, 4)) == 1
+    with pytest.raises(ValueError, match="twice"):
+        ing.commit(["k", "k"])
+
+
+def test_each_prompt_contributes_at_most_max_groups_per_prompt_per_step(store):
+    for seq in range(3):
+        put(store, make_group(0, "w", seq, task_index=0))
+    put(store, make_group(0, "w", 9, task_index=1))
+    ing = make_ingestor(store, max_groups_per_prompt=2)
+    ing.poll(0)
+    first = ing.select(0, 10)
+    assert sorted(g.task_id for g in first) == ["arith/train/0/0", "arith/train/0/0", "arith/train/0/1"]
+    ing.commit([g.key for g in first])
+    assert [g.task_id for g in ing.select(0, 10)] == ["arith/train/0/0"]  # deferred, not dropped
+
+
+def test_zero_variance_group_is_dropped_and_counted(store):
+    task_answer = str(ENV.sample("train", 0, 1)[0].answer)
+    put(store, make_group(0, "w", 0, answers=[task_answer, task_answer]))
+    ing = make_ingestor(store)
+    assert ing.poll(0) == 0
+    assert ing.cursor.drops == {"zero_variance": 1}
+
+
+def test_corrupt_and_mismatched_records_are_dropped_by_reason(store):
+    store.put(layout.rollout_key(0, "w", 0), b"not a group", mode="create")
+    store.put(layout.rollout_key(0, "w", 1), encode_group(make_group(0, "w", 7)), mode="create")  # seq lies
+    g = make_group(0, "w", 2)
+    g.task_id = "arith/nonsense"
+    put(store, g)
+    ing = make_ingestor(store)
+    assert ing.poll(0) == 0
+    assert ing.cursor.drops == {"bad_magic": 1, "key_mismatch": 1, "unknown_task": 1}
+
+
+def test_group_from_another_environment_is_rejected(store):
+    g = make_group(0, "w", 0)
+    g.env = "countdown"
+    put(store, g)
+    ing = make_ingestor(store)
+    ing.poll(0)
+    assert ing.cursor.drops == {"env_mismatch": 1}
+
+
+def test_rejected_groups_are_not_fetched_again(store):
+    store.put(layout.rollout_key(0, "w", 0), b"junk", mode="create")
+    ing = make_ingestor(store)
+    ing.poll(0)
+    ing.poll(0)
+    assert ing.cursor.drops == {"bad_magic": 1}
+
+
+def test_prompt_that_does_not_render_from_the_task_is_rejected(store):
+    put(store, make_group(0, "w", 0))
+    ing = make_ingestor(store)
+    ing.render = lambda prompt: [9, 9, 9]
+    ing.poll(0)
+    assert ing.cursor.drops == {"prompt_mismatch": 1}
+
+
+def test_group_from_a_foreign_weights_history_is_rejected(store):
+    put(store, make_group(0, "w", 0))  # carries weights_digest "d"
+    ing = make_ingestor(store)
+    ing.expected_digest = lambda v: "the-real-digest"
+    ing.poll(0)
+    assert ing.cursor.drops == {"weights_mismatch": 1}
+
+
+def test_cursor_round_trip_prevents_reconsuming_after_restart(store):
+    keys = [put(store, make_group(0, "w", i, task_index=i)) for i in range(4)]
+    ing = make_ingestor(store)
+    ing.poll(0)
+    used = [g.key for g in ing.select(0, 2)]
+    ing.commit(used)
+    saved = ing.cursor.to_json()
+
+    again = make_ingestor(store)
+    again.cursor = Cursor.from_json(saved)
+    again.poll(0)
+    rest = [g.key for g in again.select(0, 10)]
+    assert sorted(used + rest) == sorted(keys) and not set(used) & set(rest)
+
+
+def test_cursor_forgets_keys_once_their_version_leaves_the_window(store):
+    put(store, make_group(0, "w", 0))
+    ing = make_ingestor(store, max_staleness=1)
+    ing.poll(0)
+    ing.commit([g.key for g in ing.select(0, 1)])
+    ing.poll(2)
+    assert ing.cursor.uses == {} and ing.cursor.swept_below == 1
+    assert ing.cursor.drops == {}  # it was used: leaving the window is not a drop
+
+
+def test_workers_take_turns_within_a_version(store):
+    # "a" sorts before "b": with plain key order every batch would be a's alone.
+    for seq in range(4):
+        put(store, make_group(0, "a", seq, task_index=seq))
+        put(store, make_group(0, "b", seq, task_index=10 + seq))
+    ing = make_ingestor(store, max_groups_per_prompt=1)
+    ing.poll(0)
+    batch = ing.select(0, 4)
+    assert sorted(g.worker_id for g in batch) == ["a", "a", "b", "b"]
+    assert {g.key for g in batch if g.worker_id == "a"} == {
+        layout.rollout_key(0, "a", 0),
+        layout.rollout_key(0, "a", 1),
+    }  # each worker's oldest groups first

@@ -1,0 +1,312 @@
+"""The trainer loop end to end on a tiny model: bootstrap, fencing, steps, metrics, resume, kill -9.
+
+Rollouts come from a scripted worker (fixed right/wrong answers, behaviour logprobs from the model), so
+the trainer is the only thing under test. The kill tests run `python -m pnyx.train` in real processes and
+SIGKILL them at the loop's test hook (PNYX_TEST_CRASH_AT), then resume and compare with an uninterrupted
+run: same batches per version, same final weight bits, a chain that verifies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pnyx.config import load_config
+from pnyx.errors import ConfigError, FencedError
+from pnyx.protocol import layout
+from pnyx.protocol.codec import encode_group
+from pnyx.protocol.records import RolloutGroup, Sample
+from pnyx.store import open_store
+from pnyx.train import checkpoint
+from pnyx.train.loop import Trainer
+from pnyx.weights import read_manifest, verify_chain
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from pnyx.models import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-loop"))
+
+
+def overrides(model_dir: Path, **extra) -> dict:
+    cfg = {
+        "model": {"path": str(model_dir)},
+        "env": {"name": "arith"},
+        "run": {"steps": 3},
+        "worker": {"max_new_tokens": 16, "group_size": 2},
+        "trainer": {"groups_per_step": 2, "max_wait_s": 20.0, "lr": 1e-3, "checkpoint_every": 1},
+        "algorithm": {"max_staleness": 10, "max_groups_per_prompt": 2},
+    }
+    for dotted, value in extra.items():
+        section, field = dotted.split("__")
+        cfg.setdefault(section, {})[field] = value
+    return cfg
+
+
+def make_trainer(url: str, model_dir: Path, resume: bool = False, **extra) -> Trainer:
+    cfg = load_config(None, overrides(model_dir, **extra))
+    cfg.store.url = url
+    return Trainer(cfg, open_store(url), resume=resume)
+
+
+def write_groups(store, model_dir: Path, version: int, n: int, worker: str = "w") -> list[str]:
+    """A scripted worker: n groups at `version`, one right and one wrong answer each."""
+    from pnyx.envs import get_env
+    from pnyx.models import completion_logprobs, load_model, load_tokenizer, render_prompt
+
+    env, tok, model = get_env("arith"), load_tokenizer(model_dir), load_model(model_dir)
+    digest = read_manifest(store, version).weights.chain_digest
+    keys = []
+    for i, task in enumerate(env.sample("train", 0, n)):
+        prompt = render_prompt(tok, task.prompt)
+        comps = [tok.encode(f"<answer>{a}</answer>", add_special_tokens=False) for a in (task.answer, task.answer + 1)]
+        with torch.no_grad():
+            logp, _, _ = completion_logprobs(model, [prompt] * 2, comps)
+        samples = [
+            Sample(tokens=c, logprobs=logp[j, : len(c)].tolist(), loss_mask=[1] * len(c), reward=float(j == 0))
+            for j, c in enumerate(comps)
+        ]
+        g = RolloutGroup(
+            run_id=_run_id(store), worker_id=worker, seq=i, policy_version=version, weights_digest=digest,
+            env="arith", task_id=task.id, prompt_tokens=prompt, samples=samples, temperature=1.0, top_p=1.0,
+            top_k=0, created_at=0.0, gen_seconds=0.0, score_seconds=0.0,
+        )
+        key = layout.rollout_key(version, worker, i)
+        store.put(key, encode_group(g), mode="create")
+        keys.append(key)
+    return keys
+
+
+def _run_id(store) -> str:
+    from pnyx.train.bootstrap import read_run
+
+    return read_run(store).run_id
+
+
+def batches(store, upto: int) -> list[list[str]]:
+    return [checkpoint.read_batch_record(store, v).keys for v in range(1, upto + 1)]
+
+
+# --- in-process ---------------------------------------------------------------------------------------
+
+
+def test_start_writes_run_json_and_publishes_v0_anchor(tmp_path, model_dir):
+    t = make_trainer(str(tmp_path / "run"), model_dir)
+    t.start()
+    from pnyx.train.bootstrap import read_run
+
+    run = read_run(t.store)
+    assert run.model["vocab_size"] == t.model.config.vocab_size and run.model["tokenizer_digest"]
+    assert run.config["env"]["name"] == "arith"
+    assert read_manifest(t.store, 0).kind == "anchor"
+
+
+def test_second_trainer_on_an_owned_run_is_fenced_at_its_first_publish(tmp_path, model_dir):
+    url = str(tmp_path / "run")
+    make_trainer(url, model_dir).start()
+    with pytest.raises(FencedError, match="another trainer owns it"):
+        make_trainer(url, model_dir).start()
+
+
+def test_joining_a_run_with_different_run_defining_config_is_refused(tmp_path, model_dir):
+    url = str(tmp_path / "run")
+    make_trainer(url, model_dir).start()
+    with pytest.raises(ConfigError, match="worker.temperature"):
+        make_trainer(url, model_dir, resume=True, worker__temperature=0.5).start()
+
+
+def test_steps_publish_versions_metrics_and_disjoint_batches_on_every_backend(store_url, model_dir):
+    t = make_trainer(store_url, model_dir)
+    t.start()
+    keys = write_groups(t.store, model_dir, 0, 6)
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    assert t.run() == 3
+    used = [k for b in batches(t.store, 3) for k in b]
+    assert sorted(used) == sorted(keys)  # each group once, none lost
+    assert [m["version"] for m in checkpoint.read_metrics(t.store)] == [1, 2, 3]
+    assert [m["version"] for m in checkpoint.read_metrics(t.store, since_version=2)] == [3]
+    assert checkpoint.checkpoint_versions(t.store)[-1] == 3
+    assert verify_chain(t.store).ok
+    assert any(not torch.equal(before[k], v) for k, v in t.model.state_dict().items())
+
+
+def test_resume_restores_version_and_cursor_from_the_checkpoint(tmp_path, model_dir):
+    url = str(tmp_path / "run")
+    t = make_trainer(url, model_dir, run__steps=2)
+    t.start()
+    write_groups(t.store, model_dir, 0, 6)
+    t.run()
+    again = make_trainer(url, model_dir, resume=True, run__steps=3)
+    again.start()
+    assert again.version == 2 and again.ingestor.cursor.uses == t.ingestor.cursor.uses
+    for k, v in t.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[k], v)
+    assert again.run() == 3
+    assert len({k for b in batches(again.store, 3) for k in b}) == 6
+
+
+def test_resume_rolls_forward_through_published_versions_without_a_checkpoint(tmp_path, model_dir):
+    url = str(tmp_path / "run")
+    t = make_trainer(url, model_dir)
+    t.start()
+    write_groups(t.store, model_dir, 0, 6)
+    t.step()
+    t.step()  # v1 and v2 published, no checkpoint written (as if killed before it)
+    assert checkpoint.checkpoint_versions(t.store) == []
+    again = make_trainer(url, model_dir, resume=True)
+    again.start()
+    assert again.version == 2 and again.ingestor.cursor.uses == t.ingestor.cursor.uses
+    for k, v in t.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[k], v), k
+    assert again.run() == 3
+    used = [k for b in batches(again.store, 3) for k in b]
+    assert len(used) == len(set(used)) == 6
+
+
+def test_replay_that_does_not_reproduce_the_published_bits_adopts_them(tmp_path, model_dir):
+    from pnyx.weights import Syncer
+
+    url = str(tmp_path / "run")
+    t = make_trainer(url, model_dir)
+    t.start()
+    write_groups(t.store, model_dir, 0, 2)
+    t.step()
+    again = make_trainer(url, model_dir, resume=True, trainer__lr=0.05)  # a replay that cannot match
+    again.start()
+    _, published = Syncer(again.store).sync(to_version=1)
+    for k, v in again.publish_tensors().items():
+        assert torch.equal(v, published[k]), k
+
+
+def test_metrics_report_every_quantity_the_step_line_needs(tmp_path, model_dir):
+    t = make_trainer(str(tmp_path / "run"), model_dir, run__steps=1)
+    t.start()
+    write_groups(t.store, model_dir, 0, 2)
+    t.run()
+    (m,) = checkpoint.read_metrics(t.store)
+    for field in ("loss", "reward", "staleness", "masked_frac", "clip_frac", "iw_mean", "ess", "entropy",
+                  "grad_norm", "tok_s", "drops", "disagreements"):
+        assert field in m, field
+    assert m["staleness"] == {"0": 2} and m["reward"] == 0.5
+
+
+def test_stop_request_finishes_the_step_publishes_and_checkpoints(tmp_path, model_dir):
+    t = make_trainer(str(tmp_path / "run"), model_dir)
+    t.start()
+    write_groups(t.store, model_dir, 0, 6)
+
+    class StopAfterFirstStep:  # stands in for Ctrl-C arriving during step 1
+        def write(self, m):
+            t.request_stop()
+
+        def close(self):
+            pass
+
+    assert t.run([StopAfterFirstStep()]) == 1
+    assert checkpoint.checkpoint_versions(t.store)[-1] == 1
+    assert checkpoint.read_batch_record(t.store, 2) is None
+
+
+def test_plain_resume_takes_the_runs_own_config(tmp_path, model_dir):
+    url = str(tmp_path / "run")
+    make_trainer(url, model_dir, run__steps=5, trainer__lr=3e-3).start()
+    cfg = load_config(None, {})  # `pnyx trainer --store URL --resume` with no config at all
+    cfg.store.url = url
+    again = Trainer(cfg, open_store(url), resume=True)
+    again.start()
+    assert again.steps == 5 and again.cfg.trainer.lr == 3e-3
+    assert again.cfg.model.path == str(model_dir)
+
+
+def test_trainer_stops_cleanly_when_no_rollouts_arrive(tmp_path, model_dir):
+    t = make_trainer(str(tmp_path / "run"), model_dir, trainer__max_wait_s=0.5)
+    t.start()
+    assert t.run() == 0
+
+
+# --- real processes, SIGKILL ---------------------------------------------------------------------------
+
+
+def _subprocess(url: str, cfg_path: Path, crash: str | None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env.pop("PNYX_TEST_CRASH_AT", None)
+    if crash:
+        env["PNYX_TEST_CRASH_AT"] = crash
+    return subprocess.run(
+        [sys.executable, "-m", "pnyx.train", "--store", url, "--config", str(cfg_path), "--resume"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+
+
+def _toml(model_dir: Path) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(overrides(model_dir))
+
+
+def _prepared_run(root: Path, model_dir: Path) -> tuple[str, list[str]]:
+    """A bootstrapped run (run.json, v0) holding 6 groups: the subprocesses resume it."""
+    url = str(root)
+    t = make_trainer(url, model_dir)
+    t.start()
+    return url, write_groups(t.store, model_dir, 0, 6)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, model_dir):
+    """The uninterrupted run (in this process, one thread like the subprocesses): batches per version and
+    the final state digest."""
+    root = tmp_path_factory.mktemp("ref") / "run"
+    url, _ = _prepared_run(root, model_dir)
+    t = make_trainer(url, model_dir, resume=True)
+    t.start()
+    assert t.run() == 3
+    return batches(t.store, 3), read_manifest(t.store, 3).weights.state_digest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("crash", ["after_step:2", "after_publish:2"])
+def test_sigkilled_trainer_resumes_without_losing_or_duplicating_a_group(tmp_path, model_dir, reference, crash):
+    ref_batches, ref_digest = reference
+    url, keys = _prepared_run(tmp_path / "run", model_dir)
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(_toml(model_dir))
+
+    killed = _subprocess(url, cfg, crash)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    store = open_store(url)
+    from pnyx.weights import latest_version
+
+    assert latest_version(store) == (1 if crash.startswith("after_step") else 2)
+
+    resumed = _subprocess(url, cfg, None)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = batches(store, 3)
+    assert got == ref_batches
+    assert sorted(k for b in got for k in b) == sorted(keys)
+    assert read_manifest(store, 3).weights.state_digest == ref_digest
+    assert verify_chain(store).ok
+
+
+def test_cli_exits_with_code_3_when_another_trainer_owns_the_run(tmp_path, model_dir):
+    import typer
+
+    from pnyx.cli.trainer import trainer
+
+    url = str(tmp_path / "run")
+    make_trainer(url, model_dir).start()
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(_toml(model_dir))
+    with pytest.raises(typer.Exit) as e:
+        trainer(url, cfg, resume=False, steps=1)
+    assert e.value.exit_code == 3
