@@ -4,8 +4,10 @@ A Qwen2-shaped model (random init, ~100M parameters by default) is trained with 
 tokens with fp32 master weights; after every step the bf16 cast is published to a local-folder store. Per
 step it prints: the changed fraction, delta bytes / full bf16 bytes, the entropy bound / full bytes and the
 delta's ratio to it, the same positions encoded with new values instead of differences (and the ratio),
-encode and decode GB/s of the full state next to a memcpy of the same bytes, and the int8 plane's code
-change fraction and delta size. At the end: the cold join time (anchor + all deltas) from the store.
+encode and decode GB/s of the full state next to a memcpy of the same bytes (decode twice: into fresh
+arrays, as a one-step sync does, and into the arrays of the state rebuilt one step earlier, as every later
+step of a multi-step route does and as a preallocated memcpy does), and the int8 plane's code change
+fraction and delta size. At the end: the cold join time (anchor + all deltas) from the store.
 
     python benchmarks/bench_pulse.py                       # ~100M params, 11 versions (anchor + 10 deltas)
     python benchmarks/bench_pulse.py --hidden 256 --layers 2 --vocab 4096 --steps 4   # a quick look
@@ -35,7 +37,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-6)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads for the training steps")
+    p.add_argument("--codec-threads", type=int, default=None, help="codec threads (default: the codec's own)")
+    p.add_argument("--level", type=int, default=1, help="zstd level of the delta frames (publisher and codec)")
     p.add_argument("--store", type=str, default=None, help="local folder for the store (default: a temp dir)")
     return p.parse_args()
 
@@ -63,7 +67,14 @@ def main() -> None:
     from pnyx.weights import Publisher, Syncer
     from pnyx.weights import int8 as q8
     from pnyx.weights.bits import from_torch
-    from pnyx.weights.codec import DeltaStats, apply_delta, encode_delta, entropy_bound_bytes, expected_of
+    from pnyx.weights.codec import (
+        DeltaStats,
+        apply_delta,
+        default_threads,
+        encode_delta,
+        entropy_bound_bytes,
+        expected_of,
+    )
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -81,7 +92,7 @@ def main() -> None:
 
     folder = args.store or tempfile.mkdtemp(prefix="bench-pulse-")
     store = open_store(folder)
-    pub = Publisher(store, anchor_every=10**6, int8_plane=True)
+    pub = Publisher(store, anchor_every=10**6, int8_plane=True, level=args.level)
     old = bf16_bits()
     full = sum(tb.nbytes for tb in old.values())
     pub.publish_bits(0, old)
@@ -90,12 +101,15 @@ def main() -> None:
     full8 = sum(tb.nbytes for tb in old8.values())
     print(f"model: Qwen2 {nparams / 1e6:.1f}M params ({len(old)} tensors), full bf16 state {full / 1e6:.1f} MB, "
           f"int8 plane {full8 / 1e6:.1f} MB; AdamW lr={args.lr:g}, batch {args.batch}x{args.seq}, "
-          f"{args.threads} threads; store {folder}")
+          f"{args.threads} threads, codec threads {args.codec_threads or default_threads()}, zstd level {args.level}; "
+          f"store {folder}")
     hdr = (f"{'step':>4} {'changed':>8} {'delta/full':>10} {'bound/full':>10} {'delta/bound':>11} "
-           f"{'values/full':>11} {'delta/values':>12} {'enc GB/s':>8} {'dec GB/s':>8} {'memcpy':>7} "
-           f"{'rt/memcpy':>9} {'int8 chg':>8} {'int8 d/full':>11} {'train s':>7} {'pub s':>6}")
+           f"{'values/full':>11} {'delta/values':>12} {'enc GB/s':>8} {'dec GB/s':>8} {'dec reuse':>9} {'memcpy':>7} "
+           f"{'rt/memcpy':>9} {'rt reuse':>8} {'int8 chg':>8} {'int8 d/full':>11} {'train s':>7} {'pub s':>6}")
     print(hdr)
     rows = []
+    spare: dict = {}  # the arrays of the state rebuilt one step earlier (nothing reads them any more)
+    ct = args.codec_threads
     for step in range(1, args.steps + 1):
         t = time.perf_counter()
         ids = torch.randint(0, args.vocab, (args.batch, args.seq))
@@ -108,21 +122,26 @@ def main() -> None:
 
         stats = DeltaStats()
         t = time.perf_counter()
-        chunks = list(encode_delta(old, new, stats=stats))
+        chunks = list(encode_delta(old, new, level=args.level, stats=stats, threads=ct))
         enc_s = time.perf_counter() - t
         t = time.perf_counter()
-        rebuilt = apply_delta(old, chunks, expected_of(new))
+        rebuilt = apply_delta(old, chunks, expected_of(new), threads=ct)
         dec_s = time.perf_counter() - t
-        if any(not np.array_equal(rebuilt[k].data, new[k].data) for k in new):
-            raise SystemExit("round trip is not bit-exact")
+        t = time.perf_counter()
+        reused = apply_delta(old, chunks, expected_of(new), reuse=spare, threads=ct)
+        reuse_s = time.perf_counter() - t
+        for got in (rebuilt, reused):
+            if any(not np.array_equal(got[k].data, new[k].data) for k in new):
+                raise SystemExit("round trip is not bit-exact")
+        spare = {k: tb.data for k, tb in rebuilt.items() if tb is not old.get(k)}
         delta = sum(map(len, chunks))
-        values = sum(map(len, encode_delta(old, new, mode="value")))
+        values = sum(map(len, encode_delta(old, new, mode="value", level=args.level)))
         bound = entropy_bound_bytes(old, new)
         mem = memcpy_gbps(new)
 
         new8, grid = q8.quantize(new, grid)
         int8_changed = q8.code_change_fraction(old8, new8)
-        int8_delta = sum(map(len, encode_delta(old8, new8)))
+        int8_delta = sum(map(len, encode_delta(old8, new8, level=args.level)))
 
         t = time.perf_counter()
         pub.publish_bits(step, new)
@@ -130,13 +149,14 @@ def main() -> None:
         r = dict(
             changed=stats.changed / stats.elements, delta=delta / full, bound=bound / full,
             d_bound=delta / bound if bound else float("nan"), values=values / full, d_values=delta / values,
-            enc=full / enc_s / 1e9, dec=full / dec_s / 1e9, mem=mem, rt=(full / (enc_s + dec_s) / 1e9) / mem,
+            enc=full / enc_s / 1e9, dec=full / dec_s / 1e9, dec_r=full / reuse_s / 1e9, mem=mem,
+            rt=(full / (enc_s + dec_s) / 1e9) / mem, rt_r=(full / (enc_s + reuse_s) / 1e9) / mem,
             int8=int8_changed, int8_d=int8_delta / full8,
         )
         rows.append(r)
         print(f"{step:>4} {100 * r['changed']:>7.3f}% {100 * r['delta']:>9.3f}% {100 * r['bound']:>9.3f}% "
               f"{r['d_bound']:>11.3f} {100 * r['values']:>10.3f}% {r['d_values']:>12.3f} {r['enc']:>8.2f} "
-              f"{r['dec']:>8.2f} {r['mem']:>7.2f} {r['rt']:>9.3f} {100 * r['int8']:>7.3f}% "
+              f"{r['dec']:>8.2f} {r['dec_r']:>9.2f} {r['mem']:>7.2f} {r['rt']:>9.3f} {r['rt_r']:>8.3f} {100 * r['int8']:>7.3f}% "
               f"{100 * r['int8_d']:>10.3f}% {train_s:>7.2f} {pub_s:>6.2f}", flush=True)
         old, old8 = new, new8
 
@@ -152,8 +172,9 @@ def main() -> None:
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     print(f"median: changed {100 * med['changed']:.3f}%  delta {100 * med['delta']:.3f}% of full  "
           f"delta/bound {med['d_bound']:.3f} (goal <= 1.2)  delta/values {med['d_values']:.3f} (goal <= 0.65)  "
-          f"enc {med['enc']:.2f} GB/s dec {med['dec']:.2f} GB/s memcpy {med['mem']:.2f} GB/s  "
-          f"round trip/memcpy {med['rt']:.3f} (goal >= 0.25)  int8 codes changed {100 * med['int8']:.3f}% "
+          f"enc {med['enc']:.2f} GB/s dec {med['dec']:.2f} GB/s (into reused arrays {med['dec_r']:.2f}) "
+          f"memcpy {med['mem']:.2f} GB/s  round trip/memcpy {med['rt']:.3f} (reused arrays {med['rt_r']:.3f}; "
+          f"goal >= 0.25)  int8 codes changed {100 * med['int8']:.3f}% "
           f"int8 delta {100 * med['int8_d']:.3f}% of the int8 plane")
 
 

@@ -154,3 +154,17 @@ def test_cuda_step_keeps_fp32_master_weights_under_bf16_autocast(tiny):
     assert all(p.dtype == torch.float32 for p in m.parameters())
     assert any(not torch.equal(before[k], v) for k, v in m.state_dict().items())
     assert torch.isfinite(torch.tensor(stats.loss)) and stats.grad_norm > 0
+
+
+def test_tokens_outside_the_truncated_support_do_not_make_the_loss_nan(tiny):
+    model, tokenizer = tiny
+    m = copy.deepcopy(model)
+    groups = scored_groups(model, tokenizer)
+    for sg in groups:  # pretend the worker sampled with top_k=1: most recorded tokens are not the argmax
+        sg.group.top_k = 1
+    stats = train_step(
+        m, make_optimizer(m, 1e-3, (0.9, 0.99), 0.0), groups, LossSettings(),
+        micro_batch_tokens=4096, grad_clip=1.0,
+    )
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    assert torch.isfinite(torch.tensor(stats.loss))

@@ -233,7 +233,9 @@ def _single_token(tokenizer: Any, text: str) -> int:
     return ids[0]
 
 
-def _generate(model: Any, tokenizer: Any, seqs: list[list[int]], stop_ids: set[int], max_new: int, gen: Any) -> list[list[int]]:
+def _generate(
+    model: Any, tokenizer: Any, seqs: list[list[int]], stop_ids: set[int], max_new: int, gen: Any
+) -> list[list[int]]:
     """Sample continuations of left-padded `seqs` until a stop id (kept) or `max_new` tokens."""
     import torch
 
@@ -251,8 +253,14 @@ def _generate(model: Any, tokenizer: Any, seqs: list[list[int]], stop_ids: set[i
     step_ids, step_pos = ids, pos
     with torch.no_grad():
         for t in range(max_new):
-            out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, use_cache=True,
-                        logits_to_keep=1, **{cache_arg: past})
+            out = model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_arg: past},
+            )
             past = getattr(out, cache_arg)
             probs = torch.softmax(out.logits[:, -1].float(), dim=-1)
             nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)

@@ -9,7 +9,11 @@ Per tensor segment (a range of the flattened tensor, so large tensors stream), a
 Tensors that appear, or change dtype or shape, go `whole` (their bytes, byte planes split). A `value`
 record stores new values instead of differences (kept for the benchmark's baseline).
 
+This module owns the chunk format, the public encode/apply API and the threads; finding the changes lives
+in `scan.py` and the integer packing in `pack.py` (their public names are re-exported here).
 Reconstruction is `old + change mod 2^bits`, bit-exact by construction; callers verify digests anyway.
+Decoding copies each record's range from the base and patches it `APPLY_ELEMS` at a time, into arrays the
+caller may recycle (`reuse`); the base is never written.
 Knows nothing about the store, manifests or torch. Chunk layout: MAGIC, u32 header length, msgpack
 `ChunkHeader`, then the body of zstd frames the records point into.
 """
@@ -29,6 +33,44 @@ import zstandard
 
 from pnyx.errors import IntegrityError
 from pnyx.weights.bits import BitState, TensorBits, unsigned_dtype
+from pnyx.weights.pack import (
+    CODE_BITS,
+    UINT,
+    code_candidates,
+    gaps_of,
+    packed_len,
+    planes,
+    unpack_codes,
+    unplanes,
+    unzigzag,
+    width_for,
+    zigzag,
+)
+from pnyx.weights.scan import SCAN_ELEMS, changed_positions, changes, entropy_bound_bytes
+
+__all__ = [
+    "APPLY_ELEMS",
+    "CHUNK_BYTES",
+    "MAGIC",
+    "SCAN_ELEMS",
+    "SEGMENT_ELEMS",
+    "ChunkHeader",
+    "DeltaApplier",
+    "DeltaMode",
+    "DeltaStats",
+    "Op",
+    "Record",
+    "apply_delta",
+    "changed_positions",
+    "changes",
+    "default_threads",
+    "encode_delta",
+    "entropy_bound_bytes",
+    "expected_of",
+    "read_header",
+    "unzigzag",
+    "zigzag",
+]
 
 MAGIC = b"PULSEDv1"
 SEGMENT_ELEMS = 1 << 22  # 4M elements per record: bounds the working memory of one encode/decode step
@@ -71,118 +113,7 @@ class DeltaStats:
     whole_tensors: set[str] = field(default_factory=set)
 
 
-# --- integer packing ------------------------------------------------------------------------------------
-
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def _width_for(max_value: int) -> int:
-    for w in (1, 2, 4, 8):
-        if max_value < 1 << (8 * w):
-            return w
-    raise ValueError(f"value {max_value} does not fit in 64 bits")
-
-
-def _bits_for(max_value: int) -> int:
-    need = max(1, int(max_value).bit_length())
-    return next(b for b in (1, 2, 4, 8, 16, 32, 64) if b >= need)
-
-
-def _planes(values: np.ndarray, width: int) -> bytes:
-    """Byte planes of `values` stored as `width`-byte unsigned ints: all low bytes, then the next, ..."""
-    v = np.ascontiguousarray(values.astype(_UINT[width], copy=False))
-    if width == 1:
-        return v.tobytes()
-    return v.view(np.uint8).reshape(-1, width).T.tobytes()
-
-
-def _unplanes(data: memoryview | bytes, n: int, width: int) -> np.ndarray:
-    arr = np.frombuffer(data, dtype=np.uint8, count=n * width)
-    if width == 1:
-        return arr.copy()
-    return np.ascontiguousarray(arr.reshape(width, n).T).view(_UINT[width]).reshape(n)
-
-
-def _pack_codes(codes: np.ndarray, bits: int) -> bytes:
-    if bits >= 8:
-        return _planes(codes, bits // 8)
-    per = 8 // bits
-    c = codes.astype(np.uint8)
-    pad = -len(c) % per
-    if pad:
-        c = np.concatenate([c, np.zeros(pad, np.uint8)])
-    c = c.reshape(-1, per)
-    out = np.zeros(len(c), np.uint8)
-    for i in range(per):
-        out |= c[:, i] << np.uint8(i * bits)
-    return out.tobytes()
-
-
-_UNPACK = {
-    bits: ((np.arange(256, dtype=np.uint16)[:, None] >> np.arange(0, 8, bits)) & ((1 << bits) - 1)).astype(np.uint8)
-    for bits in (1, 2, 4)
-}  # byte -> its 8/bits codes: one gather unpacks a whole stream
-
-
-def _unpack_codes(data: memoryview | bytes, n: int, bits: int) -> np.ndarray:
-    if bits >= 8:
-        return _unplanes(data, n, bits // 8)
-    arr = np.frombuffer(data, dtype=np.uint8, count=-(-n // (8 // bits)))
-    return _UNPACK[bits][arr].reshape(-1)[:n]
-
-
-def _packed_len(n: int, bits: int) -> int:
-    return n * bits // 8 if bits >= 8 else -(-n // (8 // bits))
-
-
-def zigzag(diff: np.ndarray) -> np.ndarray:
-    """Map a modular difference (unsigned view) to its zigzag code: 0,-1,1,-2,2 -> 0,1,2,3,4."""
-    s = diff.view(np.dtype(f"i{diff.dtype.itemsize}"))
-    return ((s << 1) ^ (s >> (8 * diff.dtype.itemsize - 1))).view(diff.dtype)
-
-
-def unzigzag(code: np.ndarray) -> np.ndarray:
-    one = code.dtype.type(1)
-    return (code >> one) ^ (code.dtype.type(0) - (code & one))
-
-
 # --- one segment ----------------------------------------------------------------------------------------
-
-
-def changed_positions(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Flat positions where two equal-length unsigned arrays differ (int64, ascending).
-
-    (Comparing 8-byte words first was measured slower: the cost is in `nonzero`, per hit.)"""
-    return np.flatnonzero(a != b)
-
-
-def _code_candidates(codes: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[int, int, int, bytes]:
-    """(bits, esc_n, esc_width, compressed frame) of the smallest packing of `codes`.
-
-    Candidates: the plain width that fits every code, and narrower widths whose top value escapes to an
-    exception stream (weights near zero move many ulps per step, so a few codes are huge: without
-    escapes they would widen every code of the segment)."""
-    full = _bits_for(int(codes.max()))
-    best: tuple[int, int, int, bytes] | None = None
-    # 2-bit codes (+-1, -2 inline; the rest escaped) win on real Adam updates; 4 only when 2 escapes a lot.
-    narrow = [2] if int(np.count_nonzero(codes >= 3)) <= len(codes) // 7 else [2, 4]
-    for bits in sorted({b for b in narrow if b < full} | {full}):
-        if bits == full:
-            raw, esc_n, esc_w = _pack_codes(codes, bits), 0, 0
-        else:
-            top = codes.dtype.type((1 << bits) - 1)
-            esc = codes >= top
-            esc_n = int(np.count_nonzero(esc))
-            if esc_n > len(codes) // 4:
-                continue
-            exc = codes[esc] - top
-            esc_w = _width_for(int(exc.max())) if esc_n else 0
-            raw = _pack_codes(np.minimum(codes, top), bits) + (_planes(exc, esc_w) if esc_n else b"")
-        frame = cctx.compress(raw)
-        if best is None or len(frame) < len(best[3]):
-            best = (bits, esc_n, esc_w, frame)
-    assert best is not None  # the `full` candidate is always tried
-    return best
 
 
 def _encode_segment(
@@ -191,19 +122,18 @@ def _encode_segment(
     """(op, n, gap_width, code_bits, esc_n, esc_width, gaps frame, codes frame), or None if unchanged."""
     w = b.dtype.itemsize
     if a is None:
-        return "whole", len(b), 0, 8 * w, 0, 0, b"", cctx.compress(_planes(b, w))
-    pos = changed_positions(a, b)
+        return "whole", len(b), 0, 8 * w, 0, 0, b"", cctx.compress(planes(b, w))
+    pos, new, base = changes(a, b)
     n = len(pos)
     if n == 0:
         return None
-    gaps = np.diff(pos, prepend=-1) - 1
-    gw = _width_for(int(gaps.max()))
-    gframe = cctx.compress(_planes(gaps, gw))
-    new = b[pos]
+    gaps = gaps_of(pos)
+    gw = width_for(int(gaps.max()))
+    gframe = cctx.compress(planes(gaps, gw))
     if mode == "value":
-        return "value", n, gw, 8 * w, 0, 0, gframe, cctx.compress(_planes(new, w))
-    codes = zigzag(new - a[pos]) - b.dtype.type(1)
-    bits, esc_n, esc_w, cframe = _code_candidates(codes, cctx)
+        return "value", n, gw, 8 * w, 0, 0, gframe, cctx.compress(planes(new, w))
+    codes = zigzag(new - base) - b.dtype.type(1)
+    bits, esc_n, esc_w, cframe = code_candidates(codes, cctx)
     return "diff", n, gw, bits, esc_n, esc_w, gframe, cframe
 
 
@@ -241,7 +171,7 @@ def encode_delta(
     old: Mapping[str, TensorBits],
     new: Mapping[str, TensorBits],
     mode: DeltaMode = "diff",
-    level: int = 3,
+    level: int = 1,
     chunk_bytes: int = CHUNK_BYTES,
     segment_elems: int = SEGMENT_ELEMS,
     stats: DeltaStats | None = None,
@@ -331,12 +261,21 @@ def read_header(chunk: bytes) -> tuple[ChunkHeader, memoryview]:
     return header, memoryview(chunk)[start + hlen :]
 
 
+APPLY_ELEMS = 1 << 20  # elements copied from the base and then patched while still in cache
+
+
 class DeltaApplier:
-    """Applies chunks onto a base state without ever writing into the base (copy on first touch).
+    """Applies chunks onto a base state without ever writing into the base.
 
     `expected` maps each tensor of the target state to (dtype, shape); records naming anything else, or
     disagreeing with it, raise IntegrityError. `result()` returns the new state (untouched tensors are
-    shared with the base).
+    shared with the base). A touched tensor is built in a work array: each record copies its own range
+    from the base and patches it while that range is in cache (one pass over the bytes, not a copy then a
+    scatter), and `result()` copies whatever no record covered.
+
+    reuse: arrays (by tensor name) the applier may overwrite as work arrays instead of allocating fresh
+    pages, e.g. a retired state's. The caller guarantees nothing else reads them; an array of the wrong
+    dtype/shape, or overlapping the base tensor's memory, is ignored.
     """
 
     def __init__(
@@ -344,24 +283,33 @@ class DeltaApplier:
         base: Mapping[str, TensorBits],
         expected: Mapping[str, tuple[str, tuple[int, ...]]],
         threads: int | None = None,
+        reuse: Mapping[str, np.ndarray] | None = None,
     ):
         self.base = base
         self.expected = expected
         self.work: dict[str, np.ndarray] = {}
+        self.covered: dict[str, list[tuple[int, int]]] = {}
         self.threads = threads or default_threads()
+        self.reuse = reuse or {}
 
     def apply(self, chunk: bytes) -> None:
-        """Apply one chunk: first the copies of every touched tensor, then the records, each step spread
-        over threads (records of one chunk cover disjoint element ranges)."""
+        """Apply one chunk: first the work arrays of every touched tensor, then the records, spread over
+        threads (records of one chunk cover disjoint element ranges)."""
         header, body = read_header(chunk)
-        firsts = list({r.name: r for r in reversed(header.records)}.values())
+        for r in {r.name: r for r in reversed(header.records)}.values():
+            self._target(r)
         if self.threads > 1 and len(header.records) > 1:
             with ThreadPoolExecutor(self.threads) as pool:
-                list(pool.map(self._target, firsts))
                 list(pool.map(lambda r: self._apply_record(r, body), header.records))
         else:
             for r in header.records:
                 self._apply_record(r, body)
+
+    def _base_of(self, r: Record) -> np.ndarray | None:
+        base = self.base.get(r.name)
+        if base is not None and base.dtype == r.dtype and base.shape == tuple(r.shape):
+            return base.data
+        return None
 
     def _target(self, r: Record) -> np.ndarray:
         exp = self.expected.get(r.name)
@@ -371,14 +319,22 @@ class DeltaApplier:
         if arr is not None:
             return arr
         u = unsigned_dtype(r.dtype)
-        base = self.base.get(r.name)
-        if r.op == "whole":
-            arr = np.zeros(tuple(r.shape), dtype=u)
-        elif base is not None and base.dtype == r.dtype and base.shape == tuple(r.shape):
-            arr = base.data.copy()
-        else:
+        base = self._base_of(r)
+        if r.op != "whole" and base is None:
             raise IntegrityError(f"delta record for {r.name!r} needs a base tensor {r.dtype}{r.shape} we do not hold")
+        arr = self.reuse.get(r.name)
+        if (
+            arr is None
+            or arr.dtype.itemsize != u.itemsize
+            or arr.shape != tuple(r.shape)
+            or not arr.flags.c_contiguous
+            or not arr.flags.writeable
+            or (base is not None and np.may_share_memory(arr, base))
+        ):
+            arr = np.empty(tuple(r.shape), dtype=u)
+        arr = arr.view(u)
         self.work[r.name] = arr
+        self.covered[r.name] = []
         return arr
 
     def _frame(self, r: Record, body: memoryview, start: int, length: int, size: int) -> bytes:
@@ -394,53 +350,92 @@ class DeltaApplier:
             raise IntegrityError(f"delta frame for {r.name!r} decompressed to {len(raw)} bytes, expected {size}")
         return raw
 
-    def _apply_record(self, r: Record, body: memoryview) -> None:
+    def _check(self, r: Record, flat: np.ndarray) -> tuple[int, int, int]:
+        """(n, code bits, gap width) of a record whose fields are consistent, else IntegrityError."""
         if r.op not in ("diff", "value", "whole"):
             raise IntegrityError(f"unknown delta op {r.op!r}")
-        arr = self._target(r)
-        flat = arr.reshape(-1)
         w = flat.dtype.itemsize
         if not (r.start >= 0 and r.count >= 0 and r.start + r.count <= flat.size and 0 <= r.n <= r.count):
             raise IntegrityError(f"delta record for {r.name!r} covers a bad range")
         n, bits = (r.count, 8 * w) if r.op == "whole" else (r.n, r.code_bits)
         gw = 0 if r.op == "whole" else r.gap_width
-        if (r.op != "whole" and gw not in _UINT) or (r.op == "whole" and (r.gap_width or r.gap_len)):
+        if (r.op != "whole" and gw not in UINT) or (r.op == "whole" and (r.gap_width or r.gap_len)):
             raise IntegrityError(f"delta record for {r.name!r} has gap width {gw}")
-        if bits not in (1, 2, 4, 8, 16, 32, 64) or bits > 8 * w or (r.op != "diff" and bits != 8 * w):
+        if bits not in CODE_BITS or bits > 8 * w or (r.op != "diff" and bits != 8 * w):
             raise IntegrityError(f"delta record for {r.name!r} has code width {bits}")
-        if not 0 <= r.esc_n <= n or (r.esc_width not in _UINT if r.esc_n else r.esc_width != 0) or (
+        if not 0 <= r.esc_n <= n or (r.esc_width not in UINT if r.esc_n else r.esc_width != 0) or (
             r.esc_n and r.op != "diff"
         ):
             raise IntegrityError(f"delta record for {r.name!r} has bad escapes")
+        return n, bits, gw
+
+    def _apply_record(self, r: Record, body: memoryview) -> None:
+        arr = self._target(r)
+        flat = arr.reshape(-1)
+        n, bits, gw = self._check(r, flat)
         gaps_raw = self._frame(r, body, r.offset, r.gap_len, n * gw)
         codes_raw = self._frame(
-            r, body, r.offset + r.gap_len, r.code_len, _packed_len(n, bits) + r.esc_n * r.esc_width
+            r, body, r.offset + r.gap_len, r.code_len, packed_len(n, bits) + r.esc_n * r.esc_width
         )
         seg = flat[r.start : r.start + r.count]
+        w = flat.dtype.itemsize
         if r.op == "whole":
-            seg[:] = _unplanes(codes_raw, n, w)
+            seg[:] = unplanes(codes_raw, n, w)
+            self.covered[r.name].append((r.start, r.start + r.count))
             return
-        pos = np.cumsum(_unplanes(gaps_raw, n, gw).astype(np.int64) + 1) - 1
-        if n and (pos[-1] >= r.count or pos[-1] < 0):
+        gaps = unplanes(gaps_raw, n, gw)
+        if n and int(gaps.max()) >= r.count:
             raise IntegrityError(f"delta record for {r.name!r} points past its segment")
-        codes = _unpack_codes(codes_raw, n, bits).astype(flat.dtype)
+        pos = gaps.astype(np.int64)
+        pos += 1
+        np.cumsum(pos, out=pos)
+        pos -= 1
+        if n and pos[-1] >= r.count:
+            raise IntegrityError(f"delta record for {r.name!r} points past its segment")
+        codes = unpack_codes(codes_raw, n, bits).astype(flat.dtype)
         if r.esc_n:
             top = flat.dtype.type((1 << bits) - 1)
             at = np.flatnonzero(codes == top)
             if len(at) != r.esc_n:
                 raise IntegrityError(f"delta record for {r.name!r} has {len(at)} escapes, header says {r.esc_n}")
-            exc = _unplanes(memoryview(codes_raw)[_packed_len(n, bits) :], r.esc_n, r.esc_width)
+            exc = unplanes(memoryview(codes_raw)[packed_len(n, bits) :], r.esc_n, r.esc_width)
             codes[at] = top + exc.astype(flat.dtype)
-        if r.op == "value":
-            seg[pos] = codes
-        else:
-            seg[pos] += unzigzag(codes + flat.dtype.type(1))
+        if r.op == "diff":
+            codes += flat.dtype.type(1)
+            codes = unzigzag(codes)
+        src = self._base_of(r)
+        assert src is not None  # _target checked it
+        src = src.reshape(-1)[r.start : r.start + r.count]
+        cuts = np.searchsorted(pos, np.arange(0, r.count, APPLY_ELEMS)[1:]).tolist()
+        lo = 0
+        for s, hi in zip(range(0, r.count, APPLY_ELEMS), [*cuts, n], strict=True):
+            np.copyto(seg[s : s + APPLY_ELEMS], src[s : s + APPLY_ELEMS])
+            p = pos[lo:hi]
+            if r.op == "value":
+                seg[p] = codes[lo:hi]
+            else:
+                seg[p] += codes[lo:hi]
+            lo = hi
+        self.covered[r.name].append((r.start, r.start + r.count))
 
     def result(self) -> BitState:
+        """The new state; ranges of touched tensors that no record covered are copied from the base."""
         out: BitState = {}
         for name, (dtype, _shape) in self.expected.items():
             if name in self.work:
-                out[name] = TensorBits(dtype, self.work[name])
+                arr = self.work[name]
+                flat = arr.reshape(-1)
+                base = self.base.get(name)
+                src = base.data.reshape(-1) if base is not None and base.dtype == dtype and base.shape == arr.shape else None
+                at = 0
+                for start, end in [*sorted(self.covered[name]), (flat.size, flat.size)]:
+                    if start > at:
+                        if src is not None:
+                            np.copyto(flat[at:start], src[at:start])
+                        else:
+                            flat[at:start] = 0
+                    at = max(at, end)
+                out[name] = TensorBits(dtype, arr)
             elif name in self.base:
                 out[name] = self.base[name]
             else:
@@ -448,51 +443,20 @@ class DeltaApplier:
         return out
 
 
-def apply_delta(base: Mapping[str, TensorBits], chunks: list[bytes], expected: Mapping[str, tuple[str, tuple[int, ...]]]) -> BitState:
+def apply_delta(
+    base: Mapping[str, TensorBits],
+    chunks: list[bytes],
+    expected: Mapping[str, tuple[str, tuple[int, ...]]],
+    reuse: Mapping[str, np.ndarray] | None = None,
+    threads: int | None = None,
+) -> BitState:
     """Convenience: apply all chunks at once (see DeltaApplier)."""
-    ap = DeltaApplier(base, expected)
+    ap = DeltaApplier(base, expected, threads=threads, reuse=reuse)
     for c in chunks:
         ap.apply(c)
     return ap.result()
 
 
 def expected_of(state: Mapping[str, TensorBits]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The `expected` map of `DeltaApplier` (name -> (dtype, shape)) for a state."""
     return {n: (tb.dtype, tb.shape) for n, tb in state.items()}
-
-
-# --- the entropy bound ----------------------------------------------------------------------------------
-
-
-def _entropy_bits(values: np.ndarray) -> float:
-    """n * empirical order-0 entropy of `values`, in bits."""
-    if len(values) == 0:
-        return 0.0
-    _, counts = np.unique(values, return_counts=True)
-    n = len(values)
-    p = counts / n
-    return float(-(counts * np.log2(p)).sum())
-
-
-def entropy_bound_bytes(old: Mapping[str, TensorBits], new: Mapping[str, TensorBits]) -> float:
-    """The entropy bound of a delta, in bytes.
-
-    For each tensor present in both states with the same dtype and shape: with `pos` its changed flat
-    positions, gaps g_i = pos_i - pos_{i-1} - 1 (pos_{-1} = -1) and changes c_i = new - old as signed
-    integers of the bit width, the bound is n*H(g) + n*H(c) bits, where H is the empirical order-0 entropy
-    of the values. Summed over tensors, divided by 8. Tensors sent whole are not counted.
-    """
-    total = 0.0
-    for name, tb in new.items():
-        base = old.get(name)
-        if base is None or base.dtype != tb.dtype or base.shape != tb.shape:
-            continue
-        a, b = base.data.reshape(-1), tb.data.reshape(-1)
-        pos = changed_positions(a, b)
-        if len(pos) == 0:
-            continue
-        gaps = np.diff(pos, prepend=-1) - 1
-        diff = (b[pos] - a[pos]).view(np.dtype(f"i{b.dtype.itemsize}"))
-        total += _entropy_bits(gaps) + _entropy_bits(diff)
-    return total / 8.0
-
-

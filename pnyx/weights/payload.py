@@ -12,6 +12,8 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
+
 from pnyx.errors import IntegrityError
 from pnyx.protocol import layout
 from pnyx.store import Store
@@ -69,7 +71,7 @@ def write_delta(
     old: Mapping[str, TensorBits],
     new: Mapping[str, TensorBits],
     chunk_bytes: int = CHUNK_BYTES,
-    level: int = 3,
+    level: int = 1,
     stats: DeltaStats | None = None,
 ) -> list[PayloadObject]:
     """Encode and upload the delta old -> new as chunks named `{prefix}-{i:05d}` (streaming)."""
@@ -118,11 +120,19 @@ def read_anchor(store: Store, version: int, plane: PlaneManifest) -> BitState:
     return state
 
 
-def read_delta(store: Store, version: int, plane: PlaneManifest, base: Mapping[str, TensorBits]) -> BitState:
-    """Apply the plane's delta chunks onto `base` (never written into) and return the new state."""
+def read_delta(
+    store: Store,
+    version: int,
+    plane: PlaneManifest,
+    base: Mapping[str, TensorBits],
+    reuse: Mapping[str, np.ndarray] | None = None,
+) -> BitState:
+    """Apply the plane's delta chunks onto `base` (never written into) and return the new state.
+
+    reuse: arrays nothing else reads any more (a superseded state's), overwritten instead of allocating."""
     if not plane.has_delta:
         raise IntegrityError(f"v{version} carries no delta from its parent")
-    ap = DeltaApplier(base, plane.expected())
+    ap = DeltaApplier(base, plane.expected(), reuse=reuse)
     for data in fetch_verified(store, version, plane.delta):
         ap.apply(data)
     return ap.result()

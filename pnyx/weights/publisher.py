@@ -81,7 +81,7 @@ class Publisher:
         *,
         int8_plane: bool = False,
         chunk_bytes: int = CHUNK_BYTES,
-        level: int = 3,
+        level: int = 1,
         nonce: str | None = None,
     ):
         if anchor_every < 1:

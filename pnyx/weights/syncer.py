@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
+
 from pnyx.errors import IntegrityError, NotFoundError, PnyxError
 from pnyx.store import Store
 from pnyx.weights import int8 as q8
@@ -213,6 +215,11 @@ class Syncer:
 
     def _run(self, route: Route, base: Verified | None) -> Verified:
         cur = base
+        # Arrays of the starting state are served (or staged) and never written. Each intermediate state
+        # of a multi-step route is dropped once the next one verifies: its arrays that the next state does
+        # not share go to `spare`, and the step after overwrites them instead of faulting in fresh pages.
+        keep = {id(tb.data) for tb in base.state.values()} if base is not None else set()
+        spare: dict[str, np.ndarray] = {}
         for i, m in enumerate(route.steps):
             p = self._plane(m)
             if route.kind == "cold" and i == 0:
@@ -221,12 +228,15 @@ class Syncer:
             else:
                 if cur is None or m.parent_version != cur.version or p.parent_digest != cur.digest:
                     raise IntegrityError(f"v{m.version} does not chain onto v{cur.version if cur else None}")
-                state = read_delta(self.store, m.version, p, cur.state)
+                state = read_delta(self.store, m.version, p, cur.state, reuse=spare)
                 digests = {
                     n: cur.digests[n] if n in cur.digests and cur.state.get(n) is tb else tb.digest()
                     for n, tb in state.items()
                 }
             verify_plane(p, state, f"weights v{m.version} ({self.plane})", digests)
+            if cur is not None:
+                live = {id(tb.data) for tb in state.values()} | keep
+                spare = {n: tb.data for n, tb in cur.state.items() if id(tb.data) not in live}
             cur = Verified(m.version, p.chain_digest, state, digests)
         assert cur is not None
         return cur

@@ -1,0 +1,277 @@
+"""Incremental decoding of a left-padded batch with a key/value cache: prefill, step, drop finished rows.
+
+Two interchangeable sessions share one surface (`prefill(ids, attn) -> logits`, `step(tokens) -> logits`,
+`keep(rows)`):
+- `FastSession`: a direct forward of Llama-shaped decoders (Qwen2, Llama, Mistral without sliding window)
+  over the model's own parameters, with a preallocated cache, a precomputed rotary table, and q/k/v and
+  gate/up each as one matmul (`fused_linear`). It skips the per-call mask building, output dataclasses
+  and cache bookkeeping of the transformers forward, which is most of a small model's decode step on CPU.
+- `HFSession`: the transformers forward with a `DynamicCache`, for every other architecture.
+
+Both keep the invariant the engine relies on: row i's logits depend only on row i's real (unpadded)
+tokens, position ids count real tokens only, and padded query rows attend to themselves so no NaN
+appears. Parameters are never copied: the stacked q/k/v and gate/up tensors back the model's own
+parameters, so weights loaded in place are used by the next session (a replaced parameter is restacked).
+Knows nothing about sampling, stop strings or tools.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+FAST_MODEL_TYPES = ("qwen2", "llama", "mistral")
+
+
+def fast_path_supported(model: Any) -> bool:
+    """True if `FastSession` reproduces this model's forward exactly (architecture and options checked)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in FAST_MODEL_TYPES:
+        return False
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return False
+    if getattr(cfg, "use_sliding_window", False) or (
+        cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None)
+    ):
+        return False
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        return False
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) == "dynamic":
+        return False  # its frequencies depend on the sequence length seen so far
+    body = getattr(model, "model", None)
+    return body is not None and hasattr(body, "layers") and hasattr(body, "rotary_emb")
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same arithmetic as the transformers RMSNorm: normalise in float32, cast back, then scale.
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _lin(module: Any, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, module.weight, module.bias)
+
+
+def _backs(fused: torch.Tensor | None, parts: list[torch.Tensor]) -> bool:
+    """True if `parts` are consecutive row blocks of `fused` (so `fused` holds their current values)."""
+    if fused is None:
+        return False
+    offset = fused.data_ptr()
+    for p in parts:
+        if p.data_ptr() != offset or not p.is_contiguous():
+            return False
+        offset += p.numel() * p.element_size()
+    return offset == fused.data_ptr() + fused.numel() * fused.element_size()
+
+
+@torch.inference_mode(False)
+@torch.no_grad()
+def fused_linear(owner: Any, name: str, linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of the linears stacked along outputs, as one tensor that backs their parameters.
+
+    The first call concatenates the weights and re-points each linear's parameter at its row block of the
+    stacked tensor, so later in-place updates (`load_state_dict`, an optimizer step) land in the stacked
+    tensor too and no memory is duplicated. If a parameter was replaced since, it is rebuilt. Built outside
+    inference mode (even when called inside it), so the parameters stay usable by autograd.
+    """
+    cached = getattr(owner, name, None)
+    weights = [m.weight for m in linears]
+    biases = [m.bias for m in linears]
+    has_bias = all(b is not None for b in biases)
+    if cached is not None and _backs(cached[0], weights) and (not has_bias or _backs(cached[1], biases)):
+        return cached
+    if not has_bias and any(bb is not None for bb in biases):
+        raise ValueError(f"{name}: some but not all fused linears have a bias")
+    w = torch.cat([p.data for p in weights])
+    b = torch.cat([p.data for p in biases]) if has_bias else None
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = w[row : row + n]
+        if b is not None:
+            m.bias.data = b[row : row + n]
+        row += n
+    object.__setattr__(owner, name, (w, b))  # a plain attribute: not a parameter, not in the state dict
+    return w, b
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, P], attention mask [B, P] bool) with each prompt right-aligned."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attn[i, width - len(p) :] = True
+    return ids.to(device), attn.to(device)
+
+
+def _prefill_mask(attn: torch.Tensor) -> torch.Tensor:
+    """[B, 1, P, P] bool: causal, real keys only, plus the diagonal so padded queries never see nothing."""
+    width = attn.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=attn.device).tril()
+    eye = torch.eye(width, dtype=torch.bool, device=attn.device)
+    return ((causal & attn[:, None, :]) | eye)[:, None]
+
+
+class FastSession:
+    """Decode session over a Llama-shaped model's parameters with a preallocated KV cache."""
+
+    def __init__(self, model: Any, max_len: int):
+        self.model = model
+        self.body = model.model
+        self.head = model.get_output_embeddings()
+        cfg = model.config
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.eps = cfg.rms_norm_eps
+        self.max_len = max_len
+        self.device = next(model.parameters()).device
+        self.dtype = self.body.embed_tokens.weight.dtype
+        dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
+        positions = torch.arange(max_len, device=self.device)[None]
+        cos, sin = self.body.rotary_emb(dummy, positions)
+        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_len, head_dim]
+        # Checked once per session: weights do not change while one batch is decoded.
+        self.fused = [
+            (
+                fused_linear(la.self_attn, "_pnyx_qkv", [la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj]),
+                fused_linear(la.mlp, "_pnyx_gate_up", [la.mlp.gate_proj, la.mlp.up_proj]),
+            )
+            for la in self.body.layers
+        ]
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, start: int) -> torch.Tensor:
+        """Hidden state of the last position [B, H]; writes K/V at cache slots [start, start + T)."""
+        b, t = ids.shape
+        end = start + t
+        h = self.body.embed_tokens(ids)
+        cos = self.cos[pos][:, :, None]  # [B, T, 1, D], broadcast over heads
+        sin = self.sin[pos][:, :, None]
+        nq, nkv = self.n_heads, self.n_kv
+        for li, layer in enumerate(self.body.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            (w_qkv, b_qkv), (w_gu, b_gu) = self.fused[li]
+            x = _rms_norm(h, layer.input_layernorm.weight, self.eps)
+            qkv = F.linear(x, w_qkv, b_qkv).view(b, t, nq + 2 * nkv, self.head_dim)
+            qk = qkv[:, :, : nq + nkv]
+            qk = qk * cos + _rotate_half(qk) * sin  # rotary on queries and keys at once
+            q = qk[:, :, :nq].transpose(1, 2)
+            self.k[li][:, :, start:end] = qk[:, :, nq:].transpose(1, 2)
+            self.v[li][:, :, start:end] = qkv[:, :, nq + nkv :].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q,
+                self.k[li][:, :, :end],
+                self.v[li][:, :, :end],
+                attn_mask=mask,
+                scale=attn.scaling,
+                enable_gqa=nkv != nq,
+            )
+            h = h + _lin(attn.o_proj, o.transpose(1, 2).reshape(b, t, -1))
+            x = _rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
+            gate, up = F.linear(x, w_gu, b_gu).chunk(2, dim=-1)
+            h = h + _lin(mlp.down_proj, F.silu(gate) * up)
+        return _rms_norm(h[:, -1], self.body.norm.weight, self.eps)
+
+    def prefill(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        b, width = ids.shape
+        if width > self.max_len:
+            raise ValueError(f"prompt of {width} tokens exceeds the session length {self.max_len}")
+        shape = (b, self.n_kv, self.max_len, self.head_dim)
+        n_layers = len(self.body.layers)
+        self.k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(n_layers)]
+        self.v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(n_layers)]
+        self.attn = torch.zeros(b, self.max_len, dtype=torch.bool, device=self.device)
+        self.attn[:, :width] = attn
+        self.pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        self.length = width
+        hidden = self._forward(ids, self.pos, _prefill_mask(attn), 0)
+        self.pos = self.pos[:, -1:]
+        return self.head(hidden)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.length >= self.max_len:
+            raise ValueError(f"decode step past the session length {self.max_len}")
+        self.pos = self.pos + 1
+        self.attn[:, self.length] = True
+        self.length += 1
+        mask = self.attn[:, None, None, : self.length]
+        hidden = self._forward(tokens[:, None], self.pos, mask, self.length - 1)
+        return self.head(hidden)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (a 1-D index tensor) of the batch; the cache is compacted up to the used length."""
+        used = self.length
+        for li in range(len(self.k)):
+            k = torch.empty((len(rows), *self.k[li].shape[1:]), dtype=self.dtype, device=self.device)
+            v = torch.empty_like(k)
+            k[:, :, :used] = self.k[li][rows, :, :used]
+            v[:, :, :used] = self.v[li][rows, :, :used]
+            self.k[li], self.v[li] = k, v
+        self.attn = self.attn[rows]
+        self.pos = self.pos[rows]
+
+
+class HFSession:
+    """Decode session through the transformers forward and a `DynamicCache` (any causal LM)."""
+
+    def __init__(self, model: Any, max_len: int):
+        import inspect
+
+        self.model = model
+        self.max_len = max_len
+        params = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def _call(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # The cache is updated in place; transformers 5 renamed the argument `past_key_values` -> `cache`.
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.attn.long(),
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_arg: self.cache},
+        )
+        return out.logits[:, -1]
+
+    def prefill(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        self.attn = attn
+        pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        self.pos = pos[:, -1:]
+        return self._call(ids, pos)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.pos = self.pos + 1
+        ones = torch.ones(self.attn.shape[0], 1, dtype=torch.bool, device=self.attn.device)
+        self.attn = torch.cat([self.attn, ones], dim=1)
+        return self._call(tokens[:, None], self.pos)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+        self.attn = self.attn[rows]
+        self.pos = self.pos[rows]
+
+
+def open_session(model: Any, max_len: int, fast: bool | None = None) -> FastSession | HFSession:
+    """A decode session for `model`; `fast=None` uses the fast path whenever it is supported."""
+    use_fast = fast_path_supported(model) if fast is None else fast
+    if use_fast and not fast_path_supported(model):
+        raise ValueError(f"the fast decode path does not support model_type={model.config.model_type!r}")
+    return FastSession(model, max_len) if use_fast else HFSession(model, max_len)

@@ -1,0 +1,148 @@
+"""Helpers for the worker tests (no tests here): a tiny run in a store, versions of its weights, checks.
+
+A tiny run is what a trainer leaves in the store before any worker joins: `run.json` written by the
+trainer's own `init_run`, and version 0 published by the real PULSE `Publisher`. Each version's weights are
+the tiny model's plus seeded noise, so two versions give measurably different logprobs and a test can tell
+which weights generated a sample.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+NOISE = 0.05
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class TinyRun:
+    store: Any
+    cfg: Any
+    model_dir: Path
+    base: dict[str, Any]
+    publisher: Any
+    digests: dict[int, str] = field(default_factory=dict)
+
+    def state(self, version: int) -> dict[str, Any]:
+        """The bf16 weights of `version` (base + seeded noise), as the trainer would publish them."""
+        import torch
+
+        g = torch.Generator().manual_seed(1000 + version)
+        return {
+            k: (v + NOISE * torch.randn(v.shape, generator=g) if v.is_floating_point() else v).to(torch.bfloat16)
+            for k, v in self.base.items()
+        }
+
+    def publish(self, version: int) -> str:
+        m = self.publisher.publish(version, self.state(version))
+        self.digests[version] = m.digest
+        return m.digest
+
+    def model_at(self, version: int) -> Any:
+        """An fp32 copy of the model holding `version`'s weights (the reference for logprob checks)."""
+        from pnyx.models import load_model
+
+        model = load_model(self.model_dir)
+        model.load_state_dict(self.state(version), strict=True)
+        return model
+
+
+def worker_settings(**over: Any) -> dict[str, Any]:
+    base = {
+        "group_size": 4,
+        "prompts_per_cohort": 2,
+        "max_new_tokens": 10,
+        "poll_interval_s": 0.05,
+        "heartbeat_interval_s": 0.1,
+        "spool_max_groups": 64,
+    }
+    return base | over
+
+
+def make_run(url: str, model_dir: Path, anchor_every: int = 20, **worker: Any) -> TinyRun:
+    """run.json (via the trainer's init_run) + version 0 in the store at `url`."""
+    import torch
+
+    from pnyx.config import load_config
+    from pnyx.models import load_model, tokenizer_digest
+    from pnyx.store import open_store
+    from pnyx.train.bootstrap import init_run
+    from pnyx.weights.publisher import Publisher
+
+    torch.set_num_threads(1)
+    store = open_store(url)
+    cfg = load_config(
+        overrides={
+            "model": {"path": str(model_dir)},
+            "env": {"name": "arith", "kwargs": {"digits": 1}},
+            "worker": worker_settings(**worker),
+        }
+    )
+    model = load_model(model_dir)
+    info = {
+        "name": "tiny-test",
+        "vocab_size": int(model.config.vocab_size),
+        "tokenizer_digest": tokenizer_digest(model_dir),
+        "model_type": model.config.model_type,
+    }
+    init_run(store, cfg.model_dump(mode="json"), info)
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    run = TinyRun(store, cfg, Path(model_dir), base, Publisher(store, anchor_every=anchor_every))
+    run.publish(0)
+    return run
+
+
+def rollout_groups(store: Any) -> list[tuple[str, Any]]:
+    """Every (key, decoded group) under rollouts/, validated by the protocol's decoder."""
+    from pnyx.protocol import decode_group, layout
+
+    return [(m.key, decode_group(store.get(m.key))) for m in store.list(layout.ROLLOUTS_PREFIX)]
+
+
+def logprob_error(model: Any, group: Any, sample: Any) -> float:
+    """Largest |behaviour logprob - logprob under `model`| over the sample's model tokens."""
+    import torch
+
+    from pnyx.models import completion_logprobs
+
+    with torch.no_grad():
+        logp, mask, _ = completion_logprobs(
+            model, [group.prompt_tokens], [sample.tokens], temperature=group.temperature,
+            top_k=group.top_k, top_p=group.top_p,
+        )  # fmt: skip
+    ref = logp[0, : len(sample.tokens)].tolist()
+    return max(abs(a - b) for a, b, m in zip(sample.logprobs, ref, sample.loss_mask, strict=True) if m)
+
+
+def worker_command(store_url: str, worker_id: str, *extra: str) -> list[str]:
+    """A real `pnyx worker` process."""
+    return [sys.executable, "-m", "pnyx", "worker", "--store", store_url, "--id", worker_id, *extra]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def start(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "wb")  # noqa: SIM115 - closed by the caller through the process's lifetime
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.2) -> Any:
+    end = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
