@@ -68,7 +68,7 @@ def test_worker_joins_from_run_json_and_uploads_valid_groups(store_url, tiny_mod
         assert logprob_error(reference, g, g.samples[0]) < MATCH_TOL
     hb = decode_json(run.store.get(layout.worker_heartbeat("w1")), Heartbeat)
     assert (hb.status, hb.version, hb.groups, hb.rollouts) == ("stopped", 0, 4, 16)
-    assert hb.rollouts_per_s > 0 and hb.tokens_per_s > 0 and run.digests[0] in (getattr(hb, "digest", "") + hb.detail)
+    assert hb.rollouts_per_s > 0 and hb.tokens_per_s > 0 and hb.digest == run.digests[0]
 
 
 def test_group_never_spans_two_versions(tmp_path, tiny_model_dir):
@@ -201,3 +201,25 @@ def test_stop_while_waiting_for_the_run_returns_cleanly(tmp_path):
 
     assert summary.status == "stopped" and summary.groups_uploaded == 0
     assert '"status": "stopped"' in store.get(layout.worker_heartbeat("early")).decode()
+
+
+def test_back_pressure_waits_for_the_next_version_instead_of_making_stale_groups(tmp_path, tiny_model_dir):
+    run = make_run(str(tmp_path / "run"), tiny_model_dir, max_groups_per_version=2)
+    worker = Worker(run.store, WorkerOptions(worker_id="w1", max_groups=4))
+    worker.join()
+    worker.step()  # one cohort of 2 groups at v0: the cap is reached
+    worker.step()  # must wait, not generate
+    assert worker.status == "waiting" and len(rollout_groups(run.store)) == 2
+    run.publish(1)
+    assert worker.syncer.prefetch_once() == 1
+    worker.step()  # swaps to v1 and generates again
+    versions = sorted(g.policy_version for _, g in rollout_groups(run.store))
+    assert versions == [0, 0, 1, 1]
+
+
+def test_back_pressure_default_is_what_the_trainer_could_still_use():
+    from pnyx.config import load_config, resolve_groups_per_version
+
+    cfg = load_config(overrides={"trainer": {"groups_per_step": 8}, "algorithm": {"max_staleness": 3}})
+    assert resolve_groups_per_version(cfg) == 32
+    assert resolve_groups_per_version(load_config(overrides={"worker": {"max_groups_per_version": 0}})) is None

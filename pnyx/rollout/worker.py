@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pnyx.config import resolve_groups_per_version
 from pnyx.errors import ConfigError, IntegrityError, NotFoundError, StoreUnavailableError
 from pnyx.protocol import layout
 from pnyx.rollout.spool import Spool
@@ -296,10 +297,11 @@ class Worker:
             self._load(*fresh)
             log.info("worker %s swapped to v=%d digest=%s", self.worker_id, self.version, self.digest[:12])
         w = self.cfg.worker
-        if w.max_groups_per_version is not None and self._groups_at_version() >= w.max_groups_per_version:
+        cap = resolve_groups_per_version(self.cfg)
+        if cap is not None and self._groups_at_version() >= cap:
             # Back-pressure: groups beyond this would only go stale in the trainer's window; on a shared
             # machine the cycles are better spent by the trainer. Wait for the next version instead.
-            self._set_status("waiting", f"v={self.version}: {w.max_groups_per_version} groups made, waiting for v+1")
+            self._set_status("waiting", f"v={self.version}: {cap} groups made, waiting for the next version")
             self._heartbeat()
             self.stop_event.wait(w.poll_interval_s)
             return
