@@ -243,11 +243,12 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return out
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def merge_dicts(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge config dicts (`over` wins); `env.kwargs` is replaced whole, never merged key by key."""
     merged = dict(base)
     for k, v in over.items():
         if isinstance(v, dict) and isinstance(merged.get(k), dict) and k != "kwargs":
-            merged[k] = _merge(merged[k], v)
+            merged[k] = merge_dicts(merged[k], v)
         else:
             merged[k] = v
     return merged
@@ -270,7 +271,7 @@ def load_config(
         source = str(p)
     if overrides:
         over = parse_overrides(overrides) if isinstance(overrides, list) else overrides
-        data = _merge(data, over)
+        data = merge_dicts(data, over)
         source += " + command-line overrides"
     try:
         return PnyxConfig.model_validate(data)
@@ -284,6 +285,17 @@ def config_from_dict(data: dict[str, Any], source: str = "run.json") -> PnyxConf
         return PnyxConfig.model_validate(data)
     except ValidationError as e:
         raise _format_error(e, source) from None
+
+
+def overlay_changed(base: PnyxConfig | dict[str, Any], given: PnyxConfig) -> PnyxConfig:
+    """`base` (a stored run's config) with every field that `given` sets away from its default laid on top.
+
+    Resume semantics: the stored config wins, except where this command line or file asked for something
+    else (a larger step budget, say). A field set explicitly to its default value does not override.
+    """
+    data = base.model_dump(mode="json") if isinstance(base, PnyxConfig) else base
+    changed = given.model_dump(mode="json", exclude_defaults=True)
+    return config_from_dict(merge_dicts(data, changed), source="stored config + command-line overrides")
 
 
 def to_toml(cfg: PnyxConfig) -> str:

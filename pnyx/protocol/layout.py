@@ -11,6 +11,7 @@ A store URL points at one run's root; keys are relative to it (DESIGN.md §3):
     trainer/{name}                          trainer checkpoint objects and ingestion cursor
     swarm/{node}/{seq:010d}                 swarm-mode shared groups (decoded text)
     swarm/nodes/{node}.json                 swarm-mode node heartbeat
+    evals/v{V:08d}.json                     held-out evaluation of version V (written by `pnyx run`/`eval`)
 
 Zero-padded numbers make lexicographic order equal numeric order, so `list(start_after=...)` walks
 versions and sequence numbers in order. Knows nothing about torch or any backend.
@@ -28,6 +29,7 @@ WORKERS_PREFIX = "workers/"
 TRAINER_PREFIX = "trainer/"
 SWARM_PREFIX = "swarm/"
 SWARM_NODES_PREFIX = "swarm/nodes/"
+EVALS_PREFIX = "evals/"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _VERSION_DIR = re.compile(r"^v(\d{8})/$")
@@ -118,3 +120,8 @@ def parse_swarm_key(key: str) -> tuple[str, int] | None:
 
 def swarm_heartbeat(node: str) -> str:
     return f"{SWARM_NODES_PREFIX}{check_name(node, 'node name')}.json"
+
+
+def eval_key(version: int) -> str:
+    """Where the held-out evaluation of `version` is published (overwritten if re-evaluated)."""
+    return f"{EVALS_PREFIX}{_v(version)}.json"

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pnyx.config import PnyxConfig, config_from_dict, resolve_model_path
+from pnyx.config import PnyxConfig, overlay_changed, resolve_model_path
 from pnyx.errors import ConfigError, FencedError, IntegrityError, NotFoundError, RecordRejected
 from pnyx.train import bootstrap, checkpoint
 from pnyx.train.ingest import Cursor, Ingestor, IngestSettings, ScoredGroup
@@ -72,16 +72,9 @@ def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
     )
 
 
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def merge_resume_config(run_config: dict[str, Any], given: PnyxConfig) -> PnyxConfig:
     """On resume the run's config is the base; fields the caller set away from their defaults win."""
-    return config_from_dict(_deep_merge(run_config, given.model_dump(mode="json", exclude_defaults=True)))
+    return overlay_changed(run_config, given)
 
 
 @dataclass

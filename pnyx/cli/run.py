@@ -1,0 +1,452 @@
+"""`pnyx run`: the main job — one trainer and N workers on this machine, a live view, a before/after table.
+
+The orchestrator owns processes and the run folder, nothing else: the trainer (`pnyx trainer`) and the
+workers (`pnyx worker`) are separate processes that meet only in the store, exactly as they would across
+machines. What this module adds on top:
+
+- the run folder `./runs/<name>/` (the default local-folder store root, `config.toml`, `logs/<role>.log`,
+  `evals.jsonl`, `learning_curve.png`, `summary.json`);
+- held-out evaluation of published versions (v0, every `run.eval_every` versions, the final one) in a
+  background thread of this process with one torch thread (`pnyx.eval.runner.EvalLoop`), so it never
+  starves the fleet;
+- the budgets: the trainer stops itself after `run.steps`; this process stops everything after
+  `run.time_budget_s`, on Ctrl-C, or on SIGTERM: SIGINT to every child's process group, a deadline, then
+  SIGKILL. `--resume` continues the newest run (or `--run.name`) with the trainer's `--resume`.
+
+Knows nothing about RL internals. Exit status: 0 when the trainer finished or was stopped cleanly, 1 when
+it failed (the message names the log to read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pnyx.config import PnyxConfig, load_config, overlay_changed, resolve_model_path, to_toml
+from pnyx.errors import ConfigError
+
+RUNS_ROOT = Path("runs")
+CONFIG_FILE = "config.toml"
+SUMMARY_FILE = "summary.json"
+CURVE_FILE = "learning_curve.png"
+STOP_DEADLINE_S = 60.0
+START_DEADLINE_S = 180.0
+TICK_S = 1.0
+
+
+# --- the run folder ----------------------------------------------------------------------------------
+
+
+@dataclass
+class RunPlan:
+    """Where a run lives and how it is configured."""
+
+    name: str
+    folder: Path
+    store_url: str
+    cfg: PnyxConfig
+    resumed: bool
+
+    @property
+    def logs(self) -> Path:
+        return self.folder / "logs"
+
+    @property
+    def evals_path(self) -> Path:
+        return self.folder / "evals.jsonl"
+
+
+def newest_run(root: Path) -> str | None:
+    """The name of the most recently modified run folder under `root` that has a saved config."""
+    runs = [p for p in root.glob(f"*/{CONFIG_FILE}") if p.is_file()]
+    if not runs:
+        return None
+    return max(runs, key=lambda p: p.stat().st_mtime).parent.name
+
+
+def plan_run(cfg: PnyxConfig, resume: bool, root: Path = RUNS_ROOT) -> RunPlan:
+    """Resolve the run's name, folder, store URL and config; write `config.toml` for the trainer."""
+    cfg = cfg.model_copy(deep=True)
+    if resume:
+        name = cfg.run.name or newest_run(root)
+        if name is None:
+            raise ConfigError(f"--resume found no run under {root}/: start one with `pnyx run` first")
+        saved = root / name / CONFIG_FILE
+        if not saved.is_file():
+            raise ConfigError(f"--resume: {saved} does not exist; runs available: {_names(root)}")
+        cfg = overlay_changed(load_config(saved), cfg)
+    else:
+        name = cfg.run.name or time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
+        if (root / name / CONFIG_FILE).exists():
+            raise ConfigError(
+                f"run {name!r} already exists in {root}/: continue it with `pnyx run --resume --run.name={name}` "
+                "or pick another --run.name"
+            )
+    cfg.run.name = name
+    folder = (root / name).resolve()
+    if cfg.store.url is None:
+        cfg.store.url = str(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "logs").mkdir(exist_ok=True)
+    (folder / CONFIG_FILE).write_text(to_toml(cfg))
+    return RunPlan(name=name, folder=folder, store_url=cfg.store.url, cfg=cfg, resumed=resume)
+
+
+def _names(root: Path) -> str:
+    return ", ".join(sorted(p.parent.name for p in root.glob(f"*/{CONFIG_FILE}"))) or "none"
+
+
+# --- processes -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Child:
+    """One fleet process: its role, Popen handle and log file."""
+
+    role: str
+    proc: subprocess.Popen
+    log: Path
+    stopped_by_us: bool = False
+
+    @property
+    def rc(self) -> int | None:
+        return self.proc.poll()
+
+
+def thread_split(workers: int, cores: int | None = None) -> tuple[int, int]:
+    """(trainer threads, threads per worker): the trainer gets an equal share, the workers split the rest,
+    so the fleet does not oversubscribe the machine's cores (beyond one thread per process)."""
+    cores = cores or os.cpu_count() or 1
+    trainer = max(1, cores // (workers + 1))
+    per_worker = max(1, (cores - trainer) // workers) if workers else 1
+    return trainer, per_worker
+
+
+class Fleet:
+    """The trainer and worker processes of one run, each in its own process group with its own log."""
+
+    def __init__(self, plan: RunPlan, workers: int):
+        self.plan = plan
+        self.n_workers = workers
+        self.trainer: Child | None = None
+        self.workers: list[Child] = []
+        self.trainer_threads, self.worker_threads = thread_split(workers)
+
+    def _spawn(self, role: str, args: list[str], threads: int) -> Child:
+        log = self.plan.logs / f"{role}.log"
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        with open(log, "ab") as fh:
+            fh.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} start {role}: pnyx {' '.join(args)}\n".encode())
+            fh.flush()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pnyx", *args],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # own process group: the terminal's Ctrl-C reaches only us
+            )
+        return Child(role, proc, log)
+
+    def start_trainer(self) -> None:
+        args = ["trainer", "--store", self.plan.store_url, "--config", str(self.plan.folder / CONFIG_FILE)]
+        if self.plan.resumed:
+            args.append("--resume")
+        self.trainer = self._spawn("trainer", args, self.trainer_threads)
+
+    def start_workers(self) -> None:
+        for i in range(1, self.n_workers + 1):
+            args = ["worker", "--store", self.plan.store_url, "--id", f"local-{i}", "--threads", str(self.worker_threads)]
+            self.workers.append(self._spawn(f"worker-{i}", args, self.worker_threads))
+
+    @property
+    def children(self) -> list[Child]:
+        return ([self.trainer] if self.trainer else []) + self.workers
+
+    def stop(self, deadline_s: float = STOP_DEADLINE_S) -> list[str]:
+        """SIGINT every live child's group, wait up to `deadline_s`, SIGKILL what is left; returns notes."""
+        notes = []
+        for c in self.children:
+            if c.rc is None:
+                c.stopped_by_us = True
+                _signal_group(c.proc, signal.SIGINT)
+        end = time.monotonic() + deadline_s
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(c.proc, signal.SIGKILL)
+                c.proc.wait()
+                notes.append(f"{c.role} did not stop within {deadline_s:.0f}s and was killed (log: {c.log})")
+        return notes
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # already gone
+        os.killpg(proc.pid, sig)
+
+
+# --- evaluation in the background ---------------------------------------------------------------------------
+
+
+def _make_evaluator(plan: RunPlan) -> Any:
+    import torch
+
+    from pnyx.eval.runner import VersionEvaluator, quiet_transformers
+    from pnyx.store import open_store
+
+    torch.set_num_threads(1)
+    quiet_transformers()
+    cfg = plan.cfg
+    return VersionEvaluator(
+        open_store(plan.store_url), resolve_model_path(cfg), cfg.env.name, cfg.env.kwargs, tasks=cfg.run.eval_tasks,
+        samples=1, temperature=cfg.worker.temperature, top_p=cfg.worker.top_p, top_k=cfg.worker.top_k,
+        max_new_tokens=cfg.worker.max_new_tokens, seed=cfg.run.seed,
+    )
+
+
+def _store_eval(store_url: str, version: int, record: dict[str, Any]) -> None:
+    """Also publish the eval record into the run (`evals/`), so `pnyx status` shows pass@1 from anywhere."""
+    from pnyx.protocol import layout
+    from pnyx.store import open_store
+
+    open_store(store_url).put(layout.eval_key(version), json.dumps(record).encode(), mode="overwrite")
+
+
+# --- the main job ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """How the fleet phase ended."""
+
+    reason: str
+    trainer_failed: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def run_main(cfg: PnyxConfig, workers: int, resume: bool, live: bool) -> None:
+    """Start (or resume) a run on this machine, show it live, stop at a budget, print before/after."""
+    from pnyx.cli.common import fail
+
+    try:
+        plan = plan_run(cfg, resume)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    try:
+        resolve_model_path(plan.cfg).resolve(strict=True)
+    except FileNotFoundError:
+        raise fail(f"model folder {resolve_model_path(plan.cfg)} does not exist: set --model.path") from None
+    import typer
+
+    code = Orchestrator(plan, workers, live).run()
+    if code:
+        raise typer.Exit(code)
+
+
+class Orchestrator:
+    """Drives one `pnyx run` invocation: start the fleet, watch it, stop it, report."""
+
+    def __init__(self, plan: RunPlan, workers: int, live: bool):
+        from rich.console import Console
+
+        self.plan, self.live = plan, live
+        self.fleet = Fleet(plan, workers)
+        self.console = Console()
+        self.observed: dict[int, float] = {}
+        self.t_start = time.time()
+        self.evals: Any = None  # the EvalLoop, once the fleet is up
+
+    def say(self, text: str) -> None:
+        self.console.print(text, highlight=False)
+
+    def run(self) -> int:
+        from pnyx.store import open_store
+
+        previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+        store = open_store(self.plan.store_url)
+        self.say(
+            f"pnyx run {self.plan.name}: store {store.url}, env {self.plan.cfg.env.name}, "
+            f"model {resolve_model_path(self.plan.cfg)}, {self.fleet.n_workers} worker(s)"
+            + (" (resumed)" if self.plan.resumed else "")
+        )
+        self.say(f"logs: {self.plan.logs}/")
+        try:
+            outcome = self._fleet_phase(store)
+        finally:
+            notes = self.fleet.stop()
+            signal.signal(signal.SIGTERM, previous)
+        outcome.notes.extend(notes)
+        return self._report(store, outcome)
+
+    def _fleet_phase(self, store: Any) -> Outcome:
+        from pnyx.cli.live import RunWatcher
+
+        self.fleet.start_trainer()
+        watcher = RunWatcher(store, evals_path=self.plan.evals_path)
+        t0 = time.time()
+        try:
+            if not self._wait_for_v0(store, t0):
+                if self.fleet.trainer.rc is None:
+                    return Outcome(
+                        f"the trainer did not publish version 0 within {START_DEADLINE_S:.0f}s; see {self.fleet.trainer.log}",
+                        trainer_failed=True,
+                    )
+                return self._trainer_outcome("the trainer exited before publishing version 0")
+            self.fleet.start_workers()
+            plan = self.plan
+            from pnyx.eval.runner import EvalLoop
+
+            evals = EvalLoop(
+                lambda: _make_evaluator(plan), plan.evals_path, plan.cfg.env.name, plan.cfg.run.eval_every,
+                self.observed, self._run_t0(watcher), publish=lambda v, r: _store_eval(plan.store_url, v, r),
+            )
+            self.evals = evals
+            return self._watch(watcher, evals, t0)
+        except KeyboardInterrupt:
+            return Outcome("interrupted (Ctrl-C): resume with `pnyx run --resume --run.name=" + self.plan.name + "`")
+
+    def _run_t0(self, watcher: Any) -> float:
+        snap = watcher.snapshot()
+        return snap.started_at or self.t_start
+
+    def _wait_for_v0(self, store: Any, t0: float) -> bool:
+        from pnyx.weights import latest_version
+
+        while time.time() - t0 < START_DEADLINE_S:
+            if self.fleet.trainer.rc is not None:
+                return False
+            v = latest_version(store)
+            if v is not None:
+                self.observed.setdefault(v, time.time())
+                return True
+            time.sleep(0.5)
+        return False
+
+    def _trainer_outcome(self, reason: str, latest: int | None = None) -> Outcome:
+        rc = self.fleet.trainer.rc
+        steps = self.plan.cfg.run.steps
+        if rc == 0 and latest is not None and latest >= steps:
+            return Outcome(f"the trainer finished its step budget ({steps} steps)")
+        if rc == 0:
+            return Outcome(f"the trainer stopped at v{latest} before its step budget of {steps}; see {self.fleet.trainer.log}")
+        return Outcome(f"{reason} (exit code {rc}); see {self.fleet.trainer.log}", trainer_failed=True)
+
+    def _watch(self, watcher: Any, evals: Any, t0: float) -> Outcome:
+        from rich.live import Live
+
+        from pnyx.cli.live import plain_line, render
+
+        budget = self.plan.cfg.run.time_budget_s
+        last_line = 0.0
+        live_ctx = Live(console=self.console, refresh_per_second=2, transient=False) if self.live else None
+        if live_ctx is not None:
+            live_ctx.start()
+        try:
+            while True:
+                snap = watcher.snapshot(evals=evals.records)
+                if snap.version is not None:
+                    for v in range(max(self.observed, default=-1) + 1, snap.version + 1):
+                        self.observed[v] = time.time()
+                evals.check()
+                evals.maybe_start(snap.version)
+                if live_ctx is not None:
+                    live_ctx.update(render(snap, title=f"pnyx run {self.plan.name}"))
+                elif time.time() - last_line >= 5.0:
+                    print(plain_line(snap), flush=True)
+                    last_line = time.time()
+                if self.fleet.trainer.rc is not None:
+                    return self._trainer_outcome("the trainer exited", watcher.snapshot().version)
+                if self.fleet.workers and all(w.rc is not None for w in self.fleet.workers):
+                    return Outcome(
+                        "every worker exited; see " + ", ".join(str(w.log) for w in self.fleet.workers),
+                        trainer_failed=False,
+                    )
+                if time.time() - t0 >= budget:
+                    return Outcome(f"time budget of {budget:.0f}s spent")
+                time.sleep(TICK_S)
+        finally:
+            if live_ctx is not None:
+                live_ctx.stop()
+                if not self.console.is_terminal:
+                    self.console.line()
+
+    # --- the end -------------------------------------------------------------------------------------
+
+    def _report(self, store: Any, outcome: Outcome) -> int:
+        from pnyx.cli.live import RunWatcher, before_after_table
+        from pnyx.eval.runner import read_eval_file
+        from pnyx.weights import latest_version
+
+        self.say(f"stopped: {outcome.reason}")
+        for note in outcome.notes:
+            self.say(f"note: {note}")
+        evals = self.evals
+        final_version = latest_version(store)
+        after = None
+        interrupted = outcome.reason.startswith("interrupted")
+        if evals is not None and final_version is not None:
+            try:
+                if interrupted:
+                    evals.join(timeout=60)
+                    evals.check()
+                else:
+                    self.say(f"evaluating the final version v{final_version} on {self.plan.cfg.run.eval_tasks} held-out tasks ...")
+                    after = evals.final(final_version, threads=max(1, (os.cpu_count() or 1) // 2))
+            except KeyboardInterrupt:
+                self.say("final evaluation interrupted")
+        records = evals.records if evals is not None else read_eval_file(self.plan.evals_path)
+        before = next((r for r in records if r.get("version") == 0), None)
+        if after is None and records:
+            after = max(records, key=lambda r: r.get("version", -1))
+        snap = RunWatcher(store, evals_path=self.plan.evals_path).snapshot(evals=records)
+        self._write_outputs(snap, records, before, after, outcome)
+        self.console.print(before_after_table(before, after, self.plan.cfg.env.name))
+        self.say(f"learning curve: {self.plan.folder / CURVE_FILE}")
+        self.say(f"summary: {self.plan.folder / SUMMARY_FILE}   logs: {self.plan.logs}/")
+        if outcome.trainer_failed:
+            self.say(f"[red]the trainer failed[/red]: read {self.fleet.trainer.log}")
+            return 1
+        return 0
+
+    def _write_outputs(
+        self, snap: Any, records: list[dict[str, Any]], before: dict | None, after: dict | None, outcome: Outcome
+    ) -> None:
+        from pnyx.cli.live import pass_ratio, reward_of
+        from pnyx.eval.plot import plot_learning_curve
+
+        t0 = snap.started_at or self.t_start
+        train_points = []
+        for m in snap.metrics:
+            v = m.get("version")
+            when = m.get("time") or m.get("timestamp") or self.observed.get(v)
+            if v is not None and when is not None:
+                train_points.append({"version": v, "elapsed_s": float(when) - t0, "reward": reward_of(m)})
+        plot_learning_curve(train_points, records, self.plan.folder / CURVE_FILE, title=f"pnyx run {self.plan.name}")
+        summary = {
+            "run": self.plan.name,
+            "store": self.plan.store_url,
+            "env": self.plan.cfg.env.name,
+            "workers": self.fleet.n_workers,
+            "stopped": outcome.reason,
+            "trainer_failed": outcome.trainer_failed,
+            "final_version": snap.version,
+            "wall_s": round(time.time() - self.t_start, 1),
+            "before": before,
+            "after": after,
+            "ratio": pass_ratio(before, after),
+            "train": train_points,
+        }
+        (self.plan.folder / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,46 @@
+"""`pnyx status --store URL`: the live view of any run, local or remote, read from the store alone.
+
+An operator watches a fleet from a laptop with nothing but the store URL (and read credentials): versions,
+trainer metrics, held-out pass@1 when the run folder holds eval records, and every worker's heartbeat.
+Knows nothing about the processes of the run; never writes to the store. `--watch` refreshes until
+Ctrl-C; without it, one snapshot is printed and the command exits.
+"""
+
+from __future__ import annotations
+
+import time
+
+REFRESH_S = 2.0
+
+
+def status_main(store: str, watch: bool) -> None:
+    """Print the run's state once, or keep a live view refreshing every ~2 s until Ctrl-C (`watch`)."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from pnyx.cli.common import fail
+    from pnyx.cli.live import RunWatcher, render
+    from pnyx.errors import ConfigError, StoreError
+    from pnyx.store import open_store
+
+    console = Console()
+    try:
+        watcher = RunWatcher(open_store(store))
+        snap = watcher.snapshot()
+    except (ConfigError, StoreError) as e:
+        raise fail(f"cannot read the run at {store}: {e}") from None
+    if not watch:
+        console.print(render(snap, title="pnyx status"))
+        return
+    try:
+        with Live(render(snap, title="pnyx status"), console=console, refresh_per_second=2) as live:
+            while True:
+                time.sleep(REFRESH_S)
+                try:
+                    snap = watcher.snapshot()
+                except StoreError as e:
+                    # A flaky connection is not the run's fault: keep the last view, say why, retry.
+                    snap.note = f"store unreachable, retrying: {e}"
+                live.update(render(snap, title="pnyx status"))
+    except KeyboardInterrupt:
+        return

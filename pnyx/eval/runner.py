@@ -1,0 +1,413 @@
+"""Held-out evaluation of a model folder or of a published version: pass@k with a confidence interval.
+
+`evaluate_model` samples `samples` completions per held-out task with the pnyx engine (the same sampler
+and settings the workers use), runs the environment's tool loop when it has one, scores every completion
+with the environment's own verifier, and reduces to an `EvalReport` (pass@1 with a 95% interval, pass@k,
+format rate, search rate for tool environments). `VersionEvaluator` keeps one model in memory and moves it
+between published versions through the weights Syncer; `EvalLoop` schedules those evaluations (v0, every
+N versions, the final one) in a background thread, which is how `pnyx run` evaluates as it trains.
+
+Knows nothing about processes, the live view or the trainer; the loop's thread hands its errors back to
+the caller (`EvalLoop.check`). Heavy imports (torch, the engine, the
+weights plane) happen inside functions. Invariant: the held-out tasks and the sampling seed depend only
+on the arguments, so two versions evaluated with the same settings see the same tasks and the same random
+stream (common random numbers: the before/after difference is not blurred by task sampling).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pnyx.errors import ConfigError
+
+Z95 = 1.959963984540054
+
+
+@dataclass
+class EvalReport:
+    """Figures of one held-out evaluation (one model or one published version, one environment)."""
+
+    env: str
+    tasks: int
+    samples: int
+    pass_at_1: float
+    ci_low: float
+    ci_high: float
+    pass_at_k: dict[int, float] = field(default_factory=dict)
+    format_rate: float = 0.0
+    search_rate: float | None = None
+    mean_completion_tokens: float = 0.0
+    version: int | None = None
+    digest: str | None = None
+    seconds: float = 0.0
+    created_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (pass@k keys spelled `pass@K`, as in the printed tables and evals.jsonl)."""
+        d = asdict(self)
+        d.pop("pass_at_1")
+        d.pop("pass_at_k")
+        d["pass@1"] = self.pass_at_1
+        for k, v in self.pass_at_k.items():
+            d[f"pass@{k}"] = v
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EvalReport:
+        """Inverse of `to_dict` (unknown keys are ignored, so older/newer records still load)."""
+        pk = {int(k[5:]): float(v) for k, v in d.items() if k.startswith("pass@") and k != "pass@1"}
+        known = {f for f in cls.__dataclass_fields__} - {"pass_at_1", "pass_at_k"}
+        return cls(pass_at_1=float(d["pass@1"]), pass_at_k=pk, **{k: v for k, v in d.items() if k in known})
+
+
+# --- statistics ----------------------------------------------------------------------------------
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (95% by default); (0, 1) when n == 0."""
+    if n <= 0:
+        return 0.0, 1.0
+    if not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval: successes={successes} must be within [0, n={n}]")
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def bootstrap_interval(
+    values: Sequence[float], resamples: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of `values` (per-task pass rates), seeded."""
+    import numpy as np
+
+    if len(values) == 0:
+        return 0.0, 1.0
+    rng = np.random.default_rng(seed)
+    arr = np.asarray(values, dtype=np.float64)
+    means = arr[rng.integers(0, len(arr), size=(resamples, len(arr)))].mean(axis=1)
+    alpha = (1 - level) / 2
+    return float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
+
+
+def pass_at_1_interval(correct_per_task: Sequence[int], samples: int) -> tuple[float, float]:
+    """95% interval of pass@1: Wilson with one sample per task (tasks are independent Bernoulli trials),
+    else a bootstrap over tasks (samples of one task are correlated, so they are resampled together)."""
+    if samples == 1:
+        return wilson_interval(sum(correct_per_task), len(correct_per_task))
+    return bootstrap_interval([c / samples for c in correct_per_task])
+
+
+def _pass_at_k(n: int, c: int, k: int) -> float:
+    from pnyx.eval.metrics import pass_at_k
+
+    return pass_at_k(n, c, k)
+
+
+# --- sampling ------------------------------------------------------------------------------------
+
+
+def heldout_tasks(env: Any, n: int, seed: int = 0) -> list[Any]:
+    """The first `n` tasks of the environment's test split for `seed` (the same every call)."""
+    if n < 1:
+        raise ConfigError(f"held-out evaluation needs at least one task, got {n}")
+    return env.sample("test", seed, n)
+
+
+def _is_correct(score: Any) -> bool:
+    """Full marks: the verifier's `correct` part when it reports one, else reward == 1."""
+    if "correct" in score.parts:
+        return score.parts["correct"] >= 1.0 - 1e-9
+    return score.reward >= 1.0 - 1e-9
+
+
+def _has_format(score: Any) -> bool:
+    return score.parts.get("format", float(score.reward > 0)) > 0
+
+
+def _tool_for(env: Any, task: Any) -> Any:
+    """The engine's tool callable for one episode: it answers from this episode's own task."""
+
+    def tool(text_so_far: str) -> str | None:
+        return env.respond(task, text_so_far)
+
+    return tool
+
+
+def evaluate_model(
+    model: Any,
+    tokenizer: Any,
+    env: Any,
+    tasks: Sequence[Any],
+    samples: int = 1,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_new_tokens: int = 48,
+    seed: int = 0,
+    batch_size: int = 64,
+    ks: Sequence[int] = (),
+) -> EvalReport:
+    """Sample `samples` completions per task, score them with `env`, and reduce to an `EvalReport`.
+
+    pass@k uses the unbiased estimator over the `samples` draws (k ≤ samples). Tool environments
+    (`env.tool_stops` non-empty) run the engine's multi-turn loop; their `search_rate` is the fraction of
+    completions with at least one tool call (None for single-turn environments).
+    """
+    from pnyx.models import render_prompt
+    from pnyx.rollout.engine import Engine, SamplingParams
+
+    if samples < 1:
+        raise ConfigError(f"samples per task must be >= 1, got {samples}")
+    bad = [k for k in ks if not 1 <= k <= samples]
+    if bad:
+        raise ConfigError(f"pass@k needs 1 <= k <= samples ({samples}); got k={bad}")
+    t0 = time.perf_counter()
+    engine = Engine(model, tokenizer)
+    multi_turn = bool(getattr(env, "tool_stops", []))
+    prompts = [render_prompt(tokenizer, t.prompt) for t in tasks]
+    flat = [(i, prompts[i]) for i in range(len(tasks)) for _ in range(samples)]
+    correct = [0] * len(tasks)
+    formatted = searched = ntokens = 0
+    for b, start in enumerate(range(0, len(flat), batch_size)):
+        chunk = flat[start : start + batch_size]
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+            stop=list(env.stop_strings),
+            seed=seed * 1_000_003 + b,
+        )
+        ids = [p for _, p in chunk]
+        if multi_turn:
+            outs = engine.run_episodes(
+                ids,
+                params,
+                tool=[_tool_for(env, tasks[i]) for i, _ in chunk],
+                tool_stops=list(env.tool_stops),
+                max_turns=env.max_turns,
+            )
+        else:
+            outs = engine.generate(ids, params)
+        for (i, _), out in zip(chunk, outs, strict=True):
+            score = env.score(tasks[i], out.text)
+            correct[i] += _is_correct(score)
+            formatted += _has_format(score)
+            searched += getattr(out, "num_tool_calls", 0) > 0
+            ntokens += len(out.tokens)
+    total = len(flat)
+    lo, hi = pass_at_1_interval(correct, samples)
+    return EvalReport(
+        env=env.name,
+        tasks=len(tasks),
+        samples=samples,
+        pass_at_1=sum(correct) / total if total else 0.0,
+        ci_low=lo,
+        ci_high=hi,
+        pass_at_k={k: sum(_pass_at_k(samples, c, k) for c in correct) / len(tasks) for k in ks if k > 1},
+        format_rate=formatted / total if total else 0.0,
+        search_rate=(searched / total if total else 0.0) if multi_turn else None,
+        mean_completion_tokens=ntokens / total if total else 0.0,
+        seconds=time.perf_counter() - t0,
+        created_at=time.time(),
+    )
+
+
+def quiet_transformers() -> None:
+    """No progress bars or info chatter from transformers (they would tear a live terminal view)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def read_eval_file(path: str | Path) -> list[dict[str, Any]]:
+    """Eval records from a JSON-lines file (one `EvalReport.to_dict()` per line); [] if it is missing."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    rows = []
+    for line in p.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line being appended right now; the next refresh reads it whole
+    return rows
+
+
+# --- published versions ---------------------------------------------------------------------------
+
+
+class VersionEvaluator:
+    """Evaluates published versions of one run with one in-memory model moved along by a weights Syncer.
+
+    Built once (model, tokenizer, environment, held-out tasks); `evaluate(version)` syncs the model to
+    exactly that version (verified digest chain, fail-closed) and evaluates it with fixed tasks and seed.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        model_path: str | Path,
+        env_name: str,
+        env_kwargs: dict[str, Any] | None = None,
+        tasks: int = 200,
+        samples: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int = 48,
+        seed: int = 0,
+        ks: Sequence[int] = (),
+    ):
+        from pnyx.envs import get_env
+        from pnyx.models import load_model, load_tokenizer
+        from pnyx.weights import Syncer
+
+        self.store = store
+        self.model = load_model(model_path, dtype="float32", device="cpu")
+        self.tokenizer = load_tokenizer(model_path)
+        self.env = get_env(env_name, **(env_kwargs or {}))
+        self.tasks = heldout_tasks(self.env, tasks, seed)
+        self.samples, self.seed, self.ks = samples, seed, tuple(ks)
+        self.sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens}
+        self.syncer = Syncer(store)
+
+    def evaluate(self, version: int) -> EvalReport:
+        """Load exactly `version` from the store into the model and evaluate it on the held-out tasks."""
+        got, tensors = self.syncer.sync(to_version=version)
+        if got != version:
+            raise ConfigError(f"asked to evaluate version {version} but the store served version {got}")
+        load_weights(self.model, tensors)
+        report = evaluate_model(
+            self.model, self.tokenizer, self.env, self.tasks, samples=self.samples, seed=self.seed,
+            ks=self.ks, **self.sampling,
+        )
+        report.version = version
+        report.digest = _digest_of(self.syncer)
+        return report
+
+
+def load_weights(model: Any, tensors: dict[str, Any]) -> None:
+    """Copy a published state (any dtype) into `model` in place, cast to the model's own dtypes (strict)."""
+    import torch
+
+    own = model.state_dict()
+    with torch.no_grad():
+        model.load_state_dict({k: v.to(own[k].dtype) if k in own else v for k, v in tensors.items()}, strict=True)
+
+
+def _digest_of(syncer: Any) -> str | None:
+    for attr in ("digest", "current_digest"):
+        value = getattr(syncer, attr, None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+class EvalLoop:
+    """Evaluates published versions one at a time in a daemon thread; errors re-raise in the main loop.
+
+    Which versions: 0, every `every` versions (skipping ahead when evaluation is slower than training:
+    only the newest due version is evaluated), and whatever `final()` asks for at the end.
+    """
+
+    def __init__(
+        self,
+        make_evaluator: Callable[[], VersionEvaluator],
+        records_path: str | Path,
+        env_name: str,
+        every: int,
+        observed: dict[int, float],
+        t0: float,
+        publish: Callable[[int, dict[str, Any]], None] | None = None,
+    ):
+        """`make_evaluator` builds the evaluator on first use (in the eval thread: model loading is slow);
+        records are appended to `records_path` (JSON lines) and handed to `publish`; `observed[v]` is when
+        version v was first seen (its record's `elapsed_s` counts from `t0`)."""
+        self.make_evaluator, self.records_path, self.publish = make_evaluator, Path(records_path), publish
+        self.every, self.observed, self.t0 = every, observed, t0
+        self.records: list[dict[str, Any]] = [r for r in read_eval_file(self.records_path) if r.get("env") == env_name]
+        self._evaluator: VersionEvaluator | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def done_versions(self) -> set[int]:
+        return {int(r["version"]) for r in self.records if r.get("version") is not None}
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def check(self) -> None:
+        """Re-raise an evaluation error in the caller's thread."""
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def due(self, latest: int | None) -> int | None:
+        """The version to evaluate next, or None."""
+        if latest is None:
+            return None
+        done = self.done_versions
+        if 0 not in done:
+            return 0
+        if self.every <= 0:
+            return None
+        target = latest - latest % self.every
+        return target if target > 0 and target not in done else None
+
+    def maybe_start(self, latest: int | None) -> None:
+        if self.busy:
+            return
+        v = self.due(latest)
+        if v is not None:
+            self._thread = threading.Thread(target=self._run, args=(v,), name=f"eval-v{v}", daemon=True)
+            self._thread.start()
+
+    def final(self, version: int, threads: int) -> dict[str, Any] | None:
+        """Evaluate `version` now (in this thread, with `threads` torch threads) unless already done."""
+        self.join()
+        self.check()
+        if version in self.done_versions:
+            return next(r for r in reversed(self.records) if r.get("version") == version)
+        import torch
+
+        torch.set_num_threads(threads)
+        self._run(version)
+        self.check()
+        return next((r for r in reversed(self.records) if r.get("version") == version), None)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self, version: int) -> None:
+        try:
+            if self._evaluator is None:
+                self._evaluator = self.make_evaluator()
+            report = self._evaluator.evaluate(version)
+            record = report.to_dict()
+            published = self.observed.get(version)
+            record["elapsed_s"] = round((published if published is not None else time.time()) - self.t0, 2)
+            with self._lock:
+                self.records.append(record)
+                with open(self.records_path, "a") as fh:
+                    fh.write(json.dumps(record) + "\n")
+            if self.publish is not None:
+                self.publish(version, record)
+        except BaseException as e:  # noqa: BLE001 - handed to the main loop, which re-raises it
+            self._error = e

@@ -1,0 +1,663 @@
+"""Build pnyx's shipped tiny base model from scratch: tokenizer, noisy pretraining, evaluation, model card.
+
+    python scripts/make_base_model.py --seed 0 --out pnyx/assets/tiny-base
+
+What it does, in order:
+1. Draws procedural training tasks from the built-in environments (`arith`, the default task, and
+   `searchqa`), through their public API only (`sample`, `reference_completion`, `respond`, `score`).
+2. Trains a byte-level BPE tokenizer (digits one per token; chat roles, EOS and the environments' tags
+   as single tokens) and a small Qwen2 causal LM from a seeded initialization.
+3. Pretrains in two phases, deliberately stopping at partial skill. Phase 1 uses clean labels (the
+   first `--arith-first` steps on `arith` alone) and teaches the skill. Phase 2 uses *noisy* labels: for
+   `arith` the reference answer is shown with probability `--p-correct` and otherwise a plausible wrong
+   answer (off by a small amount, a swapped digit, a sign error) or a format error. The aim is a model
+   whose correct answer is still the most likely one but carries only part of the mass, so pass@1 at
+   temperature 1 starts near 0.2-0.4 while pass@8 is high: what GRPO can sharpen quickly.
+   For `searchqa`, a fraction `--p-search` of transcripts searches for the entity and answers from the
+   returned information; the rest answer directly with a guess of the right type.
+4. Evaluates on held-out tasks (sampling at temperature 1, top-k 0, top-p 1) and writes the model,
+   tokenizer, `evaluation.json` and a `README.md` model card.
+
+Knows nothing about the store, the trainer or the rollout engine. Reproducible from `--seed` on CPU
+(deterministic algorithms, one fixed thread count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a plain script from a checkout
+    sys.path.insert(0, str(REPO))
+
+from pnyx.envs import Environment, Task, get_env  # noqa: E402
+from pnyx.models import tiny  # noqa: E402
+
+# --- training data --------------------------------------------------------------------------------
+
+Segment = tuple[str, bool]  # (text, trained on): tool replies are in the transcript but never trained on
+
+
+@dataclass
+class Example:
+    env: str
+    prompt: Any
+    segments: list[Segment]
+
+
+def _answer_variants(value: int, rng: random.Random) -> str:
+    """A plausible wrong integer answer near `value`: off by a little, a digit slip, a sign error."""
+    kind = rng.random()
+    if kind < 0.30:
+        wrong = value + rng.choice([-2, -1, 1, 2])
+    elif kind < 0.55:
+        wrong = value + rng.choice([-20, -10, 10, 20])
+    elif kind < 0.70:
+        wrong = value + rng.choice([-11, -9, 9, 11])
+    elif kind < 0.82:
+        digits = list(str(abs(value)))
+        if len(digits) >= 2:
+            i = rng.randrange(len(digits) - 1)
+            digits[i], digits[i + 1] = digits[i + 1], digits[i]
+        else:
+            digits = [str((int(digits[0]) + rng.choice([1, 2, 3])) % 10)]
+        wrong = int("".join(digits)) * (1 if value >= 0 else -1)
+    elif kind < 0.92:
+        wrong = -value if value != 0 else rng.choice([-1, 1])
+    else:
+        wrong = value + rng.choice([-100, 100, -3, 3, -5, 5])
+    if wrong == value:
+        wrong = value + 1
+    return str(wrong)
+
+
+def arith_example(
+    env: Environment, task: Task, p_correct: float, p_format_error: float, rng: random.Random
+) -> Example:
+    """A noisy `arith` transcript: correct with `p_correct`, else a format error or a near-miss answer."""
+    reference = env.reference_completion(task)
+    value = int(task.answer)
+    u = rng.random()
+    if u < p_correct:
+        text = reference
+    elif u < p_correct + p_format_error:
+        text = (
+            str(value) if rng.random() < 0.5 else f"<answer>{value} {_answer_variants(value, rng)}</answer>"
+        )
+    else:
+        text = reference.replace(f">{value}<", f">{_answer_variants(value, rng)}<")
+    return Example(env.name, task.prompt, [(text, True)])
+
+
+def searchqa_example(
+    env: Environment, task: Task, p_search: float, guesses: list[str], rng: random.Random
+) -> Example:
+    """A `searchqa` transcript: with `p_search` the reference (search, tool reply, answer); else a guess."""
+    reference = env.reference_completion(task)
+    if rng.random() < p_search:
+        turns = [(reference, "model")] if isinstance(reference, str) else [(t, r) for r, t in reference]
+        return Example(env.name, task.prompt, [(text, role == "model") for text, role in turns])
+    return Example(env.name, task.prompt, [(f"<answer>{rng.choice(guesses)}</answer>", True)])
+
+
+# --- tokenizer -------------------------------------------------------------------------------------
+
+
+def build_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer trained on `texts`; digits are one per token; roles/tags are single tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(tiny.TAG_TOKENS),
+        special_tokens=tiny.SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in tiny.TAG_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=tiny.EOS_TOKEN,
+        pad_token=tiny.PAD_TOKEN,
+        chat_template=tiny.CHAT_TEMPLATE,
+        model_max_length=512,
+    )
+
+
+def encode_example(tokenizer: Any, ex: Example) -> tuple[list[int], list[int]]:
+    """(ids, loss mask): prompt through the chat template (not trained), segments, then EOS (trained).
+
+    Segments are encoded one by one, the way the engine assembles an episode (tool text is tokenized on
+    its own, never merged with the model's tokens).
+    """
+    prompt = tokenizer.apply_chat_template(ex.prompt, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    mask = [0] * len(ids)
+    for text, trained in ex.segments:
+        seg = tokenizer.encode(text, add_special_tokens=False)
+        ids += seg
+        mask += [int(trained)] * len(seg)
+    ids.append(tokenizer.eos_token_id)
+    mask.append(1)
+    return ids, mask
+
+
+# --- model and training ------------------------------------------------------------------------------
+
+
+def build_model(vocab_size: int, hidden: int, layers: int, heads: int, seed: int) -> Any:
+    """A Qwen2 causal LM with tied embeddings and a seeded initialization (fp32)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[Any, Any, Any]:
+    """Right-padded (input ids, attention mask, labels with -100 where not trained)."""
+    import torch
+
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), width), pad_id)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    labels = torch.full((len(batch), width), -100)
+    for i, (seq, mask) in enumerate(batch):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        attn[i, : len(seq)] = 1
+        labels[i, : len(seq)] = torch.tensor([t if m else -100 for t, m in zip(seq, mask, strict=True)])
+    return ids, attn, labels
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+@dataclass
+class Noise:
+    """The label-noise levels of the stream; `train` switches them from clean to noisy between phases."""
+
+    p_correct: float
+    p_format_error: float
+    p_search: float
+
+
+def make_streams(
+    envs: dict[str, Environment], args: argparse.Namespace, noise: Noise, rng: random.Random
+) -> dict[str, Any]:
+    """Per environment, an endless iterator of examples drawn from a pool of training tasks at `noise`."""
+    return {name: _stream(name, env, args, noise, rng) for name, env in envs.items()}
+
+
+def _stream(name: str, env: Environment, args: argparse.Namespace, noise: Noise, rng: random.Random) -> Any:
+    pool = env.sample("train", args.seed, args.pool)
+    guesses = _guess_vocabulary(pool) if name == "searchqa" else {}
+    while True:
+        task = rng.choice(pool)
+        if name == "arith":
+            yield arith_example(env, task, noise.p_correct, noise.p_format_error, rng)
+        elif name == "searchqa":
+            yield searchqa_example(env, task, noise.p_search, guesses[_answer_type(task)], rng)
+        else:
+            raise ValueError(f"no noisy recipe for environment {name!r}")
+
+
+def _answer_type(task: Task) -> str:
+    return str(task.meta.get("attribute", task.meta.get("relation", "any")))
+
+
+def _guess_vocabulary(tasks: list[Task]) -> dict[str, list[str]]:
+    """Per answer type, the answers seen in the training pool: guesses of the right type."""
+    vocab: dict[str, set[str]] = {}
+    for t in tasks:
+        answer = t.answer if isinstance(t.answer, str) else t.answer[0]
+        vocab.setdefault(_answer_type(t), set()).add(answer)
+    return {k: sorted(v) for k, v in vocab.items()}
+
+
+def quick_eval(
+    model: Any, tokenizer: Any, env: Environment, tasks: list[Task], n: int, seed: int
+) -> tiny.EvalResult:
+    model.eval()
+    try:
+        return tiny.evaluate(model, tokenizer, env, tasks, n=n, ks=(n,), seed=seed)
+    finally:
+        model.train()
+
+
+def train(model: Any, tokenizer: Any, envs: dict[str, Environment], args: argparse.Namespace) -> list[dict]:
+    """Pretrain on the noisy stream; print one line per log interval; return the eval curve."""
+    import torch
+
+    rng = random.Random(args.seed)
+    # Phase 1 (clean labels) teaches the skill fast; phase 2 (noisy labels) spreads the mass.
+    noise = Noise(1.0, 0.0, args.p_search)
+    streams = make_streams(envs, args, noise, rng)
+    names = list(envs)
+    weights = [args.mix[n] for n in names]
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    probe = envs["arith"].sample("test", args.seed + 1, args.probe_tasks)
+    sq_probe = envs["searchqa"].sample("test", args.seed + 1, 64) if "searchqa" in envs else []
+    curve: list[dict] = []
+    model.train()
+    t0 = time.time()
+    total = args.clean_steps + args.steps
+    for step in range(total):
+        if step == args.clean_steps:
+            noise.p_correct, noise.p_format_error = args.p_correct, args.p_format_error
+        # One environment per batch: sequences of a batch have similar lengths, so padding stays small.
+        # The default task first: arithmetic is learned fastest without the other tasks' gradients.
+        name = "arith" if step < args.arith_first else rng.choices(names, weights)[0]
+        size = args.batch if name == "arith" else args.batch // 2
+        batch = [encode_example(tokenizer, next(streams[name])) for _ in range(size)]
+        ids, attn, labels = collate(batch, tokenizer.pad_token_id)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, args.lr, args.warmup)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if (step + 1) % args.eval_every == 0 or step + 1 in (args.clean_steps, total):
+            res = quick_eval(model, tokenizer, envs["arith"], probe, 4, args.seed)
+            point = {
+                "step": step + 1,
+                "loss": round(loss.item(), 4),
+                "arith_pass@1": round(res.pass_at_1, 4),
+                "arith_pass@4": round(res.pass_at_k[4], 4),
+            }
+            if "searchqa" in envs and step >= args.arith_first:
+                sq = quick_eval(model, tokenizer, envs["searchqa"], sq_probe, 2, args.seed)
+                point |= {
+                    "searchqa_pass@1": round(sq.pass_at_1, 4),
+                    "search_rate": round(sq.search_rate, 4),
+                    "correct_when_searched": sq.correct_when_searched,
+                }
+            point["seconds"] = round(time.time() - t0, 1)
+            curve.append(point)
+            print(" ".join(f"{k}={v}" for k, v in point.items()), flush=True)
+    return curve
+
+
+# --- phase 3: the searchqa copying skill ----------------------------------------------------------------
+
+
+def searchqa_copy_example(
+    env: Environment, task: Task, p_copy: float, p_decide: float, guesses: list[str], rng: random.Random
+) -> Example:
+    """A phase-3 `searchqa` transcript: with `p_copy` a clean copying episode (search with the exact
+    entity name, answer with the exact attribute of the reply), else a guess of the right type.
+
+    The first tag (`<search>` or `<answer>`) decides whether the model searches. In a copying episode
+    that token is trained only with probability `p_decide`, so the copying skill gets most of the data
+    while the search *rate* stays partial (see `decision_weight`).
+    """
+    if rng.random() < p_copy:
+        (_, call), (_, reply), (_, answer) = env.reference_completion(task)
+        rest = call[len("<search>") :]
+        return Example(
+            env.name,
+            task.prompt,
+            [("<search>", rng.random() < p_decide), (rest, True), (reply, False), (answer, True)],
+        )
+    return Example(env.name, task.prompt, [("<answer>", True), (f"{rng.choice(guesses)}</answer>", True)])
+
+
+def decision_weight(p_copy: float, search_rate: float) -> float:
+    """The probability to train the `<search>` tag of a copying episode so that, among the trained first
+    tags, a fraction `search_rate` is `<search>`: p_copy * w / (p_copy * w + 1 - p_copy) = search_rate."""
+    if not 0.0 < search_rate < 1.0 or not 0.0 < p_copy <= 1.0:
+        raise ValueError(f"need 0 < search_rate < 1 and 0 < p_copy <= 1, got {search_rate}, {p_copy}")
+    return min(1.0, search_rate * (1.0 - p_copy) / (p_copy * (1.0 - search_rate)))
+
+
+def _copy_stream(args: argparse.Namespace, rng: random.Random) -> Any:
+    """Endless phase-3 `searchqa` examples from worlds other than the default one (`--p3-worlds`), so
+    the model learns to search and copy rather than memorize the default world's people."""
+    worlds = [get_env("searchqa", world_seed=1000 + 100 * args.seed + i) for i in range(args.p3_worlds)]
+    pools = [(w, w.sample("train", args.seed, args.pool // args.p3_worlds)) for w in worlds]
+    guesses = _guess_vocabulary([t for _, pool in pools for t in pool])
+    p_decide = decision_weight(args.p3_copy, args.p3_search_rate)
+    while True:
+        env, pool = rng.choice(pools)
+        task = rng.choice(pool)
+        yield searchqa_copy_example(env, task, args.p3_copy, p_decide, guesses[_answer_type(task)], rng)
+
+
+def train_phase3(
+    model: Any, tokenizer: Any, envs: dict[str, Environment], args: argparse.Namespace
+) -> list[dict]:
+    """Phase 3: continue from the phase-2 weights on clean searchqa copying episodes, mixed with a replay of
+    phase-2-style noisy `arith` batches (so arith stays calibrated). Fresh AdamW, its own warmup/cosine."""
+    import torch
+
+    rng = random.Random(args.seed + 3)
+    arith = _stream("arith", envs["arith"], args, Noise(args.p_correct, args.p_format_error, 0.0), rng)
+    copy = _copy_stream(args, rng)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.p3_lr, betas=(0.9, 0.98), weight_decay=0.01)
+    probe = envs["arith"].sample("test", args.seed + 1, args.probe_tasks)
+    sq_probe = envs["searchqa"].sample("test", args.seed + 1, 64)
+    offset = args.clean_steps + args.steps
+    curve: list[dict] = []
+    model.train()
+    t0 = time.time()
+    for step in range(args.p3_steps):
+        name = "arith" if rng.random() < args.p3_arith else "searchqa"
+        source, size = (arith, args.batch) if name == "arith" else (copy, args.batch // 2)
+        batch = [encode_example(tokenizer, next(source)) for _ in range(size)]
+        ids, attn, labels = collate(batch, tokenizer.pad_token_id)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.p3_steps, args.p3_lr, args.p3_warmup)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if (step + 1) % args.p3_eval_every == 0 or step + 1 == args.p3_steps:
+            res = quick_eval(model, tokenizer, envs["arith"], probe, 4, args.seed)
+            sq = quick_eval(model, tokenizer, envs["searchqa"], sq_probe, 2, args.seed)
+            point = {
+                "step": offset + step + 1,
+                "phase": 3,
+                "loss": round(loss.item(), 4),
+                "arith_pass@1": round(res.pass_at_1, 4),
+                "arith_pass@4": round(res.pass_at_k[4], 4),
+                "searchqa_pass@1": round(sq.pass_at_1, 4),
+                "search_rate": round(sq.search_rate, 4),
+                "correct_when_searched": _round4(sq.correct_when_searched),
+                "seconds": round(time.time() - t0, 1),
+            }
+            curve.append(point)
+            print(" ".join(f"{k}={v}" for k, v in point.items()), flush=True)
+    return curve
+
+
+def _round4(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+# --- evaluation, saving, the model card ----------------------------------------------------------------
+
+
+def final_eval(
+    model: Any, tokenizer: Any, envs: dict[str, Environment], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Held-out figures per environment (test split, a seed the training never used)."""
+    out: dict[str, Any] = {"sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, "seed": args.seed}
+    for name, env in envs.items():
+        n_tasks = args.eval_tasks if name == "arith" else args.eval_tasks // 2
+        tasks = env.sample("test", 1000 + args.seed, n_tasks)
+        res = quick_eval(model, tokenizer, env, tasks, args.eval_samples, 1000 + args.seed)
+        out[name] = res.as_dict()
+        out[name]["examples"] = res.examples
+        print(
+            f"eval {name}: " + " ".join(f"{k}={v}" for k, v in res.as_dict().items() if k != "env"),
+            flush=True,
+        )
+    return out
+
+
+CARD = """# pnyx tiny-base
+
+A {params:,}-parameter Qwen2-style causal LM ({layers} layers, hidden {hidden}, {heads} heads, MLP {mlp},
+vocab {vocab}, tied embeddings, fp32 safetensors, {mb:.1f} MB) with a byte-level BPE tokenizer, pretrained
+from scratch by `scripts/make_base_model.py` (seed {seed}) on procedural data of pnyx's built-in environments.
+It is the default model of `pnyx run`: it runs on 2 CPU cores and starts weak on purpose.
+
+## How it was made
+
+- Tokenizer: byte-level BPE trained on the training transcripts; digits are one token each; `<|user|>`,
+  `<|assistant|>`, `<|system|>`, `<|endoftext|>` (EOS), `<|pad|>` and the tags `<answer>`, `</answer>`,
+  `<search>`, `</search>`, `<information>`, `</information>` are single tokens (so every stop string is one
+  token). Chat template: `<|user|>{{content}}<|assistant|>{{completion}}<|endoftext|>`.
+- Data (mix {mix}): tasks from `get_env("arith")` (default config: 2-digit + and -) and
+  `get_env("searchqa")`, with the environments' own reference completions and tool replies.
+- Three phases. Phase 1 ({clean_steps} steps, the first {arith_first} on `arith` only, since arithmetic is
+  learned fastest alone) uses clean labels and teaches the skill. Phase 2 ({steps} steps) uses *noisy*
+  labels, so the skill stays present but the mass on it is partial: an `arith` transcript shows the
+  reference answer with probability {p_correct}, a format error with probability {p_format_error}, and
+  otherwise a near-miss integer (off by 1-2 or 9-20, two digits swapped, the sign flipped, off by 100).
+  The aim is that the correct answer stays the most likely one, so pass@8 is high and GRPO can sharpen it.
+  In both phases a `searchqa` transcript searches for the question's entity and answers from the tool's
+  `<information>` reply with probability {p_search}; otherwise it answers directly with a guess of the
+  right type (usually wrong). Tool replies are in the transcripts with the loss masked out (the model
+  never learns to write them).
+- Phase 3 ({p3_steps} steps, continuing from the phase-2 weights with a fresh AdamW, peak lr {p3_lr},
+  warmup {p3_warmup}, cosine to 10%) teaches the `searchqa` copying skill that phases 1-2 leave out: a
+  share {p3_arith} of its batches replays phase-2-style noisy `arith` (so arith stays calibrated), the
+  rest are `searchqa` episodes from {p3_worlds} synthetic worlds *other than* the default one (world
+  seeds 1000 + 100 * seed + i), so the model learns to search and copy instead of memorizing people. With
+  probability {p3_copy} an episode is clean copying (search with the exact entity name of the question,
+  answer with the exact attribute from the `<information>` reply); otherwise a direct guess of the right
+  type. The first tag of a copying episode (`<search>`) is trained only with probability {p3_decide:.3f},
+  so that {p3_search_rate} of the trained first tags are `<search>`: the search *rate* stays partial while
+  nearly all searchqa data teaches copying. Result: searching is mostly right, not searching mostly wrong.
+- Training: AdamW (peak lr {lr}, warmup {warmup}, cosine to 10% over phases 1-2), batch {batch} (`arith`)
+  or {half} (`searchqa`), one environment per batch, loss on completion tokens only, CPU, one thread,
+  `torch.use_deterministic_algorithms(True)`; {minutes:.1f} minutes here (on a shared 2-core machine).
+
+## Measured (held-out test split, sampled at temperature 1.0, top-k 0, top-p 1.0)
+
+{table}
+
+pass@k uses the unbiased estimator over {samples} samples per task. Full figures: `evaluation.json`.
+
+## Reproduce
+
+    python scripts/make_base_model.py --seed {seed} --out pnyx/assets/tiny-base
+"""
+
+
+def write_card(out: Path, model: Any, args: argparse.Namespace, evaluation: dict, minutes: float) -> None:
+    cfg = model.config
+    params = sum(p.numel() for p in model.parameters())
+    mb = sum(f.stat().st_size for f in out.iterdir()) / 1e6
+    rows = [
+        "| env | tasks | pass@1 | pass@8 | format | search rate | correct when searched | correct without |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in args.envs:
+        e = evaluation[name]
+        rows.append(
+            f"| {name} | {e['tasks']} | {e['pass@1']} | {e.get('pass@8')} | {e['format_rate']} | "
+            f"{e['search_rate']} | {e['correct_when_searched']} | {e['correct_without_search']} |"
+        )
+    (out / "README.md").write_text(
+        CARD.format(
+            params=params,
+            layers=cfg.num_hidden_layers,
+            hidden=cfg.hidden_size,
+            heads=cfg.num_attention_heads,
+            mlp=cfg.intermediate_size,
+            vocab=cfg.vocab_size,
+            mb=mb,
+            seed=args.seed,
+            mix=args.mix,
+            p_correct=args.p_correct,
+            p_format_error=args.p_format_error,
+            p_search=args.p_search,
+            steps=args.steps,
+            p3_steps=args.p3_steps,
+            p3_lr=args.p3_lr,
+            p3_warmup=args.p3_warmup,
+            p3_arith=args.p3_arith,
+            p3_worlds=args.p3_worlds,
+            p3_copy=args.p3_copy,
+            p3_decide=decision_weight(args.p3_copy, args.p3_search_rate),
+            p3_search_rate=args.p3_search_rate,
+            clean_steps=args.clean_steps,
+            arith_first=args.arith_first,
+            half=args.batch // 2,
+            lr=args.lr,
+            warmup=args.warmup,
+            batch=args.batch,
+            minutes=minutes,
+            table="\n".join(rows),
+            samples=args.eval_samples,
+        )
+    )
+
+
+def load_phase2(folder: Path) -> tuple[Any, Any, list[dict]]:
+    """A saved phase-2 model, its tokenizer and its phase 1-2 curve (from `evaluation.json` if present)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    card = folder / "evaluation.json"
+    curve = json.loads(card.read_text()).get("pretraining_curve", []) if card.is_file() else []
+    return model, tokenizer, [p for p in curve if p.get("phase", 1) < 3]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=REPO / "pnyx" / "assets" / tiny.ASSET_NAME)
+    p.add_argument("--envs", nargs="+", default=["arith", "searchqa"])
+    p.add_argument(
+        "--mix",
+        type=json.loads,
+        default={"arith": 0.8, "searchqa": 0.2},
+        help='JSON weights per environment, e.g. \'{"arith": 0.75, "searchqa": 0.25}\'',
+    )
+    p.add_argument("--p-correct", type=float, default=0.4, help="arith: probability a transcript is correct")
+    p.add_argument("--p-format-error", type=float, default=0.05, help="arith: probability of a format error")
+    p.add_argument("--p-search", type=float, default=0.25, help="searchqa: probability a transcript searches")
+    p.add_argument("--pool", type=int, default=20000, help="training tasks drawn per environment")
+    p.add_argument("--vocab", type=int, default=384)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument(
+        "--arith-first", type=int, default=700, help="phase 1 starts with this many arith-only steps"
+    )
+    p.add_argument("--clean-steps", type=int, default=1300, help="phase 1: steps on clean labels")
+    p.add_argument("--steps", type=int, default=400, help="phase 2: steps on noisy labels")
+    p.add_argument(
+        "--phase3", action=argparse.BooleanOptionalAction, default=True, help="phase 3: searchqa copying"
+    )
+    p.add_argument("--p3-steps", type=int, default=800, help="phase 3: steps")
+    p.add_argument("--p3-lr", type=float, default=2e-3, help="phase 3: peak lr (fresh AdamW)")
+    p.add_argument("--p3-warmup", type=int, default=30)
+    p.add_argument(
+        "--p3-arith", type=float, default=0.25, help="phase 3: share of noisy arith replay batches"
+    )
+    p.add_argument(
+        "--p3-copy", type=float, default=0.85, help="phase 3: share of searchqa episodes that search"
+    )
+    p.add_argument(
+        "--p3-search-rate", type=float, default=0.3, help="phase 3: target rate of the <search> tag"
+    )
+    p.add_argument("--p3-worlds", type=int, default=8, help="phase 3: synthetic worlds (none the default)")
+    p.add_argument("--p3-eval-every", type=int, default=200)
+    p.add_argument(
+        "--phase2-from",
+        type=Path,
+        default=None,
+        help="skip phases 1-2: load the phase-2 model and tokenizer from this folder (the same seed's build)",
+    )
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--probe-tasks", type=int, default=128)
+    p.add_argument("--eval-tasks", type=int, default=512)
+    p.add_argument("--eval-samples", type=int, default=8)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: bit-reproducible, and fastest on a shared CPU)",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import numpy as np
+    import torch
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    t0 = time.time()
+    envs = {name: get_env(name) for name in args.envs}
+    args.mix = {n: args.mix.get(n, 0.0) for n in args.envs}
+
+    if args.phase2_from is None:
+        # The tokenizer sees every kind of text the model will read or write: prompts, completions, replies.
+        rng = random.Random(args.seed)
+        streams = make_streams(envs, args, Noise(args.p_correct, args.p_format_error, args.p_search), rng)
+        corpus = []
+        for name in envs:
+            for _ in range(2000):
+                ex = next(streams[name])
+                content = (
+                    ex.prompt if isinstance(ex.prompt, str) else " ".join(m["content"] for m in ex.prompt)
+                )
+                corpus.append(content + "".join(text for text, _ in ex.segments))
+        tokenizer = build_tokenizer(corpus, args.vocab)
+        model = build_model(len(tokenizer), args.hidden, args.layers, args.heads, args.seed)
+        params = sum(p.numel() for p in model.parameters())
+        print(f"tokenizer vocab={len(tokenizer)} model params={params:,} envs={args.envs}", flush=True)
+        curve = train(model, tokenizer, envs, args)
+    else:
+        model, tokenizer, curve = load_phase2(args.phase2_from)
+        print(f"phase 2 model loaded from {args.phase2_from}", flush=True)
+    if args.phase3 and "searchqa" in envs:
+        curve += train_phase3(model, tokenizer, envs, args)
+    evaluation = final_eval(model, tokenizer, envs, args)
+    evaluation["pretraining_curve"] = curve
+    minutes = (time.time() - t0) / 60
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "evaluation.json").write_text(json.dumps(evaluation, indent=2) + "\n")
+    write_card(out, model, args, evaluation, minutes)
+    print(f"wrote {out} in {minutes:.1f} min", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""`pnyx status` and the live view read a run's state from the store alone: versions, trainer metrics,
+worker heartbeats (silent ones flagged), eval records; a run that is still starting is not an error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pnyx.cli.live import SILENT_AFTER_S, RunWatcher, plain_line, render
+from pnyx.protocol import Heartbeat, RunManifest, encode_json, layout
+from pnyx.store import open_store
+
+
+def _tiny_state():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(8, 8, generator=g).to(torch.bfloat16)}
+
+
+def make_run(url: str, versions: int = 2, heartbeats: dict[str, float] | None = None):
+    """A run as the trainer and workers leave it: run.json, published versions, metrics, heartbeats."""
+    from pnyx.train.checkpoint import write_metrics
+    from pnyx.weights import Publisher
+
+    store = open_store(url)
+    manifest = RunManifest(
+        run_id="demo", created_at=time.time() - 100, config={"env": {"name": "arith"}},
+        model={"name": "tiny-base"},
+    )
+    store.put(layout.RUN_MANIFEST, encode_json(manifest), mode="create")
+    pub = Publisher(store, anchor_every=20)
+    state = _tiny_state()
+    for v in range(versions):
+        pub.publish(v, {k: (t.float() + v).to(t.dtype) for k, t in state.items()})
+        if v > 0:
+            write_metrics(store, v, {"version": v, "reward": 0.25 * v, "stale": 0.5, "masked": 0.003})
+    for wid, age in (heartbeats or {}).items():
+        hb = Heartbeat(worker_id=wid, version=versions - 1, updated_at=time.time() - age, groups=7,
+                       rollouts=56, rollouts_per_s=2.5, tokens_per_s=90.0, status="running")
+        store.put(layout.worker_heartbeat(wid), encode_json(hb))
+    return store
+
+
+def test_snapshot_reads_version_metrics_workers_and_evals(tmp_path):
+    store = make_run(str(tmp_path / "run"), versions=3, heartbeats={"w1": 1.0})
+    (tmp_path / "run" / "evals.jsonl").write_text(json.dumps({"version": 0, "pass@1": 0.3}) + "\n")
+    snap = RunWatcher(store).snapshot()
+    assert snap.run_id == "demo" and snap.env == "arith" and snap.version == 2
+    assert [m["version"] for m in snap.metrics] == [1, 2]
+    assert [w.worker_id for w in snap.workers] == ["w1"] and snap.workers[0].version == 2
+    assert snap.rollouts_per_s == pytest.approx(2.5)
+    assert snap.evals == [{"version": 0, "pass@1": 0.3}]
+    line = plain_line(snap)
+    assert "v=2" in line and "reward=0.500" in line and "w1:running@v2" in line and "v0 0.30" in line
+
+
+def test_snapshot_reads_new_metrics_incrementally(tmp_path):
+    from pnyx.train.checkpoint import write_metrics
+
+    store = make_run(str(tmp_path / "run"), versions=2)
+    watcher = RunWatcher(store)
+    assert [m["version"] for m in watcher.snapshot().metrics] == [1]
+    write_metrics(store, 2, {"version": 2, "reward": 0.9})
+    assert [m["reward"] for m in watcher.snapshot().metrics] == [0.25, 0.9]
+
+
+def test_silent_worker_is_flagged_and_left_out_of_throughput(tmp_path):
+    from rich.console import Console
+
+    store = make_run(str(tmp_path / "run"), heartbeats={"fresh": 1.0, "gone": SILENT_AFTER_S + 60})
+    snap = RunWatcher(store).snapshot()
+    assert snap.rollouts_per_s == pytest.approx(2.5)  # only the fresh worker counts
+    console = Console(width=160, record=True)
+    console.print(render(snap))
+    text = console.export_text()
+    assert "silent (running)" in text and "gone" in text and "fresh" in text
+
+
+def test_a_run_that_has_not_started_is_a_note_not_an_error(tmp_path):
+    snap = RunWatcher(open_store(tmp_path / "empty")).snapshot()
+    assert snap.run_id is None and "run.json" in snap.note
+    assert "no run.json" in plain_line(snap)
+
+
+@pytest.mark.s3
+def test_snapshot_works_on_a_remote_store(s3_url):
+    make_run(s3_url, versions=2, heartbeats={"remote-1": 2.0})
+    snap = RunWatcher(open_store(s3_url)).snapshot()
+    assert snap.version == 1 and [w.worker_id for w in snap.workers] == ["remote-1"]
+
+
+def test_status_command_prints_the_run(tmp_path):
+    make_run(str(tmp_path / "run"), versions=2, heartbeats={"w7": 3.0})
+    out = subprocess.run(
+        [sys.executable, "-m", "pnyx", "status", "--store", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=60, env={**_env(), "COLUMNS": "200"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "demo" in out.stdout and "w7" in out.stdout and "running" in out.stdout
+
+
+def test_status_command_on_a_missing_run_exits_cleanly(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "pnyx", "status", "--store", str(tmp_path / "nothing")],
+        capture_output=True, text=True, timeout=60, env={**_env(), "COLUMNS": "200"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "no run.json" in out.stdout
+
+
+def _env():
+    import os
+
+    return dict(os.environ)
