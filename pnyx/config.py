@@ -165,6 +165,9 @@ class SwarmConfig(_Section):
     """At most this many external groups per peer per step (a noisy peer cannot dominate)."""
     peer_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     """A peer whose heartbeat is older than this is considered gone."""
+    accept_envs: list[str] | None = None
+    """Environment names this node rebuilds foreign tasks for (None: only its own env). Peers choose the env
+    kwargs of what they share, so only listed environments are ever constructed from a peer's record."""
 
 
 class PnyxConfig(_Section):

@@ -96,7 +96,7 @@ def group_digest(data: bytes) -> str:
 
     Raises RecordRejected("bad_magic" | "wrong_schema" | "digest_mismatch").
     """
-    return _check_frame(data).hex()
+    return check_frame(data).hex()
 
 
 def decode_group(data: bytes, limits: Limits | None = None, vocab_size: int | None = None) -> RolloutGroup:
@@ -107,8 +107,8 @@ def decode_group(data: bytes, limits: Limits | None = None, vocab_size: int | No
     limits = limits or DEFAULT_LIMITS
     if len(data) > limits.max_bytes:
         raise RecordRejected("oversize_bytes", f"{len(data)} bytes > max_bytes {limits.max_bytes}")
-    _check_frame(data)
-    raw = _inflate(memoryview(data)[HEADER_SIZE:], limits.max_decompressed_bytes)
+    check_frame(data)
+    raw = inflate(memoryview(data)[HEADER_SIZE:], limits.max_decompressed_bytes)
     try:
         group = _group_decoder.decode(raw)
     except msgspec.ValidationError as exc:
@@ -141,7 +141,7 @@ def validate_group(group: RolloutGroup, limits: Limits | None = None, vocab_size
         _check_sample(sample, i, limits, vocab_size)
 
 
-def _check_frame(data: bytes) -> bytes:
+def check_frame(data: bytes) -> bytes:
     if len(data) < HEADER_SIZE or data[:4] != MAGIC:
         raise RecordRejected("bad_magic", f"not a pnyx rollout record (first bytes {bytes(data[:4])!r})")
     if data[4] != FORMAT_VERSION:
@@ -155,7 +155,7 @@ def _check_frame(data: bytes) -> bytes:
     return actual
 
 
-def _inflate(payload: memoryview, max_out: int) -> bytes:
+def inflate(payload: memoryview, max_out: int) -> bytes:
     # Never trust the frame's content-size field: read through a bounded stream, one byte past the cap.
     try:
         declared = zstandard.frame_content_size(payload)

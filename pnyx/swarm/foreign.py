@@ -1,0 +1,224 @@
+"""Turning a peer's shared group into training data for this node: rebuild, re-score, re-tokenize, estimate μ.
+
+For every foreign group the node (1) rebuilds the task from its id with its own copy of the environment
+and re-scores every completion text with its own verifier (the sender's rewards are never used);
+(2) renders the prompt with its own tokenizer; (3) gets token ids for each completion:
+
+- ``exact`` path: the sender's tokenizer digest equals ours and its token ids decode to exactly the
+  shared text, so we train on the sender's own ids (the tokens it actually sampled) and its recorded
+  logprobs are a true behaviour probability μ for them;
+- ``aligned`` path (any other tokenizer): the text is re-tokenized with ours; it must decode back to the
+  same text, and μ is estimated per token by character-segment alignment (`align.aligned_behaviour`),
+  which needs our own logprobs π of those tokens.
+
+(4) The behaviour logprobs the loss sees depend on `ForeignMode`: ``onpolicy`` uses our own pre-step π
+(ratio ≡ 1, SAPO's reference behaviour); ``gated`` uses the sender's μ (exact) or the aligned estimate,
+so the trainer's PPO clip and DPPO gate treat foreign text as off-policy data. Foreign groups are always
+scored under the sender's temperature with no top-k/top-p truncation (a truncated own distribution
+could give foreign tokens probability 0).
+
+Knows nothing about the store, peers or the optimizer. Torch is imported only in `own_logprobs`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pnyx.errors import ConfigError, RecordRejected
+from pnyx.swarm.align import aligned_behaviour, char_ends
+from pnyx.swarm.records import SwarmGroup
+
+ForeignMode = Literal["onpolicy", "gated"]
+Path_ = Literal["exact", "aligned"]
+
+
+@dataclass
+class Candidate:
+    """A validated foreign group with this node's own rewards (re-scored at fetch time)."""
+
+    key: str
+    peer: str
+    group: SwarmGroup
+    rewards: list[float]
+    """Our verifier's rewards, one per sample (never the sender's)."""
+    uploaded: float
+    """Store timestamp (epoch seconds) of the upload."""
+    forged: int = 0
+    """Samples whose claimed reward differed from ours (overwritten)."""
+
+    @property
+    def has_variance(self) -> bool:
+        return max(self.rewards) - min(self.rewards) > 1e-9
+
+
+@dataclass
+class ForeignRows:
+    """A foreign group in this node's token space, before the behaviour logprobs are chosen."""
+
+    cand: Candidate
+    path: Path_
+    prompt: list[int]
+    completions: list[list[int]]
+    loss_masks: list[list[int]]
+    sender_logprobs: list[list[float]]
+    """exact path: the sender's μ per token (aligned with `completions`)."""
+    sender_view: list[tuple[list[int], list[float], list[int]]] = field(default_factory=list)
+    """aligned path: (sender ends, logprobs, mask) per sample, EOS excluded."""
+    own_ends: list[list[int]] = field(default_factory=list)
+    """aligned path: our token end offsets per sample (EOS excluded)."""
+    eos_logprobs: list[float | None] = field(default_factory=list)
+    """aligned path: the sender's EOS logprob when its sample ended with EOS (we append our EOS)."""
+
+
+class EnvCache:
+    """This node's verifiers for foreign groups: one environment per (name, kwargs), built on first use.
+
+    Only environments named in `accept` are built (a peer cannot make us construct arbitrary ones).
+    """
+
+    def __init__(self, accept: set[str]):
+        self.accept = set(accept)
+        self._envs: dict[str, Any] = {}
+
+    def get(self, name: str, kwargs: dict[str, Any]) -> Any:
+        import msgspec
+
+        from pnyx.envs import get_env
+
+        if name not in self.accept:
+            raise RecordRejected("unknown_env", f"environment {name!r} is not accepted here ({sorted(self.accept)})")
+        key = name + msgspec.json.encode(kwargs).decode()
+        env = self._envs.get(key)
+        if env is None:
+            try:
+                env = get_env(name, **kwargs)
+            except (ConfigError, TypeError, ValueError, KeyError, OSError) as exc:
+                raise RecordRejected("bad_env", f"{name}({kwargs}): {exc}") from exc
+            self._envs[key] = env
+        return env
+
+
+def rescore(group: SwarmGroup, envs: EnvCache) -> tuple[list[float], int]:
+    """Our own rewards for a foreign group's texts, and how many claimed rewards we overwrote."""
+    env = envs.get(group.env, group.env_kwargs)
+    try:
+        task = env.task(group.task_id)
+    except (ConfigError, ValueError, KeyError) as exc:
+        raise RecordRejected("bad_task", f"{group.task_id!r}: {exc}") from exc
+    rewards = [float(env.score(task, s.text).reward) for s in group.samples]
+    forged = sum(abs(r - s.reward) > 1e-6 for r, s in zip(rewards, group.samples, strict=True))
+    return rewards, forged
+
+
+def make_candidate(key: str, peer: str, group: SwarmGroup, envs: EnvCache, uploaded: float | None = None) -> Candidate:
+    """Re-score a validated foreign group into a `Candidate` (raises RecordRejected)."""
+    rewards, forged = rescore(group, envs)
+    return Candidate(key, peer, group, rewards, uploaded if uploaded is not None else time.time(), forged)
+
+
+def _encode_text(tokenizer: Any, text: str) -> list[int]:
+    # Special-token strings inside foreign text must stay text, never become our EOS or role tokens.
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+def to_rows(
+    cand: Candidate,
+    envs: EnvCache,
+    tokenizer: Any,
+    tokenizer_digest: str,
+    eos_id: int | None,
+    max_tokens: int,
+) -> ForeignRows:
+    """Rebuild the prompt and the completions of `cand` in our token space (raises RecordRejected)."""
+    from pnyx.models import render_prompt
+
+    g = cand.group
+    env = envs.get(g.env, g.env_kwargs)
+    task = env.task(g.task_id)
+    prompt = list(render_prompt(tokenizer, task.prompt))
+    vocab = len(tokenizer)
+    same = g.tokenizer_digest == tokenizer_digest
+    if same and all(
+        all(0 <= t < vocab for t in s.tokens) and tokenizer.decode(s.tokens, skip_special_tokens=True) == s.text
+        for s in g.samples
+    ):
+        return ForeignRows(
+            cand=cand,
+            path="exact",
+            prompt=prompt,
+            completions=[list(s.tokens) for s in g.samples],
+            loss_masks=[list(s.loss_mask) for s in g.samples],
+            sender_logprobs=[list(s.logprobs) for s in g.samples],
+        )
+    rows = ForeignRows(cand=cand, path="aligned", prompt=prompt, completions=[], loss_masks=[], sender_logprobs=[])
+    for s in g.samples:
+        ids = _encode_text(tokenizer, s.text)
+        if tokenizer.decode(ids, skip_special_tokens=True) != s.text:
+            raise RecordRejected("retokenize_mismatch", "our tokenizer does not round-trip the shared text")
+        n = len(s.tokens) - (1 if s.eos and s.tokens else 0)
+        view = (list(s.token_ends[:n]), list(s.logprobs[:n]), list(s.loss_mask[:n]))
+        eos_lp = float(s.logprobs[-1]) if s.eos and s.tokens and eos_id is not None else None
+        comp = ids + ([eos_id] if eos_lp is not None else [])
+        if len(comp) > max_tokens:
+            raise RecordRejected("too_many_tokens", f"re-tokenized completion has {len(comp)} > {max_tokens} tokens")
+        rows.completions.append(comp)
+        rows.loss_masks.append([1] * len(comp))  # refined by `behaviour` (tool segments)
+        rows.sender_view.append(view)
+        rows.own_ends.append(char_ends(tokenizer, ids))
+        rows.eos_logprobs.append(eos_lp)
+    return rows
+
+
+def behaviour(rows: ForeignRows, own: list[list[float]] | None, mode: ForeignMode) -> tuple[list[list[float]], list[list[int]]]:
+    """(behaviour logprobs, loss masks) per sample of a foreign group for the loss, under `mode`.
+
+    `own` are our pre-step logprobs of `rows.completions` (detached); required unless the path is
+    ``exact`` and the mode ``gated``. Tokens outside the loss mask get 0.0 (the record invariant).
+    """
+    if rows.path == "exact":
+        masks = rows.loss_masks
+        if mode == "gated":
+            return rows.sender_logprobs, masks
+        if own is None:
+            raise ValueError("onpolicy mode needs our own logprobs")
+        return [[lp if m else 0.0 for lp, m in zip(o, mk, strict=True)] for o, mk in zip(own, masks, strict=True)], masks
+    if own is None:
+        raise ValueError("the aligned path needs our own logprobs")
+    mus, masks = [], []
+    for i, comp in enumerate(rows.completions):
+        ends, slp, smask = rows.sender_view[i]
+        has_eos = rows.eos_logprobs[i] is not None
+        n_text = len(comp) - (1 if has_eos else 0)
+        mu, mask = aligned_behaviour(ends, slp, smask, rows.own_ends[i], own[i][:n_text])
+        if has_eos:
+            mu.append(min(0.0, float(rows.eos_logprobs[i])))
+            mask.append(1)
+        if mode == "onpolicy":
+            mu = [lp if m else 0.0 for lp, m in zip(own[i], mask, strict=True)]
+        mus.append(mu)
+        masks.append(mask)
+    return mus, masks
+
+
+def own_logprobs(model: Any, rows: list[ForeignRows], micro_batch_tokens: int) -> list[list[list[float]] | None]:
+    """Our detached logprobs of every completion of `rows` (None for groups that do not need them)."""
+    import torch
+
+    from pnyx.models.logprobs import completion_logprobs
+
+    out: list[list[list[float]] | None] = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for r in rows:
+                temp = float(r.cand.group.temperature)
+                prompts = [r.prompt] * len(r.completions)
+                lp, mask, _ = completion_logprobs(model, prompts, r.completions, temperature=temp, max_tokens=micro_batch_tokens)
+                lp = lp.float().cpu()
+                out.append([lp[i, : len(c)].tolist() for i, c in enumerate(r.completions)])
+    finally:
+        model.train(was_training)
+    return out

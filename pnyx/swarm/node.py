@@ -1,0 +1,430 @@
+"""The SAPO node loop: generate → share → refresh the pool → sample the mix → re-tokenize/re-score → step.
+
+A swarm node is worker and trainer of its own policy (SAPO, arXiv 2509.08721). Each round it generates
+I = `swarm.local_groups` groups of G completions on its own tasks, uploads them as text, pulls the recent
+uploads of live peers (validated, re-scored by its own verifier), draws J = `swarm.external_groups` of
+them, and takes one optimizer step on the I + J groups with the trainer's own step function and loss
+(`pnyx.train.step.train_step`; decoupled PPO, DPPO gate). Groups whose rewards all agree carry no GRPO
+signal and are dropped (counted); a round whose mix has no signal left takes no step, so `version`
+counts optimizer steps and `rounds` counts rounds.
+
+Invariants: no round waits for a peer (missing peers only shorten the external part of the mix); a
+foreign group trains this node at most once and only with rewards from this node's verifier; every
+dropped object or group is counted by reason in `drops`. Each method is one stage, testable alone.
+Imports torch at module level: only heavy code imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pnyx.config import PnyxConfig
+from pnyx.envs.base import stable_hash
+from pnyx.errors import AlreadyExistsError, ConfigError, RecordRejected, StoreError
+from pnyx.protocol import layout
+from pnyx.protocol.records import RolloutGroup, Sample
+from pnyx.swarm import foreign
+from pnyx.swarm.foreign import Candidate, EnvCache, ForeignRows
+from pnyx.swarm.records import NodeHeartbeat, SwarmGroup
+from pnyx.swarm.sample import Pool, sample_external
+from pnyx.swarm.share import (
+    PeerFeed,
+    check_node_name,
+    read_heartbeat,
+    to_swarm_group,
+    upload,
+    write_heartbeat,
+)
+from pnyx.train.advantages import group_advantages, is_zero_variance
+from pnyx.train.ingest import ScoredGroup
+from pnyx.train.loop import loss_settings
+from pnyx.train.step import StepStats, make_optimizer, train_step
+
+log = logging.getLogger("pnyx.swarm")
+
+
+@dataclass
+class RoundStats:
+    """What one round did (logged as one line; the benchmark sums `local_reward`)."""
+
+    round: int
+    version: int
+    local_groups: int = 0
+    external_groups: int = 0
+    trained_groups: int = 0
+    """Groups in the optimizer step (the mix minus zero-variance groups)."""
+    trained_local: int = 0
+    trained_external: int = 0
+    local_reward: float = 0.0
+    """Mean reward (own verifier) of the completions this node generated this round."""
+    external_reward: float = 0.0
+    """Mean reward (own verifier) of the external completions in the mix."""
+    paths: Counter = field(default_factory=Counter)
+    """External groups by token path: exact / aligned."""
+    zero_variance: int = 0
+    forged: int = 0
+    """Claimed foreign rewards this node overwrote in the mix."""
+    step: StepStats | None = None
+    seconds: float = 0.0
+
+    def line(self, node: str) -> str:
+        s = self.step
+        step = (
+            f"loss={s.loss:.4f} masked={100 * s.masked_frac:.2f}% clip={100 * s.clip_frac:.2f}% iw={s.iw_mean:.3f}"
+            if s is not None
+            else "no-step"
+        )
+        return (
+            f"node={node} round={self.round} v={self.version} local={self.local_groups} ext={self.external_groups} "
+            f"trained={self.trained_groups} reward={self.local_reward:.3f} ext_reward={self.external_reward:.3f} "
+            f"zero_var={self.zero_variance} forged={self.forged} paths={dict(self.paths)} {step} "
+            f"s={self.seconds:.2f}"
+        )
+
+
+def _model_id(model_dir: Path, model: Any) -> str:
+    cfg = getattr(model, "config", None)
+    arch = getattr(cfg, "model_type", "model")
+    return f"{model_dir.name}:{arch}"[:256]
+
+
+class SwarmNode:
+    """One SAPO node: its own model, tokenizer and environment, meeting its peers only in `store`."""
+
+    def __init__(
+        self,
+        store: Any,
+        name: str,
+        cfg: PnyxConfig,
+        model: Any,
+        tokenizer: Any,
+        model_dir: str | Path,
+        env: Any,
+        accept_envs: set[str] | None = None,
+        recent_per_peer: int | None = None,
+    ):
+        from pnyx.models.tokenizer import eos_token_ids, tokenizer_digest
+        from pnyx.rollout.engine import Engine
+
+        self.store, self.name, self.cfg = store, check_node_name(name), cfg
+        self.model, self.tokenizer, self.env = model, tokenizer, env
+        self.model_dir = Path(model_dir)
+        self.model_id = _model_id(self.model_dir, model)
+        self.tokenizer_digest = tokenizer_digest(self.model_dir)
+        self.eos_ids = set(eos_token_ids(tokenizer, model))
+        self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else None
+        self.engine = Engine(model, tokenizer)
+        sw = cfg.swarm
+        if accept_envs is None:
+            accept_envs = set(sw.accept_envs) if sw.accept_envs is not None else {env.name}
+        self.envs = EnvCache(accept_envs)
+        recent = recent_per_peer or max(1, sw.max_per_peer, sw.local_groups)
+        self.pool = Pool(sw.window_s, recent)
+        self.feed = PeerFeed(store, self.name, self._accept, sw.window_s, sw.peer_timeout_s, recent)
+        self.drops = self.feed.drops  # one counter for every reason, fetch-time and mix-time
+        self.settings = loss_settings(cfg)
+        t = cfg.trainer
+        self.optimizer = make_optimizer(model, t.lr, tuple(t.betas), t.weight_decay)
+        self.rng = random.Random(stable_hash("swarm-sample", cfg.run.seed, self.name))
+        self.task_seed = stable_hash("swarm-tasks", cfg.run.seed, self.name) % (2**31)
+        self.version = 0
+        self.rounds = 0
+        self.uploaded = 0
+        self.external_trained = 0
+        self._task_pos = 0
+        self.seq = self._resume_seq()
+
+    # --- stage 1: generate ------------------------------------------------------------------------
+
+    def generate(self) -> list[RolloutGroup]:
+        """I groups of G completions on this node's next tasks, scored by its verifier, numbered by seq."""
+        from pnyx.rollout.cohort import CohortSpec, generate_cohort
+
+        n = self.cfg.swarm.local_groups
+        if n == 0:
+            return []
+        w = self.cfg.worker
+        tasks = self.env.sample("train", self.task_seed, n, start=self._task_pos)
+        self._task_pos += n
+        spec = CohortSpec(
+            run_id="swarm",
+            worker_id=self.name,
+            version=self.version,
+            digest=f"{self.name}-v{self.version}",
+            group_size=w.group_size,
+            temperature=w.temperature,
+            top_p=w.top_p,
+            top_k=w.top_k,
+            max_new_tokens=w.max_new_tokens,
+            seed=stable_hash("swarm-gen", self.cfg.run.seed, self.name, self.rounds) % (2**31),
+        )
+        self.model.eval()
+        return generate_cohort(self.engine, self.tokenizer, self.env, tasks, spec, self._next_seq).groups
+
+    # --- stage 2: share ---------------------------------------------------------------------------
+
+    def share(self, groups: list[RolloutGroup]) -> list[str]:
+        """Upload each group as text (create-only) and rewrite the heartbeat; store errors are counted."""
+        keys = []
+        for g in groups:
+            sg = to_swarm_group(
+                g,
+                self.tokenizer,
+                self.eos_ids,
+                node=self.name,
+                model_id=self.model_id,
+                tokenizer_digest=self.tokenizer_digest,
+                env_kwargs=dict(self.cfg.env.kwargs),
+            )
+            try:
+                keys.append(upload(self.store, sg))
+                self.uploaded += 1
+            except AlreadyExistsError:
+                raise ConfigError(
+                    f"{layout.swarm_key(self.name, g.seq)} already exists: another process is running as node "
+                    f"{self.name!r}; give every node its own --node name"
+                ) from None
+            except StoreError as exc:
+                self.drops["upload_failed"] += 1
+                log.warning("upload of seq %d failed (%s); the group is trained locally only", g.seq, exc)
+        self.heartbeat()
+        return keys
+
+    def heartbeat(self, status: str = "running", detail: str = "") -> None:
+        hb = NodeHeartbeat(
+            node=self.name,
+            model_id=self.model_id,
+            tokenizer_digest=self.tokenizer_digest,
+            env=self.env.name,
+            version=self.version,
+            rounds=self.rounds,
+            next_seq=self.seq,
+            groups=self.uploaded,
+            external_trained=self.external_trained,
+            updated_at=time.time(),
+            status=status,
+            detail=detail[:512],
+        )
+        try:
+            write_heartbeat(self.store, hb)
+        except StoreError as exc:
+            self.drops["heartbeat_failed"] += 1
+            log.warning("heartbeat failed: %s", exc)
+
+    # --- stage 3: refresh the pool ------------------------------------------------------------------
+
+    def _accept(self, key: str, peer: str, group: SwarmGroup, uploaded: float) -> Candidate:
+        return foreign.make_candidate(key, peer, group, self.envs, uploaded)
+
+    def refresh(self) -> int:
+        """Pull live peers' recent uploads into the pool; returns how many new candidates arrived."""
+        try:
+            new = self.feed.refresh()
+        except StoreError as exc:
+            self.drops["store_error"] += 1
+            log.warning("refresh failed (%s); training on what the pool holds", exc)
+            new = []
+        self.pool.add(new)
+        self.pool.prune(self.feed.now)
+        return len(new)
+
+    # --- stage 4: sample the mix --------------------------------------------------------------------
+
+    def sample_mix(self) -> list[Candidate]:
+        """Draw J external candidates from the pool (fewer if the pool is short) and mark them used."""
+        sw = self.cfg.swarm
+        picked = sample_external(self.pool.candidates(), sw.external_groups, sw.prefer, sw.max_per_peer, self.rng)
+        self.pool.take(picked)
+        if len(picked) < sw.external_groups:
+            self.drops["short_external"] += sw.external_groups - len(picked)
+        return picked
+
+    # --- stage 5: re-tokenize, re-score, behaviour --------------------------------------------------
+
+    def local_scored(self, groups: list[RolloutGroup]) -> list[ScoredGroup]:
+        """Local groups as training groups (their rewards come from this node's verifier already)."""
+        out = []
+        for g in groups:
+            rewards = [float(s.reward) for s in g.samples]
+            adv = group_advantages(rewards, self.cfg.algorithm.advantage)
+            out.append(ScoredGroup(layout.swarm_key(self.name, g.seq), self.version, self.name, g.task_id, g, rewards, adv, rewards))
+        return out
+
+    def prepare_external(self, cands: list[Candidate]) -> tuple[list[ScoredGroup], Counter]:
+        """Foreign candidates in this node's token space with behaviour logprobs per `swarm.foreign`."""
+        mode = self.cfg.swarm.foreign
+        max_tokens = 4 * self.cfg.worker.max_new_tokens + 8
+        rows: list[ForeignRows] = []
+        for c in cands:
+            try:
+                rows.append(foreign.to_rows(c, self.envs, self.tokenizer, self.tokenizer_digest, self.eos_id, max_tokens))
+            except RecordRejected as exc:
+                self.drops[exc.reason] += 1
+                log.info("dropped foreign %s: %s", c.key, exc)
+        need = [r for r in rows if r.path == "aligned" or mode == "onpolicy"]
+        own = dict(zip((id(r) for r in need), foreign.own_logprobs(self.model, need, self.cfg.trainer.micro_batch_tokens), strict=True))
+        out, paths = [], Counter()
+        for r in rows:
+            mus, masks = foreign.behaviour(r, own.get(id(r)), mode)
+            g = r.cand.group
+            samples = [
+                Sample(tokens=comp, logprobs=mu, loss_mask=mk, reward=rew, finish_reason=s.finish_reason)
+                for comp, mu, mk, rew, s in zip(r.completions, mus, masks, r.cand.rewards, g.samples, strict=True)
+            ]
+            rec = RolloutGroup(
+                run_id="swarm",
+                worker_id=g.node,
+                seq=g.seq,
+                policy_version=g.policy_version,
+                weights_digest=g.tokenizer_digest,
+                env=g.env,
+                task_id=g.task_id,
+                prompt_tokens=r.prompt,
+                samples=samples,
+                temperature=g.temperature,
+                top_p=1.0,
+                top_k=0,
+                created_at=g.created_at,
+                gen_seconds=0.0,
+                score_seconds=0.0,
+            )
+            adv = group_advantages(r.cand.rewards, self.cfg.algorithm.advantage)
+            out.append(ScoredGroup(r.cand.key, g.policy_version, g.node, g.task_id, rec, r.cand.rewards, adv, [s.reward for s in g.samples]))
+            paths[r.path] += 1
+        return out, paths
+
+    # --- stage 6: step ------------------------------------------------------------------------------
+
+    def step(self, groups: list[ScoredGroup]) -> StepStats | None:
+        """One optimizer step on the groups that carry a signal; None (and no step) if none does."""
+        live = [g for g in groups if not is_zero_variance(g.rewards) and any(s.tokens for s in g.group.samples)]
+        if not live:
+            return None
+        longest = max(len(s.tokens) for g in live for s in g.group.samples)
+        _ensure_trainable(self.model)
+        stats = train_step(
+            self.model,
+            self.optimizer,
+            live,
+            self.settings,
+            micro_batch_tokens=self.cfg.trainer.micro_batch_tokens,
+            grad_clip=self.cfg.trainer.grad_clip,
+            max_len=max(self.cfg.worker.max_new_tokens, longest),
+        )
+        self.model.eval()
+        self.version += 1
+        return stats
+
+    # --- the loop -----------------------------------------------------------------------------------
+
+    def round(self) -> RoundStats:
+        """One full round; never waits for peers."""
+        t0 = time.perf_counter()
+        stats = RoundStats(round=self.rounds, version=self.version)
+        local = self.generate()
+        self.share(local)
+        self.refresh()
+        picked = self.sample_mix()
+        external, stats.paths = self.prepare_external(picked)
+        mix = self.local_scored(local) + external
+        stats.zero_variance = sum(is_zero_variance(g.rewards) for g in mix)
+        self.drops["zero_variance"] += stats.zero_variance
+        stats.local_groups, stats.external_groups = len(local), len(external)
+        stats.trained_local = sum(not is_zero_variance(g.rewards) for g in mix[: len(local)])
+        stats.trained_external = sum(not is_zero_variance(g.rewards) for g in external)
+        stats.trained_groups = stats.trained_local + stats.trained_external
+        stats.local_reward = _mean([float(s.reward) for g in local for s in g.samples])
+        stats.external_reward = _mean([r for g in external for r in g.rewards])
+        stats.forged = sum(c.forged for c in picked)
+        stats.step = self.step(mix)
+        if stats.step is not None:
+            self.external_trained += stats.trained_external
+        self.rounds += 1
+        stats.version = self.version
+        stats.seconds = time.perf_counter() - t0
+        self.heartbeat()
+        log.info(stats.line(self.name))
+        return stats
+
+    def run(self, rounds: int, time_budget_s: float | None = None) -> list[RoundStats]:
+        """Run `rounds` rounds (or until the time budget); the heartbeat says "stopped" at the end."""
+        self.heartbeat("starting")
+        out = []
+        t0 = time.monotonic()
+        status, detail = "stopped", ""
+        try:
+            for _ in range(rounds):
+                out.append(self.round())
+                if time_budget_s is not None and time.monotonic() - t0 > time_budget_s:
+                    detail = "time budget spent"
+                    break
+        except BaseException as exc:
+            status, detail = "error", f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self.heartbeat(status, detail)
+        return out
+
+    # --- helpers ------------------------------------------------------------------------------------
+
+    def _next_seq(self) -> int:
+        seq = self.seq
+        self.seq += 1
+        return seq
+
+    def _resume_seq(self) -> int:
+        """The first free seq: after the heartbeat's `next_seq` and any upload listed past it."""
+        hb = read_heartbeat(self.store, self.name)
+        floor = hb.next_seq if hb is not None else 0
+        start_after = layout.swarm_key(self.name, floor - 1) if floor > 0 else None
+        nxt = floor
+        for m in self.store.list(layout.swarm_dir(self.name), start_after=start_after):
+            parsed = layout.parse_swarm_key(m.key)
+            if parsed is not None and parsed[0] == self.name:
+                nxt = max(nxt, parsed[1] + 1)
+        return nxt
+
+
+def _ensure_trainable(model: Any) -> None:
+    """Give back autograd-usable storage to any parameter the engine left as an inference-mode tensor.
+
+    An engine that re-points parameters at tensors built inside `torch.inference_mode` (an early version of
+    the fused decoder did) leaves them unusable by autograd. A no-op when no parameter is affected; when
+    one is, it is copied and a warning names the regression instead of the step failing.
+    """
+    import torch
+
+    fixed = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_inference():
+                p.data = p.data.clone()
+                fixed += 1
+    if fixed:
+        log.warning("%d parameters were inference-mode tensors after generation (engine regression?); copied", fixed)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def open_node(
+    store: Any, name: str, cfg: PnyxConfig, model_dir: str | Path | None = None, **kwargs: Any
+) -> SwarmNode:
+    """Load this node's model (fp32, for training), tokenizer and environment, and build the node."""
+    from pnyx.config import resolve_model_path
+    from pnyx.envs import get_env
+    from pnyx.models import load_model, load_tokenizer
+
+    check_node_name(name)
+    path = Path(model_dir) if model_dir is not None else resolve_model_path(cfg)
+    model = load_model(path, dtype="float32", device=cfg.trainer.device)
+    tokenizer = load_tokenizer(path)
+    env = get_env(cfg.env.name, **cfg.env.kwargs)
+    return SwarmNode(store, name, cfg, model, tokenizer, path, env, **kwargs)

@@ -1,0 +1,221 @@
+"""Sharing through the store: publish this node's groups and heartbeat, discover peers, fetch their uploads.
+
+Nodes never exchange addresses: a node is discovered by its heartbeat `swarm/nodes/{node}.json`, and its
+groups are the create-only objects `swarm/{node}/{seq:010d}` (keys from `pnyx.protocol.layout`).
+Liveness and recency use the *store's* clock (`ObjectMeta.last_modified`), compared with this node's
+own freshly written heartbeat, so a peer with a wrong wall clock can neither hide nor pin its records.
+
+`PeerFeed` keeps one cursor per peer and fetches only the newest few uploads of each live peer; every
+object it cannot use is dropped once, counted by reason, and never fetched again, so a peer that leaves,
+joins late or uploads garbage costs the others a bounded amount of work and never blocks them.
+Knows nothing about torch or the optimizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pnyx.errors import ConfigError, NotFoundError, RecordRejected, StoreError
+from pnyx.protocol import layout
+from pnyx.protocol.codec import decode_json, encode_json
+from pnyx.swarm.align import char_ends
+from pnyx.swarm.records import NodeHeartbeat, SwarmGroup, SwarmSample, decode_swarm_group, encode_swarm_group
+
+log = logging.getLogger("pnyx.swarm")
+
+RESERVED_NODE_NAMES = frozenset({"nodes"})
+"""`swarm/nodes/` holds heartbeats: a node with this name would collide with it."""
+
+
+def check_node_name(name: str) -> str:
+    """A valid node name (layout rules, and not a reserved folder name). Raises ConfigError."""
+    try:
+        layout.check_name(name, "node name")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if name in RESERVED_NODE_NAMES:
+        raise ConfigError(f"node name {name!r} is reserved (swarm/{name}/ holds heartbeats); pick another name")
+    return name
+
+
+def to_swarm_group(
+    group: Any,
+    tokenizer: Any,
+    eos_ids: set[int],
+    *,
+    node: str,
+    model_id: str,
+    tokenizer_digest: str,
+    env_kwargs: dict[str, Any],
+) -> SwarmGroup:
+    """The shareable text form of one local `RolloutGroup` (decoded text plus our token view of it)."""
+    samples = []
+    for s in group.samples:
+        toks = [int(t) for t in s.tokens]
+        samples.append(
+            SwarmSample(
+                text=tokenizer.decode(toks, skip_special_tokens=True),
+                tokens=toks,
+                logprobs=[float(x) for x in s.logprobs],
+                loss_mask=[int(m) for m in s.loss_mask],
+                token_ends=char_ends(tokenizer, toks),
+                eos=bool(toks) and toks[-1] in eos_ids,
+                reward=float(s.reward),
+                finish_reason=str(s.finish_reason),
+                num_tool_calls=int(s.num_tool_calls),
+            )
+        )
+    return SwarmGroup(
+        node=node,
+        seq=int(group.seq),
+        policy_version=int(group.policy_version),
+        model_id=model_id,
+        tokenizer_digest=tokenizer_digest,
+        env=group.env,
+        env_kwargs=dict(env_kwargs),
+        task_id=group.task_id,
+        samples=samples,
+        temperature=float(group.temperature),
+        top_p=float(group.top_p),
+        top_k=int(group.top_k),
+        created_at=float(group.created_at),
+    )
+
+
+def upload(store: Any, group: SwarmGroup) -> str:
+    """Write `group` create-only at its key and return the key (AlreadyExistsError if the seq is taken)."""
+    key = layout.swarm_key(group.node, group.seq)
+    store.put(key, encode_swarm_group(group), mode="create")
+    return key
+
+
+def write_heartbeat(store: Any, hb: NodeHeartbeat) -> None:
+    store.put(layout.swarm_heartbeat(hb.node), encode_json(hb), mode="overwrite")
+
+
+def read_heartbeat(store: Any, node: str) -> NodeHeartbeat | None:
+    """A node's heartbeat, or None if it has none (or an unreadable one)."""
+    try:
+        return decode_json(store.get(layout.swarm_heartbeat(node)), NodeHeartbeat)
+    except (NotFoundError, RecordRejected):
+        return None
+
+
+@dataclass
+class Peer:
+    """What we know about one other node."""
+
+    name: str
+    heartbeat: NodeHeartbeat
+    seen_at: float
+    """Store timestamp of its heartbeat."""
+
+
+@dataclass
+class PeerFeed:
+    """Discovers live peers and fetches their recent uploads, validated and converted by `accept`.
+
+    `accept(key, peer, group, uploaded)` turns a decoded group into whatever the caller keeps (it may
+    raise RecordRejected, which is counted like any other drop). Per refresh and peer, at most
+    `recent_per_peer` of the newest not-yet-seen uploads inside `window_s` are fetched.
+    """
+
+    store: Any
+    me: str
+    accept: Callable[[str, str, SwarmGroup, float], Any]
+    window_s: float = 300.0
+    peer_timeout_s: float = 60.0
+    recent_per_peer: int = 8
+    drops: Counter = field(default_factory=Counter)
+    peers: dict[str, Peer] = field(default_factory=dict)
+    now: float = field(default_factory=time.time)
+    """The store's clock at the last refresh (our heartbeat's timestamp)."""
+    _seen: dict[str, int] = field(default_factory=dict)
+    """Per peer: highest seq already fetched or dropped."""
+
+    def live_peers(self, metas: list[Any] | None = None) -> dict[str, Peer]:
+        """Read every heartbeat; keep the peers whose heartbeat is within `peer_timeout_s` of ours."""
+        metas = self.store.list(layout.SWARM_NODES_PREFIX) if metas is None else metas
+        by_name = {}
+        for m in metas:
+            name = m.key[len(layout.SWARM_NODES_PREFIX) :].removesuffix(".json")
+            if m.key.endswith(".json") and name:
+                by_name[name] = m
+        mine = by_name.get(self.me)
+        now = mine.last_modified.timestamp() if mine is not None else time.time()
+        live: dict[str, Peer] = {}
+        for name, meta in by_name.items():
+            if name == self.me:
+                continue
+            if now - meta.last_modified.timestamp() > self.peer_timeout_s:
+                continue
+            hb = read_heartbeat(self.store, name)
+            if hb is None or hb.node != name:
+                self.drops["bad_heartbeat"] += 1
+                continue
+            live[name] = Peer(name, hb, meta.last_modified.timestamp())
+        gone = set(self.peers) - set(live)
+        joined = set(live) - set(self.peers)
+        if gone or joined:
+            log.info("peers: joined=%s left=%s live=%s", sorted(joined), sorted(gone), sorted(live))
+        self.peers = live
+        return live
+
+    def refresh(self) -> list[Any]:
+        """Fetch, validate and `accept` the new recent uploads of every live peer; return what was accepted."""
+        out: list[Any] = []
+        metas = self.store.list(layout.SWARM_NODES_PREFIX)
+        mine = [m.last_modified.timestamp() for m in metas if m.key == layout.swarm_heartbeat(self.me)]
+        now = self.now = mine[0] if mine else time.time()
+        for peer in self.live_peers(metas).values():
+            try:
+                out.extend(self._refresh_peer(peer, now))
+            except StoreError as exc:  # one unreachable prefix must not stop the round
+                self.drops["store_error"] += 1
+                log.warning("peer %s: listing failed (%s); skipping it this round", peer.name, exc)
+        return out
+
+    def _refresh_peer(self, peer: Peer, now: float) -> list[Any]:
+        seen = self._seen.get(peer.name, -1)
+        # Start just below the peer's advertised next seq: listing cost is bounded by the recent window,
+        # not by the length of the peer's history.
+        floor = max(seen, peer.heartbeat.next_seq - self.recent_per_peer - 1)
+        start_after = layout.swarm_key(peer.name, floor) if floor >= 0 else None
+        # The limit bounds the cost of a peer whose heartbeat understates its uploads.
+        metas = self.store.list(layout.swarm_dir(peer.name), start_after=start_after, limit=4 * self.recent_per_peer + 64)
+        fresh = []
+        for m in metas:
+            parsed = layout.parse_swarm_key(m.key)
+            if parsed is None or parsed[0] != peer.name:
+                self.drops["bad_key"] += 1
+                continue
+            if parsed[1] <= seen:
+                continue
+            if now - m.last_modified.timestamp() > self.window_s:
+                self._seen[peer.name] = max(self._seen.get(peer.name, -1), parsed[1])
+                self.drops["outside_window"] += 1
+                continue
+            fresh.append((parsed[1], m))
+        fresh.sort(key=lambda x: x[0])
+        if len(fresh) > self.recent_per_peer:
+            self.drops["older_than_recent"] += len(fresh) - self.recent_per_peer
+            fresh = fresh[-self.recent_per_peer :]
+        out = []
+        for seq, m in fresh:
+            self._seen[peer.name] = max(self._seen.get(peer.name, -1), seq)
+            try:
+                group = decode_swarm_group(self.store.get(m.key))
+                if group.node != peer.name or group.seq != seq:
+                    raise RecordRejected("node_mismatch", f"{m.key} claims node {group.node!r} seq {group.seq}")
+                out.append(self.accept(m.key, peer.name, group, m.last_modified.timestamp()))
+            except RecordRejected as exc:
+                self.drops[exc.reason] += 1
+                log.info("dropped %s: %s", m.key, exc)
+            except NotFoundError:
+                self.drops["vanished"] += 1
+        return out
