@@ -205,7 +205,7 @@ def test_prompt_that_does_not_render_from_the_task_is_rejected(store):
 def test_group_from_a_foreign_weights_history_is_rejected(store):
     put(store, make_group(0, "w", 0))  # carries weights_digest "d"
     ing = make_ingestor(store)
-    ing.expected_digest = lambda v: "the-real-digest"
+    ing.expected_digest = lambda v: frozenset({"the-real-digest", "the-int8-plane-digest"})
     ing.poll(0)
     assert ing.cursor.drops == {"weights_mismatch": 1}
 
@@ -248,3 +248,21 @@ def test_workers_take_turns_within_a_version(store):
         layout.rollout_key(0, "a", 0),
         layout.rollout_key(0, "a", 1),
     }  # each worker's oldest groups first
+
+
+def test_groups_from_int8_plane_workers_match_a_published_digest():
+    import torch
+
+    from pnyx.train.loop import published_digests
+    from pnyx.weights import Publisher, Syncer
+
+    store = open_store("memory://")
+    pub = Publisher(store, anchor_every=20, int8_plane=True)
+    pub.publish(0, {"w": torch.randn(4, 64).to(torch.bfloat16)})
+    digests = published_digests(store, 0)
+    weights_syncer, int8_syncer = Syncer(store), Syncer(store, plane="int8")
+    weights_syncer.sync()
+    int8_syncer.sync()
+    assert weights_syncer.digest != int8_syncer.digest
+    assert digests == {weights_syncer.digest, int8_syncer.digest}
+    assert published_digests(store, 1) is None

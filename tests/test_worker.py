@@ -223,3 +223,12 @@ def test_back_pressure_default_is_what_the_trainer_could_still_use():
     cfg = load_config(overrides={"trainer": {"groups_per_step": 8}, "algorithm": {"max_staleness": 3}})
     assert resolve_groups_per_version(cfg) == 32
     assert resolve_groups_per_version(load_config(overrides={"worker": {"max_groups_per_version": 0}})) is None
+
+
+def test_int8_worker_on_a_run_without_the_int8_plane_fails_at_once(tmp_path, tiny_model_dir):
+    from pnyx.errors import ConfigError
+
+    run = make_run(str(tmp_path / "run"), tiny_model_dir)  # worker.int8 = false: no int8 plane published
+    worker = Worker(run.store, WorkerOptions(worker_id="w1", int8=True, join_timeout_s=600))
+    with pytest.raises(ConfigError, match="--worker.int8=true"):
+        worker.join()

@@ -36,6 +36,9 @@ def test_sigkilled_worker_leaves_only_whole_objects_and_a_restart_continues_its_
     seqs = [g.seq for _, g in groups]
     assert len(groups) >= 6 and len(set(seqs)) == len(seqs)
     assert all(g.worker_id == "w1" and g.policy_version == 0 for _, g in groups)
+    # unique seqs alone would not prove resume: create-only puts + re-keying also make them unique. The
+    # restarted worker must have continued after its first life's seqs without a single collision.
+    assert "key collision" not in (tmp_path / "worker1.log").read_text()
 
 
 def test_sigterm_stops_worker_cleanly_with_exit_code_zero(tmp_path, tiny_model_dir):

@@ -94,10 +94,12 @@ class Spool:
                 break
             key, data = self._items[0]
             try:
-                store.put(key, data, mode="create")
-            except AlreadyExistsError:
-                if not self._resolve_collision(store, key, data):
-                    continue  # re-keyed in place; try the new key
+                try:
+                    store.put(key, data, mode="create")
+                except AlreadyExistsError:
+                    # resolving reads the key: an outage there must leave the group spooled, like one here
+                    if not self._resolve_collision(store, key, data):
+                        continue  # re-keyed in place; try the new key
             except StoreUnavailableError as e:
                 self.stats.failed_flushes += 1
                 log.warning("store unavailable, %d group(s) stay spooled: %s", len(self._items), e)

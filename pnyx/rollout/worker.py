@@ -223,6 +223,11 @@ class Worker:
         manifest = read_run_manifest(self.store, self.opts.join_timeout_s, self.stop_event)
         self.run_id = manifest.run_id
         self.cfg = config_from_dict(manifest.config)
+        if self.opts.int8 and not self.cfg.worker.int8:
+            raise ConfigError(
+                "--int8: this run's trainer does not publish the int8 actor plane. Start the run with "
+                "--worker.int8=true (the trainer then publishes it next to the bf16 weights), or drop --int8."
+            )
         self.env = get_env(self.cfg.env.name, **self.cfg.env.kwargs)
         path = Path(self.opts.model_path) if self.opts.model_path else resolve_model_path(self.cfg)
         self.tokenizer = load_tokenizer(path)

@@ -84,7 +84,7 @@ def read_batch_record(store: Any, version: int) -> BatchRecord | None:
         return None
     try:
         return msgspec.json.decode(data, type=BatchRecord)
-    except msgspec.ValidationError as e:
+    except msgspec.DecodeError as e:  # ValidationError is a DecodeError: malformed JSON lands here too
         raise IntegrityError(f"{batch_key(version)} is not a batch record: {e}") from e
 
 

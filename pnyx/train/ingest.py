@@ -107,8 +107,8 @@ class Ingestor:
 
     `env` is the run's environment (`task`, `score`); `detokenize(ids) -> str` turns completion tokens into
     the text the verifier scores; `render(prompt) -> ids` (optional) re-renders a task's prompt so a group
-    whose prompt tokens do not match its task id is rejected; `expected_digest(version)` (optional) is
-    the published chain digest a group of that version must carry.
+    whose prompt tokens do not match its task id is rejected; `expected_digest(version)` (optional) gives
+    the published chain digests a group of that version may carry (one per plane: bf16 weights, int8).
     """
 
     store: Any
@@ -119,7 +119,7 @@ class Ingestor:
     run_id: str | None = None
     vocab_size: int | None = None
     render: Callable[[Any], list[int]] | None = None
-    expected_digest: Callable[[int], str | None] | None = None
+    expected_digest: Callable[[int], frozenset[str] | None] | None = None
     decode: Callable[[bytes, int | None], Any] = _default_decode
     _cache: dict[str, ScoredGroup] = field(default_factory=dict, init=False, repr=False)
     _rendered: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False)
@@ -206,7 +206,7 @@ class Ingestor:
             want = self.expected_digest(version)
             if want is None:
                 raise RecordRejected("unknown_version", f"{key}: weights v{version} are not published")
-            if group.weights_digest != want:
+            if group.weights_digest not in want:
                 raise RecordRejected("weights_mismatch", f"{key}: generated from a forked or foreign history")
         env_name = getattr(self.env, "name", None)
         if env_name is not None and group.env != env_name:

@@ -72,6 +72,19 @@ def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
     )
 
 
+def published_digests(store: Any, version: int) -> frozenset[str] | None:
+    """Chain digests a group of `version` may carry, one per plane (a worker on the int8 actor plane stamps
+    its groups with that plane's digest); None if the version is not published."""
+    from pnyx.weights.manifest import read_manifest
+
+    try:
+        m = read_manifest(store, version)
+    except NotFoundError:
+        return None
+    planes = [m.weights] + ([m.int8] if m.int8 is not None else [])
+    return frozenset(p.chain_digest for p in planes)
+
+
 def merge_resume_config(run_config: dict[str, Any], given: PnyxConfig) -> PnyxConfig:
     """On resume the run's config is the base; fields the caller set away from their defaults win."""
     return overlay_changed(run_config, given)
@@ -135,7 +148,7 @@ class Trainer:
             "hf_config": self.model.config.to_dict(),
         }
         tok = self.tokenizer
-        self._digests: dict[int, str] = {}
+        self._digests: dict[int, frozenset[str]] = {}
         self.ingestor = Ingestor(
             store=self.store,
             env=self.env,
@@ -146,15 +159,13 @@ class Trainer:
             expected_digest=self._published_digest,
         )
 
-    def _published_digest(self, version: int) -> str | None:
-        """Chain digest of published `version` (cached), or None if not published."""
+    def _published_digest(self, version: int) -> frozenset[str] | None:
+        """`published_digests` of `version`, cached once known."""
         if version not in self._digests:
-            from pnyx.weights.manifest import read_manifest
-
-            try:
-                self._digests[version] = read_manifest(self.store, version).weights.chain_digest
-            except NotFoundError:
+            digests = published_digests(self.store, version)
+            if digests is None:
                 return None
+            self._digests[version] = digests
         return self._digests[version]
 
     def publish_tensors(self) -> dict[str, torch.Tensor]:
