@@ -133,15 +133,6 @@ def _has_format(score: Any) -> bool:
     return score.parts.get("format", float(score.reward > 0)) > 0
 
 
-def _tool_for(env: Any, task: Any) -> Any:
-    """The engine's tool callable for one episode: it answers from this episode's own task."""
-
-    def tool(text_so_far: str) -> str | None:
-        return env.respond(task, text_so_far)
-
-    return tool
-
-
 def evaluate_model(
     model: Any,
     tokenizer: Any,
@@ -163,6 +154,7 @@ def evaluate_model(
     completions with at least one tool call (None for single-turn environments).
     """
     from pnyx.models import render_prompt
+    from pnyx.rollout.cohort import sample_env
     from pnyx.rollout.engine import Engine, SamplingParams
 
     if samples < 1:
@@ -187,17 +179,7 @@ def evaluate_model(
             stop=list(env.stop_strings),
             seed=seed * 1_000_003 + b,
         )
-        ids = [p for _, p in chunk]
-        if multi_turn:
-            outs = engine.run_episodes(
-                ids,
-                params,
-                tool=[_tool_for(env, tasks[i]) for i, _ in chunk],
-                tool_stops=list(env.tool_stops),
-                max_turns=env.max_turns,
-            )
-        else:
-            outs = engine.generate(ids, params)
+        outs = sample_env(engine, env, [p for _, p in chunk], [tasks[i] for i, _ in chunk], params)
         for (i, _), out in zip(chunk, outs, strict=True):
             score = env.score(tasks[i], out.text)
             correct[i] += _is_correct(score)

@@ -56,6 +56,15 @@ def _tool_for(env: Environment, task: Task) -> Callable[[str], str | None]:
     return tool
 
 
+def sample_env(engine: Any, env: Environment, prompt_ids: list[list[int]], tasks: Sequence[Task], params: Any) -> list:
+    """One completion per prompt (`tasks[i]` is prompt i's task): the engine's tool loop for environments
+    with tools, plain generation otherwise. Shared by the worker's cohorts and held-out evaluation."""
+    if env.tool_stops:
+        tools = [_tool_for(env, t) for t in tasks]
+        return engine.run_episodes(prompt_ids, params, tools, list(env.tool_stops), int(env.max_turns))
+    return engine.generate(prompt_ids, params)
+
+
 def generate_cohort(
     engine: Any,
     tokenizer: Any,
@@ -85,11 +94,7 @@ def generate_cohort(
     g = spec.group_size
     t0 = time.perf_counter()
     batch = [p for p in prompts for _ in range(g)]
-    if env.tool_stops:
-        tools = [_tool_for(env, t) for t in tasks for _ in range(g)]
-        flat = engine.run_episodes(batch, params, tools, list(env.tool_stops), int(env.max_turns))
-    else:
-        flat = engine.generate(batch, params)
+    flat = sample_env(engine, env, batch, [t for t in tasks for _ in range(g)], params)
     outs = [list(flat[i * g : (i + 1) * g]) for i in range(len(tasks))]
     gen_s = time.perf_counter() - t0
 
