@@ -217,14 +217,6 @@ def test_back_pressure_waits_for_the_next_version_instead_of_making_stale_groups
     assert versions == [0, 0, 1, 1]
 
 
-def test_back_pressure_default_is_what_the_trainer_could_still_use():
-    from pnyx.config import load_config, resolve_groups_per_version
-
-    cfg = load_config(overrides={"trainer": {"groups_per_step": 8}, "algorithm": {"max_staleness": 3}})
-    assert resolve_groups_per_version(cfg) == 32
-    assert resolve_groups_per_version(load_config(overrides={"worker": {"max_groups_per_version": 0}})) is None
-
-
 def test_int8_worker_on_a_run_without_the_int8_plane_fails_at_once(tmp_path, tiny_model_dir):
     from pnyx.errors import ConfigError
 

@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pnyx.config import resolve_groups_per_version
 from pnyx.errors import ConfigError, IntegrityError, NotFoundError, StoreUnavailableError
 from pnyx.protocol import layout
 from pnyx.rollout.spool import Spool
@@ -302,7 +301,7 @@ class Worker:
             self._load(*fresh)
             log.info("worker %s swapped to v=%d digest=%s", self.worker_id, self.version, self.digest[:12])
         w = self.cfg.worker
-        cap = resolve_groups_per_version(self.cfg)
+        cap = w.max_groups_per_version
         if cap is not None and self._groups_at_version() >= cap:
             # Back-pressure: groups beyond this would only go stale in the trainer's window; on a shared
             # machine the cycles are better spent by the trainer. Wait for the next version instead.
