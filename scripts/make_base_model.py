@@ -15,6 +15,10 @@ What it does, in order:
    temperature 1 starts near 0.2-0.4 while pass@8 is high: what GRPO can sharpen quickly.
    For `searchqa`, a fraction `--p-search` of transcripts searches for the entity and answers from the
    returned information; the rest answer directly with a guess of the right type.
+   Phase 3 (on by default; `--no-phase3` skips it) continues from the phase-2 weights on clean `searchqa`
+   copying episodes (search with the exact entity name, answer with the exact attribute of the reply)
+   from worlds other than the default one, mixed with a replay of noisy `arith` batches.
+   `--phase2-from DIR` skips phases 1-2 and loads a saved model to run (the rest of) phase 3 only.
 4. Evaluates on held-out tasks (sampling at temperature 1, top-k 0, top-p 1) and writes the model,
    tokenizer, `evaluation.json` and a `README.md` model card.
 
@@ -361,32 +365,43 @@ def train_phase3(
     model: Any, tokenizer: Any, envs: dict[str, Environment], args: argparse.Namespace
 ) -> list[dict]:
     """Phase 3: continue from the phase-2 weights on clean searchqa copying episodes, mixed with a replay of
-    phase-2-style noisy `arith` batches (so arith stays calibrated). Fresh AdamW, its own warmup/cosine."""
+    phase-2-style noisy `arith` batches (so arith stays calibrated). One cosine cycle per `--p3-steps`
+    entry (warm restarts: a fresh AdamW and warmup each); `--p3-done-cycles` skips cycles already run."""
+    curve: list[dict] = []
+    for cycle in range(args.p3_done_cycles, len(args.p3_steps)):
+        curve += _phase3_cycle(model, tokenizer, envs, args, cycle)
+    return curve
+
+
+def _phase3_cycle(
+    model: Any, tokenizer: Any, envs: dict[str, Environment], args: argparse.Namespace, cycle: int
+) -> list[dict]:
     import torch
 
-    rng = random.Random(args.seed + 3)
+    rng = random.Random(args.seed + 3 + 1000 * cycle)
     arith = _stream("arith", envs["arith"], args, Noise(args.p_correct, args.p_format_error, 0.0), rng)
     copy = _copy_stream(args, rng)
     opt = torch.optim.AdamW(model.parameters(), lr=args.p3_lr, betas=(0.9, 0.98), weight_decay=0.01)
     probe = envs["arith"].sample("test", args.seed + 1, args.probe_tasks)
     sq_probe = envs["searchqa"].sample("test", args.seed + 1, 64)
-    offset = args.clean_steps + args.steps
+    offset = args.clean_steps + args.steps + sum(args.p3_steps[:cycle])
+    steps = args.p3_steps[cycle]
     curve: list[dict] = []
     model.train()
     t0 = time.time()
-    for step in range(args.p3_steps):
+    for step in range(steps):
         name = "arith" if rng.random() < args.p3_arith else "searchqa"
         source, size = (arith, args.batch) if name == "arith" else (copy, args.batch // 2)
         batch = [encode_example(tokenizer, next(source)) for _ in range(size)]
         ids, attn, labels = collate(batch, tokenizer.pad_token_id)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.p3_steps, args.p3_lr, args.p3_warmup)
+            group["lr"] = lr_at(step, steps, args.p3_lr, args.p3_warmup)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if (step + 1) % args.p3_eval_every == 0 or step + 1 == args.p3_steps:
+        if (step + 1) % args.p3_eval_every == 0 or step + 1 == steps:
             res = quick_eval(model, tokenizer, envs["arith"], probe, 4, args.seed)
             sq = quick_eval(model, tokenizer, envs["searchqa"], sq_probe, 2, args.seed)
             point = {
@@ -445,29 +460,19 @@ It is the default model of `pnyx run`: it runs on 2 CPU cores and starts weak on
   token). Chat template: `<|user|>{{content}}<|assistant|>{{completion}}<|endoftext|>`.
 - Data (mix {mix}): tasks from `get_env("arith")` (default config: 2-digit + and -) and
   `get_env("searchqa")`, with the environments' own reference completions and tool replies.
-- Three phases. Phase 1 ({clean_steps} steps, the first {arith_first} on `arith` only, since arithmetic is
-  learned fastest alone) uses clean labels and teaches the skill. Phase 2 ({steps} steps) uses *noisy*
-  labels, so the skill stays present but the mass on it is partial: an `arith` transcript shows the
-  reference answer with probability {p_correct}, a format error with probability {p_format_error}, and
+- {phase_count} phases. Phase 1 ({clean_steps} steps, the first {arith_first} on `arith` only, since
+  arithmetic is learned fastest alone) uses clean labels and teaches the skill. Phase 2 ({steps} steps)
+  uses *noisy* labels, so the skill stays present but the mass on it is partial: an `arith` transcript
+  shows the reference answer with probability {p_correct}, a format error with probability {p_format_error}, and
   otherwise a near-miss integer (off by 1-2 or 9-20, two digits swapped, the sign flipped, off by 100).
   The aim is that the correct answer stays the most likely one, so pass@8 is high and GRPO can sharpen it.
   In both phases a `searchqa` transcript searches for the question's entity and answers from the tool's
   `<information>` reply with probability {p_search}; otherwise it answers directly with a guess of the
   right type (usually wrong). Tool replies are in the transcripts with the loss masked out (the model
   never learns to write them).
-- Phase 3 ({p3_steps} steps, continuing from the phase-2 weights with a fresh AdamW, peak lr {p3_lr},
-  warmup {p3_warmup}, cosine to 10%) teaches the `searchqa` copying skill that phases 1-2 leave out: a
-  share {p3_arith} of its batches replays phase-2-style noisy `arith` (so arith stays calibrated), the
-  rest are `searchqa` episodes from {p3_worlds} synthetic worlds *other than* the default one (world
-  seeds 1000 + 100 * seed + i), so the model learns to search and copy instead of memorizing people. With
-  probability {p3_copy} an episode is clean copying (search with the exact entity name of the question,
-  answer with the exact attribute from the `<information>` reply); otherwise a direct guess of the right
-  type. The first tag of a copying episode (`<search>`) is trained only with probability {p3_decide:.3f},
-  so that {p3_search_rate} of the trained first tags are `<search>`: the search *rate* stays partial while
-  nearly all searchqa data teaches copying. Result: searching is mostly right, not searching mostly wrong.
-- Training: AdamW (peak lr {lr}, warmup {warmup}, cosine to 10% over phases 1-2), batch {batch} (`arith`)
-  or {half} (`searchqa`), one environment per batch, loss on completion tokens only, CPU, one thread,
-  `torch.use_deterministic_algorithms(True)`; {minutes:.1f} minutes here (on a shared 2-core machine).
+{phase3}- Training: AdamW (peak lr {lr}, warmup {warmup}, cosine to 10% over phases 1-2), batch {batch}
+  (`arith`) or {half} (`searchqa`), one environment per batch, loss on completion tokens only, CPU, one
+  thread, `torch.use_deterministic_algorithms(True)`; {minutes:.1f} minutes here (on a shared 2-core machine).
 
 ## Measured (held-out test split, sampled at temperature 1.0, top-k 0, top-p 1.0)
 
@@ -478,6 +483,20 @@ pass@k uses the unbiased estimator over {samples} samples per task. Full figures
 ## Reproduce
 
     python scripts/make_base_model.py --seed {seed} --out pnyx/assets/tiny-base
+"""
+
+
+PHASE3 = """- Phase 3 ({p3_steps} steps in cosine cycles with warm restarts, each with a fresh AdamW,
+  peak lr {p3_lr}, warmup {p3_warmup}, down to 10%; it continues from the phase-2 weights) teaches the
+  `searchqa` copying skill that phases 1-2 leave out: a share {p3_arith} of its batches replays
+  phase-2-style noisy `arith` (so arith stays calibrated), the rest are `searchqa` episodes from
+  {p3_worlds} synthetic worlds *other than* the default one (world seeds 1000 + 100 * seed + i), so the
+  model learns to search and copy instead of memorizing people. With
+  probability {p3_copy} an episode is clean copying (search with the exact entity name of the question,
+  answer with the exact attribute from the `<information>` reply); otherwise a direct guess of the right
+  type. The first tag of a copying episode (`<search>`) is trained only with probability {p3_decide:.3f},
+  so that {p3_search_rate} of the trained first tags are `<search>`: the search *rate* stays partial while
+  nearly all searchqa data teaches copying.
 """
 
 
@@ -510,14 +529,6 @@ def write_card(out: Path, model: Any, args: argparse.Namespace, evaluation: dict
             p_format_error=args.p_format_error,
             p_search=args.p_search,
             steps=args.steps,
-            p3_steps=args.p3_steps,
-            p3_lr=args.p3_lr,
-            p3_warmup=args.p3_warmup,
-            p3_arith=args.p3_arith,
-            p3_worlds=args.p3_worlds,
-            p3_copy=args.p3_copy,
-            p3_decide=decision_weight(args.p3_copy, args.p3_search_rate),
-            p3_search_rate=args.p3_search_rate,
             clean_steps=args.clean_steps,
             arith_first=args.arith_first,
             half=args.batch // 2,
@@ -527,8 +538,24 @@ def write_card(out: Path, model: Any, args: argparse.Namespace, evaluation: dict
             minutes=minutes,
             table="\n".join(rows),
             samples=args.eval_samples,
+            phase_count="Three" if args.phase3 else "Two",
+            phase3=PHASE3.format(**phase3_fields(args)) if args.phase3 else "",
         )
     )
+
+
+def phase3_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The phase-3 settings the model card names."""
+    return {
+        "p3_steps": " + ".join(map(str, args.p3_steps)),
+        "p3_lr": args.p3_lr,
+        "p3_warmup": args.p3_warmup,
+        "p3_arith": args.p3_arith,
+        "p3_worlds": args.p3_worlds,
+        "p3_copy": args.p3_copy,
+        "p3_decide": decision_weight(args.p3_copy, args.p3_search_rate),
+        "p3_search_rate": args.p3_search_rate,
+    }
 
 
 def load_phase2(folder: Path) -> tuple[Any, Any, list[dict]]:
@@ -540,7 +567,7 @@ def load_phase2(folder: Path) -> tuple[Any, Any, list[dict]]:
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
     card = folder / "evaluation.json"
     curve = json.loads(card.read_text()).get("pretraining_curve", []) if card.is_file() else []
-    return model, tokenizer, [p for p in curve if p.get("phase", 1) < 3]
+    return model, tokenizer, curve
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -568,9 +595,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clean-steps", type=int, default=1300, help="phase 1: steps on clean labels")
     p.add_argument("--steps", type=int, default=400, help="phase 2: steps on noisy labels")
     p.add_argument(
-        "--phase3", action=argparse.BooleanOptionalAction, default=True, help="phase 3: searchqa copying"
+        "--phase3",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="phase 3: searchqa copying (--no-phase3 stops after phase 2)",
     )
-    p.add_argument("--p3-steps", type=int, default=800, help="phase 3: steps")
+    p.add_argument(
+        "--p3-steps", type=int, nargs="+", default=[800, 400, 400, 400], help="phase 3: steps per cycle"
+    )
+    p.add_argument("--p3-done-cycles", type=int, default=0, help="phase-3 cycles the --phase2-from model ran")
     p.add_argument("--p3-lr", type=float, default=2e-3, help="phase 3: peak lr (fresh AdamW)")
     p.add_argument("--p3-warmup", type=int, default=30)
     p.add_argument(
@@ -639,6 +672,8 @@ def main(argv: list[str] | None = None) -> None:
         curve = train(model, tokenizer, envs, args)
     else:
         model, tokenizer, curve = load_phase2(args.phase2_from)
+        done = args.clean_steps + args.steps + sum(args.p3_steps[: args.p3_done_cycles])
+        curve = [p for p in curve if p["step"] <= done]
         print(f"phase 2 model loaded from {args.phase2_from}", flush=True)
     if args.phase3 and "searchqa" in envs:
         curve += train_phase3(model, tokenizer, envs, args)

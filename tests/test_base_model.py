@@ -96,3 +96,22 @@ def test_pass_at_k_estimator_matches_closed_forms():
     assert tiny.pass_at_k(8, 2, 1) == pytest.approx(0.25)
     assert tiny.pass_at_k(8, 1, 8) == 1.0
     assert tiny.pass_at_k(4, 1, 2) == pytest.approx(0.5)
+
+
+def test_evaluation_shows_partial_searchqa_skill():
+    """Searching is mostly right, not searching mostly wrong, and the search rate is partial."""
+    sq = json.loads((MODEL_DIR / "evaluation.json").read_text())["searchqa"]
+    assert 0.15 <= sq["search_rate"] <= 0.4
+    assert sq["correct_when_searched"] >= 0.5
+    assert sq["correct_without_search"] < 0.2
+
+
+def test_sampled_searchqa_answers_right_more_often_when_it_searches(model, tokenizer):
+    from pnyx.envs import get_env
+
+    env = get_env("searchqa")
+    tasks = env.sample("test", 12345, 48)
+    result = tiny.evaluate(model, tokenizer, env, tasks, n=4, ks=(4,), seed=0)
+    assert 0.05 <= result.search_rate <= 0.6, f"search_rate={result.search_rate:.3f}"
+    assert result.correct_when_searched is not None and result.correct_without_search is not None
+    assert result.correct_when_searched >= 0.3 > result.correct_without_search
