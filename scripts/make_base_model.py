@@ -42,77 +42,21 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(REPO))
 
+from base_model_card import write_card  # noqa: E402
+from base_model_data import (  # noqa: E402
+    Example,
+    answer_type,
+    arith_example,
+    decision_weight,
+    guess_vocabulary,
+    searchqa_copy_example,
+    searchqa_example,
+)
+
 from pnyx.envs import Environment, Task, get_env  # noqa: E402
 from pnyx.models import tiny  # noqa: E402
 
 # --- training data --------------------------------------------------------------------------------
-
-Segment = tuple[str, bool]  # (text, trained on): tool replies are in the transcript but never trained on
-
-
-@dataclass
-class Example:
-    env: str
-    prompt: Any
-    segments: list[Segment]
-
-
-def _answer_variants(value: int, rng: random.Random) -> str:
-    """A plausible wrong integer answer near `value`: off by a little, a digit slip, a sign error."""
-    kind = rng.random()
-    if kind < 0.30:
-        wrong = value + rng.choice([-2, -1, 1, 2])
-    elif kind < 0.55:
-        wrong = value + rng.choice([-20, -10, 10, 20])
-    elif kind < 0.70:
-        wrong = value + rng.choice([-11, -9, 9, 11])
-    elif kind < 0.82:
-        digits = list(str(abs(value)))
-        if len(digits) >= 2:
-            i = rng.randrange(len(digits) - 1)
-            digits[i], digits[i + 1] = digits[i + 1], digits[i]
-        else:
-            digits = [str((int(digits[0]) + rng.choice([1, 2, 3])) % 10)]
-        wrong = int("".join(digits)) * (1 if value >= 0 else -1)
-    elif kind < 0.92:
-        wrong = -value if value != 0 else rng.choice([-1, 1])
-    else:
-        wrong = value + rng.choice([-100, 100, -3, 3, -5, 5])
-    if wrong == value:
-        wrong = value + 1
-    return str(wrong)
-
-
-def arith_example(
-    env: Environment, task: Task, p_correct: float, p_format_error: float, rng: random.Random
-) -> Example:
-    """A noisy `arith` transcript: correct with `p_correct`, else a format error or a near-miss answer."""
-    reference = env.reference_completion(task)
-    value = int(task.answer)
-    u = rng.random()
-    if u < p_correct:
-        text = reference
-    elif u < p_correct + p_format_error:
-        text = (
-            str(value) if rng.random() < 0.5 else f"<answer>{value} {_answer_variants(value, rng)}</answer>"
-        )
-    else:
-        text = reference.replace(f">{value}<", f">{_answer_variants(value, rng)}<")
-    return Example(env.name, task.prompt, [(text, True)])
-
-
-def searchqa_example(
-    env: Environment, task: Task, p_search: float, guesses: list[str], rng: random.Random
-) -> Example:
-    """A `searchqa` transcript: with `p_search` the reference (search, tool reply, answer); else a guess."""
-    reference = env.reference_completion(task)
-    if rng.random() < p_search:
-        turns = [(reference, "model")] if isinstance(reference, str) else [(t, r) for r, t in reference]
-        return Example(env.name, task.prompt, [(text, role == "model") for text, role in turns])
-    return Example(env.name, task.prompt, [(f"<answer>{rng.choice(guesses)}</answer>", True)])
-
-
-# --- tokenizer -------------------------------------------------------------------------------------
 
 
 def build_tokenizer(texts: list[str], vocab_size: int) -> Any:
@@ -228,28 +172,15 @@ def make_streams(
 
 def _stream(name: str, env: Environment, args: argparse.Namespace, noise: Noise, rng: random.Random) -> Any:
     pool = env.sample("train", args.seed, args.pool)
-    guesses = _guess_vocabulary(pool) if name == "searchqa" else {}
+    guesses = guess_vocabulary(pool) if name == "searchqa" else {}
     while True:
         task = rng.choice(pool)
         if name == "arith":
             yield arith_example(env, task, noise.p_correct, noise.p_format_error, rng)
         elif name == "searchqa":
-            yield searchqa_example(env, task, noise.p_search, guesses[_answer_type(task)], rng)
+            yield searchqa_example(env, task, noise.p_search, guesses[answer_type(task)], rng)
         else:
             raise ValueError(f"no noisy recipe for environment {name!r}")
-
-
-def _answer_type(task: Task) -> str:
-    return str(task.meta.get("attribute", task.meta.get("relation", "any")))
-
-
-def _guess_vocabulary(tasks: list[Task]) -> dict[str, list[str]]:
-    """Per answer type, the answers seen in the training pool: guesses of the right type."""
-    vocab: dict[str, set[str]] = {}
-    for t in tasks:
-        answer = t.answer if isinstance(t.answer, str) else t.answer[0]
-        vocab.setdefault(_answer_type(t), set()).add(answer)
-    return {k: sorted(v) for k, v in vocab.items()}
 
 
 def quick_eval(
@@ -319,46 +250,17 @@ def train(model: Any, tokenizer: Any, envs: dict[str, Environment], args: argpar
 # --- phase 3: the searchqa copying skill ----------------------------------------------------------------
 
 
-def searchqa_copy_example(
-    env: Environment, task: Task, p_copy: float, p_decide: float, guesses: list[str], rng: random.Random
-) -> Example:
-    """A phase-3 `searchqa` transcript: with `p_copy` a clean copying episode (search with the exact
-    entity name, answer with the exact attribute of the reply), else a guess of the right type.
-
-    The first tag (`<search>` or `<answer>`) decides whether the model searches. In a copying episode
-    that token is trained only with probability `p_decide`, so the copying skill gets most of the data
-    while the search *rate* stays partial (see `decision_weight`).
-    """
-    if rng.random() < p_copy:
-        (_, call), (_, reply), (_, answer) = env.reference_completion(task)
-        rest = call[len("<search>") :]
-        return Example(
-            env.name,
-            task.prompt,
-            [("<search>", rng.random() < p_decide), (rest, True), (reply, False), (answer, True)],
-        )
-    return Example(env.name, task.prompt, [("<answer>", True), (f"{rng.choice(guesses)}</answer>", True)])
-
-
-def decision_weight(p_copy: float, search_rate: float) -> float:
-    """The probability to train the `<search>` tag of a copying episode so that, among the trained first
-    tags, a fraction `search_rate` is `<search>`: p_copy * w / (p_copy * w + 1 - p_copy) = search_rate."""
-    if not 0.0 < search_rate < 1.0 or not 0.0 < p_copy <= 1.0:
-        raise ValueError(f"need 0 < search_rate < 1 and 0 < p_copy <= 1, got {search_rate}, {p_copy}")
-    return min(1.0, search_rate * (1.0 - p_copy) / (p_copy * (1.0 - search_rate)))
-
-
 def _copy_stream(args: argparse.Namespace, rng: random.Random) -> Any:
     """Endless phase-3 `searchqa` examples from worlds other than the default one (`--p3-worlds`), so
     the model learns to search and copy rather than memorize the default world's people."""
     worlds = [get_env("searchqa", world_seed=1000 + 100 * args.seed + i) for i in range(args.p3_worlds)]
     pools = [(w, w.sample("train", args.seed, args.pool // args.p3_worlds)) for w in worlds]
-    guesses = _guess_vocabulary([t for _, pool in pools for t in pool])
+    guesses = guess_vocabulary([t for _, pool in pools for t in pool])
     p_decide = decision_weight(args.p3_copy, args.p3_search_rate)
     while True:
         env, pool = rng.choice(pools)
         task = rng.choice(pool)
-        yield searchqa_copy_example(env, task, args.p3_copy, p_decide, guesses[_answer_type(task)], rng)
+        yield searchqa_copy_example(env, task, args.p3_copy, p_decide, guesses[answer_type(task)], rng)
 
 
 def train_phase3(
@@ -443,119 +345,6 @@ def final_eval(
             flush=True,
         )
     return out
-
-
-CARD = """# pnyx tiny-base
-
-A {params:,}-parameter Qwen2-style causal LM ({layers} layers, hidden {hidden}, {heads} heads, MLP {mlp},
-vocab {vocab}, tied embeddings, fp32 safetensors, {mb:.1f} MB) with a byte-level BPE tokenizer, pretrained
-from scratch by `scripts/make_base_model.py` (seed {seed}) on procedural data of pnyx's built-in environments.
-It is the default model of `pnyx run`: it runs on 2 CPU cores and starts weak on purpose.
-
-## How it was made
-
-- Tokenizer: byte-level BPE trained on the training transcripts; digits are one token each; `<|user|>`,
-  `<|assistant|>`, `<|system|>`, `<|endoftext|>` (EOS), `<|pad|>` and the tags `<answer>`, `</answer>`,
-  `<search>`, `</search>`, `<information>`, `</information>` are single tokens (so every stop string is one
-  token). Chat template: `<|user|>{{content}}<|assistant|>{{completion}}<|endoftext|>`.
-- Data (mix {mix}): tasks from `get_env("arith")` (default config: 2-digit + and -) and
-  `get_env("searchqa")`, with the environments' own reference completions and tool replies.
-- {phase_count} phases. Phase 1 ({clean_steps} steps, the first {arith_first} on `arith` only, since
-  arithmetic is learned fastest alone) uses clean labels and teaches the skill. Phase 2 ({steps} steps)
-  uses *noisy* labels, so the skill stays present but the mass on it is partial: an `arith` transcript
-  shows the reference answer with probability {p_correct}, a format error with probability {p_format_error}, and
-  otherwise a near-miss integer (off by 1-2 or 9-20, two digits swapped, the sign flipped, off by 100).
-  The aim is that the correct answer stays the most likely one, so pass@8 is high and GRPO can sharpen it.
-  In both phases a `searchqa` transcript searches for the question's entity and answers from the tool's
-  `<information>` reply with probability {p_search}; otherwise it answers directly with a guess of the
-  right type (usually wrong). Tool replies are in the transcripts with the loss masked out (the model
-  never learns to write them).
-{phase3}- Training: AdamW (peak lr {lr}, warmup {warmup}, cosine to 10% over phases 1-2), batch {batch}
-  (`arith`) or {half} (`searchqa`), one environment per batch, loss on completion tokens only, CPU, one
-  thread, `torch.use_deterministic_algorithms(True)`; {minutes:.1f} minutes here (on a shared 2-core machine).
-
-## Measured (held-out test split, sampled at temperature 1.0, top-k 0, top-p 1.0)
-
-{table}
-
-pass@k uses the unbiased estimator over {samples} samples per task. Full figures: `evaluation.json`.
-
-## Reproduce
-
-    python scripts/make_base_model.py --seed {seed} --out pnyx/assets/tiny-base
-"""
-
-
-PHASE3 = """- Phase 3 ({p3_steps} steps in cosine cycles with warm restarts, each with a fresh AdamW,
-  peak lr {p3_lr}, warmup {p3_warmup}, down to 10%; it continues from the phase-2 weights) teaches the
-  `searchqa` copying skill that phases 1-2 leave out: a share {p3_arith} of its batches replays
-  phase-2-style noisy `arith` (so arith stays calibrated), the rest are `searchqa` episodes from
-  {p3_worlds} synthetic worlds *other than* the default one (world seeds 1000 + 100 * seed + i), so the
-  model learns to search and copy instead of memorizing people. With
-  probability {p3_copy} an episode is clean copying (search with the exact entity name of the question,
-  answer with the exact attribute from the `<information>` reply); otherwise a direct guess of the right
-  type. The first tag of a copying episode (`<search>`) is trained only with probability {p3_decide:.3f},
-  so that {p3_search_rate} of the trained first tags are `<search>`: the search *rate* stays partial while
-  nearly all searchqa data teaches copying.
-"""
-
-
-def write_card(out: Path, model: Any, args: argparse.Namespace, evaluation: dict, minutes: float) -> None:
-    cfg = model.config
-    params = sum(p.numel() for p in model.parameters())
-    mb = sum(f.stat().st_size for f in out.iterdir()) / 1e6
-    rows = [
-        "| env | tasks | pass@1 | pass@8 | format | search rate | correct when searched | correct without |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for name in args.envs:
-        e = evaluation[name]
-        rows.append(
-            f"| {name} | {e['tasks']} | {e['pass@1']} | {e.get('pass@8')} | {e['format_rate']} | "
-            f"{e['search_rate']} | {e['correct_when_searched']} | {e['correct_without_search']} |"
-        )
-    (out / "README.md").write_text(
-        CARD.format(
-            params=params,
-            layers=cfg.num_hidden_layers,
-            hidden=cfg.hidden_size,
-            heads=cfg.num_attention_heads,
-            mlp=cfg.intermediate_size,
-            vocab=cfg.vocab_size,
-            mb=mb,
-            seed=args.seed,
-            mix=args.mix,
-            p_correct=args.p_correct,
-            p_format_error=args.p_format_error,
-            p_search=args.p_search,
-            steps=args.steps,
-            clean_steps=args.clean_steps,
-            arith_first=args.arith_first,
-            half=args.batch // 2,
-            lr=args.lr,
-            warmup=args.warmup,
-            batch=args.batch,
-            minutes=minutes,
-            table="\n".join(rows),
-            samples=args.eval_samples,
-            phase_count="Three" if args.phase3 else "Two",
-            phase3=PHASE3.format(**phase3_fields(args)) if args.phase3 else "",
-        )
-    )
-
-
-def phase3_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The phase-3 settings the model card names."""
-    return {
-        "p3_steps": " + ".join(map(str, args.p3_steps)),
-        "p3_lr": args.p3_lr,
-        "p3_warmup": args.p3_warmup,
-        "p3_arith": args.p3_arith,
-        "p3_worlds": args.p3_worlds,
-        "p3_copy": args.p3_copy,
-        "p3_decide": decision_weight(args.p3_copy, args.p3_search_rate),
-        "p3_search_rate": args.p3_search_rate,
-    }
 
 
 def load_phase2(folder: Path) -> tuple[Any, Any, list[dict]]:
