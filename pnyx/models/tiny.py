@@ -16,9 +16,10 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from math import comb
 from pathlib import Path
 from typing import Any
+
+from pnyx.eval.metrics import pass_at_k  # the one unbiased estimator; re-exported for the build script
 
 ASSET_NAME = "tiny-base"
 EOS_TOKEN = "<|endoftext|>"
@@ -44,15 +45,6 @@ CHAT_TEMPLATE = (
 def default_model_path() -> Path:
     """The folder of the shipped tiny base model (inside the installed package)."""
     return Path(__file__).resolve().parent.parent / "assets" / ASSET_NAME
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
-    if n < k:
-        raise ValueError(f"pass@{k} needs at least {k} samples per task, got {n}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - comb(n - c, k) / comb(n, k)
 
 
 @dataclass
