@@ -53,7 +53,10 @@ class RunConfig(_Section):
 
 class ModelConfig(_Section):
     path: str | None = None
-    """Local model folder (Hugging Face layout). Unset: the tiny base model shipped in pnyx/assets/."""
+    """A local Hugging Face folder, a .gguf file, or a hub id (`org/name`, `org/name/file.gguf`), downloaded
+    and cached like transformers does (HF_HOME, HF_HUB_OFFLINE). Unset: the tiny model in pnyx/assets/."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when model.path is a hub id. Unset: the default branch."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype for generation and training (master weights are always fp32 on the trainer)."""
     device: str = "cpu"
@@ -324,9 +327,18 @@ def shipped_model_path() -> Path:
     return Path(__file__).parent / "assets" / "tiny-base"
 
 
+def resolve_model_source(cfg: PnyxConfig) -> Any:
+    """The configured model (`model.path`, `model.revision`; unset: the shipped tiny model) as a resolved
+    `pnyx.models.source.ModelSource`: a hub id is downloaded (online) or found in the cache, a GGUF file
+    converted once. Raises ModelNotFoundError or ConfigError with what to do."""
+    from pnyx.models.source import resolve_source
+
+    return resolve_source(cfg.model.path, cfg.model.revision)
+
+
 def resolve_model_path(cfg: PnyxConfig) -> Path:
-    """The model folder to load: the configured one, else the shipped tiny model."""
-    return Path(cfg.model.path).expanduser() if cfg.model.path else shipped_model_path()
+    """The local folder of the configured model (see `resolve_model_source`)."""
+    return resolve_model_source(cfg).folder
 
 
 def resolve_device(device: str) -> str:

@@ -35,8 +35,10 @@ def tokenizer(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
 
 
-def test_hub_name_that_is_not_a_folder_fails_with_how_to_fetch():
-    with pytest.raises(ModelNotFoundError, match="never downloads.*huggingface-cli download"):
+def test_hub_name_missing_offline_fails_with_how_to_fetch(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError, match="HF_HUB_OFFLINE.*hf download Qwen/Qwen2.5-0.5B-Instruct"):
         load_model("Qwen/Qwen2.5-0.5B-Instruct")
 
 

@@ -1,4 +1,4 @@
-"""The `pnyx` command line: run, trainer, worker, swarm, eval, status, weights, envs, config.
+"""The `pnyx` command line: run, trainer, worker, swarm, eval, export, status, weights, envs, config.
 
 This module only wires commands; each command's body lives in `pnyx/cli/<noun>.py` and imports torch and
 friends inside the function, so `pnyx --help` never imports torch. Config overrides are dotted flags
@@ -73,11 +73,15 @@ def worker(
     int8: bool = typer.Option(False, "--int8", help="Run the model from the int8 actor plane."),
     max_groups: int | None = typer.Option(None, "--max-groups", min=1, help="Stop after uploading this many groups."),
     threads: int | None = typer.Option(None, "--threads", min=1, help="Torch CPU threads."),
+    model: str | None = typer.Option(
+        None, "--model", help="This machine's copy of the run's model (folder, .gguf, hub id); checked at join."
+    ),
 ):
     """Join a run from its run.json alone: follow the weights, generate, score and upload rollout groups."""
     _lazy("pnyx.cli.worker", "worker_main")(
-        store=store, worker_id=worker_id, device=device, int8=int8, max_groups=max_groups, threads=threads
-    )
+        store=store, worker_id=worker_id, device=device, int8=int8, max_groups=max_groups, threads=threads,
+        model=model,
+    )  # fmt: skip
 
 
 @app.command(context_settings=EXTRA_ARGS)
@@ -96,7 +100,9 @@ def swarm(
 @app.command(name="eval", context_settings=EXTRA_ARGS)
 def eval_(
     ctx: typer.Context,
-    model: str | None = typer.Option(None, "--model", help="Model folder (default: the shipped tiny model)."),
+    model: str | None = typer.Option(
+        None, "--model", help="Model folder, .gguf file or hub id (default: the shipped tiny model)."
+    ),
     store: str | None = typer.Option(None, "--store", help="Evaluate a published version of this run instead."),
     version: int | None = typer.Option(None, "--version", help="Version to evaluate (default: newest)."),
     env: str | None = typer.Option(None, "--env", help="Environment (default: the run's, else arith)."),
@@ -108,6 +114,18 @@ def eval_(
     _lazy("pnyx.cli.eval", "eval_main")(
         model=model, store=store, version=version, env=env, tasks=tasks, samples=samples, out=out, extra=ctx.args
     )
+
+
+@app.command()
+def export(
+    store: str = typer.Option(..., "--store", "-s", help="Run root URL."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder to write (must not exist, or be empty)."),
+    version: int | None = typer.Option(None, "--version", min=0, help="Version to export (default: newest)."),
+    dtype: str | None = typer.Option(None, "--dtype", help="bfloat16, float16 or float32 (default: run's)."),
+    model: str | None = typer.Option(None, "--model", help="This machine's copy of the run's model, if needed."),
+):
+    """Verify a published version and write it as a Hugging Face folder (transformers, vLLM load it as is)."""
+    _lazy("pnyx.cli.export", "export_main")(store=store, out=out, version=version, dtype=dtype, model=model)
 
 
 @app.command()

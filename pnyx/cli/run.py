@@ -241,10 +241,13 @@ def run_main(cfg: PnyxConfig, workers: int, resume: bool, live: bool) -> None:
         plan = plan_run(cfg, resume)
     except ConfigError as e:
         raise fail(str(e)) from None
-    try:
-        resolve_model_path(plan.cfg).resolve(strict=True)
-    except FileNotFoundError:
-        raise fail(f"model folder {resolve_model_path(plan.cfg)} does not exist: set --model.path") from None
+    from pnyx.config import resolve_model_source
+    from pnyx.errors import ModelNotFoundError
+
+    try:  # fetch a hub model or convert a GGUF file once, here, before the fleet's processes need it
+        resolve_model_source(plan.cfg)
+    except (ConfigError, ModelNotFoundError) as e:
+        raise fail(f"model: {e}") from None
     import typer
 
     code = Orchestrator(plan, workers, live).run()
@@ -412,6 +415,8 @@ class Orchestrator:
         self.console.print(before_after_table(before, after, self.plan.cfg.env.name))
         self.say(f"learning curve: {self.plan.folder / CURVE_FILE}")
         self.say(f"summary: {self.plan.folder / SUMMARY_FILE}   logs: {self.plan.logs}/")
+        if final_version is not None:
+            self.say(f"export it: pnyx export --store {self.plan.store_url} --out {self.plan.folder / 'export'}")
         if outcome.trainer_failed:
             self.say(f"[red]the trainer failed[/red]: read {self.fleet.trainer.log}")
             return 1

@@ -6,8 +6,8 @@ Everything about the run comes from its run.json; this module only turns the com
 0 after a clean stop, 1 on a fatal error, 2 on a configuration error. torch and the model stack are
 imported only here, inside the function, so `pnyx --help` stays instant.
 
-Two settings without a flag yet come from the environment: PNYX_SPOOL_DIR (keep an on-disk copy of the
-upload spool there) and PNYX_MODEL_PATH (the local model folder, when it differs from the run's path).
+PNYX_SPOOL_DIR (keep an on-disk copy of the upload spool there) comes from the environment; so may the
+model (PNYX_MODEL_PATH, the same as `--model`: this machine's copy of the run's model, checked at join).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def worker_main(
     int8: bool = False,
     max_groups: int | None = None,
     threads: int | None = None,
+    model: str | None = None,
 ) -> None:
     """Run one worker until stopped (SIGINT/SIGTERM), `max_groups` uploaded, or a fatal error."""
     log = setup_logging("worker")
@@ -49,7 +50,7 @@ def worker_main(
             int8=int8,
             max_groups=max_groups,
             spool_dir=os.environ.get("PNYX_SPOOL_DIR") or None,
-            model_path=os.environ.get("PNYX_MODEL_PATH") or None,
+            model_path=model or os.environ.get("PNYX_MODEL_PATH") or None,
         )
         worker = Worker(open_store(store), opts)
     except (ConfigError, ValueError) as e:

@@ -1,8 +1,9 @@
-"""Causal LMs and tokenizers from local folders, the sampling distribution, and trainer-side logprobs.
+"""Causal LMs and tokenizers from folders, hub ids or GGUF files, the sampling distribution, trainer logprobs.
 
 Public surface (imported lazily, so `import pnyx.models` does not import torch or transformers):
-`load_model`, `load_tokenizer`, `model_from_config`, `resolve_device`, `resolve_dtype`, `render_prompt`,
-`eos_token_ids`, `tokenizer_digest`, `completion_logprobs`, `sampling_logprobs`, `make_tiny_model_dir`.
+`resolve_source`, `ModelSource`, `resolve_run_model`, `check_run_model`, `load_model`, `load_tokenizer`,
+`model_from_config`, `resolve_device`, `resolve_dtype`, `render_prompt`, `eos_token_ids`,
+`tokenizer_digest`, `completion_logprobs`, `sampling_logprobs`, `make_tiny_model_dir`.
 Knows nothing about the store or RL.
 """
 
@@ -12,6 +13,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "resolve_source": "pnyx.models.source",
+    "ModelSource": "pnyx.models.source",
+    "resolve_run_model": "pnyx.models.source",
+    "check_run_model": "pnyx.models.source",
     "load_model": "pnyx.models.loading",
     "load_tokenizer": "pnyx.models.loading",
     "model_from_config": "pnyx.models.loading",

@@ -1,8 +1,9 @@
-"""Loading a causal LM from a local folder (Hugging Face layout), or building one from a config alone.
+"""Loading a causal LM and its tokenizer from any model source, or building a model from a config alone.
 
-pnyx never downloads at run time: a path that is not an existing folder raises `ModelNotFoundError` with
-the command that fetches it, and transformers is always called with `local_files_only=True` and
-`HF_HUB_OFFLINE=1`. Dtype and device are explicit choices (`"float32" | "bfloat16" | "float16"`,
+`load_model` and `load_tokenizer` take what a user names a model (a folder, a .gguf file, a hub id) or an
+already resolved `ModelSource`; `source.py` turns names into a local folder (downloading only when online,
+as `transformers` does), and transformers then always reads that folder with `local_files_only=True`.
+Dtype and device are explicit choices (`"float32" | "bfloat16" | "float16"`,
 `"cpu" | "cuda" | "cuda:N" | "mps" | "auto"`); models come back in eval mode.
 
 Knows nothing about the store, RL or the engine. torch and transformers are imported inside functions so
@@ -11,11 +12,11 @@ importing this module stays cheap.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pnyx.errors import ConfigError, ModelNotFoundError
+from pnyx.errors import ConfigError
+from pnyx.models.source import ModelSource, resolve_source
 
 if TYPE_CHECKING:
     import torch
@@ -25,12 +26,6 @@ DType = Literal["float32", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda", "mps", "auto"] | str
 
 _DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _offline() -> None:
-    # Set before transformers touches the hub code paths; harmless if already set.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def resolve_dtype(dtype: DType | str) -> torch.dtype:
@@ -63,47 +58,31 @@ def resolve_device(device: Device) -> torch.device:
     return dev
 
 
-def model_folder(path: str | Path) -> Path:
-    """The local model folder for `path`, or ModelNotFoundError telling how to get one."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        hint = (
-            f"`huggingface-cli download {path} --local-dir ./models/{Path(str(path)).name}` "
-            "on a machine with network access, then pass that folder"
-        )
-        raise ModelNotFoundError(
-            f"model {str(path)!r} is not a local folder; pnyx never downloads at run time. "
-            f"Fetch it first, e.g. {hint}."
-        )
-    if not (folder / "config.json").is_file():
-        raise ModelNotFoundError(
-            f"{folder} has no config.json: expected a Hugging Face model folder "
-            "(config.json, *.safetensors, tokenizer files)"
-        )
-    return folder
+ModelRef = str | Path | ModelSource
+"""A model as callers name it: a folder, a .gguf file, a hub id, or a resolved source."""
 
 
-def load_model(path: str | Path, dtype: DType = "float32", device: Device = "cpu") -> PreTrainedModel:
-    """Load the causal LM in the local folder `path` in eval mode, on `device`, in `dtype`."""
-    _offline()
+def model_folder(path: ModelRef, revision: str | None = None) -> Path:
+    """The local Hugging Face folder for `path` (resolved by `resolve_source`), or ModelNotFoundError."""
+    if isinstance(path, ModelSource):
+        return path.folder
+    return resolve_source(path, revision).folder
+
+
+def load_model(path: ModelRef, dtype: DType = "float32", device: Device = "cpu") -> PreTrainedModel:
+    """Load the causal LM `path` names in eval mode, on `device`, in `dtype`."""
     from transformers import AutoModelForCausalLM
 
     folder = model_folder(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=resolve_dtype(dtype), local_files_only=True
-    )
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype), local_files_only=True)
     return model.to(resolve_device(device)).eval()
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """Load the tokenizer in the local folder `path` (left padding, pad token falls back to EOS)."""
-    _offline()
+def load_tokenizer(path: ModelRef) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of the model `path` names (left padding, pad token falls back to EOS)."""
     from transformers import AutoTokenizer
 
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        model_folder(path)  # raises with the how-to-fetch message
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_folder(path), local_files_only=True)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -4,6 +4,8 @@
 generation_config.json, tokenizer.json, tokenizer_config.json, chat template) that `load_model` and
 `load_tokenizer` read like any downloaded checkpoint. Nothing here touches the network: the tokenizer is
 trained on a small built-in corpus with `tokenizers`, and the weights are random from a seeded generator.
+`make_hub_cache` lays such a folder out as a hub download (so hub ids resolve offline in tests) and
+`write_gguf` writes it as a real GGUF file (needs the `gguf` package).
 
 Invariant: the same arguments always produce the same tokenizer and bit-identical weights, so tests that
 compare two runs (or two processes) see the same model. Knows nothing about the store or RL.
@@ -137,3 +139,98 @@ def make_tiny_model_dir(
     GenerationConfig(eos_token_id=[eos_id], pad_token_id=pad_id).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def make_hub_cache(
+    hf_home: str | Path, repo_id: str, model_dir: str | Path, ref: str = "main", commit: str | None = None
+) -> str:
+    """Put the files of `model_dir` into `$HF_HOME/hub` exactly as huggingface_hub lays a download out.
+
+    `models--{org}--{name}/blobs/<hash>` holds each file once (named by its sha256, as the hub names LFS
+    blobs), `snapshots/<commit>/<file>` are relative symlinks to the blobs, and `refs/<ref>` names the
+    commit. The commit is derived from the files (or given), so the same folder gives the same commit.
+    Returns the commit hash. Calling it again with other files and the same `ref` moves the ref, as a
+    new push followed by a download would.
+    """
+    import hashlib
+    import os
+
+    src = Path(model_dir)
+    files = sorted(p for p in src.iterdir() if p.is_file())
+    repo = Path(hf_home) / "hub" / ("models--" + repo_id.replace("/", "--"))
+    if commit is None:
+        h = hashlib.sha1()
+        for f in files:
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+        commit = h.hexdigest()
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        if not blob.exists():
+            blob.write_bytes(data)
+        link = snapshot / f.name
+        if not link.exists():
+            link.symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs" / ref).write_text(commit)  # the hub library writes the bare hash, no newline
+    return commit
+
+
+def write_gguf(model_dir: str | Path, out_file: str | Path) -> Path:
+    """Write the Qwen2 model in `model_dir` (e.g. `make_tiny_model_dir`'s) as an f32 GGUF file with the
+    tokenizer metadata transformers' GGUF loader reads (byte-level BPE vocabulary, merges, token types,
+    EOS/PAD ids, chat template). Tensors are named with gguf's own HF → GGUF name map; Qwen2 needs no
+    permutation, so the file holds the model's exact fp32 values."""
+    import json
+
+    import gguf
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = Path(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(src, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
+    cfg = model.config
+    if cfg.model_type != "qwen2":
+        raise ValueError(f"write_gguf writes qwen2 models only, got {cfg.model_type!r}")
+    arch = gguf.MODEL_ARCH.QWEN2
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(out_file), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_name(src.name)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    added = {t.content for t in tok.added_tokens_decoder.values()}
+    merges = json.loads((src / "tokenizer.json").read_text())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")  # the Qwen2 split regex the folder's tokenizer uses
+    writer.add_token_list([t for t, _ in vocab])
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t in added else gguf.TokenType.NORMAL for t, _ in vocab]
+    )
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_eos_token_id(tok.eos_token_id)
+    if tok.pad_token_id is not None:
+        writer.add_pad_token_id(tok.pad_token_id)
+    if tok.chat_template:
+        writer.add_chat_template(tok.chat_template)
+    for key, value in model.state_dict().items():
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: GGUF omits the output matrix and the loader re-ties it
+        base, suffix = key.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", value.detach().numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(out_file)

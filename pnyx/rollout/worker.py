@@ -35,7 +35,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from pnyx.errors import ConfigError, IntegrityError, NotFoundError, StoreUnavailableError
@@ -66,7 +65,8 @@ class WorkerOptions:
     spool_dir: str | None = None
     """Optional folder for an on-disk copy of the spool, so a restart still uploads pending groups."""
     model_path: str | None = None
-    """Local model folder overriding the run's (same architecture and tokenizer required)."""
+    """This machine's copy of the run's model (folder, .gguf or hub id) instead of what run.json names; its
+    files must be the run's (checked at join)."""
     join_timeout_s: float = 600.0
     """How long to wait for run.json and the first verified weights before giving up."""
     flush_deadline_s: float = 30.0
@@ -155,22 +155,6 @@ def cold_join(syncer: Any, deadline_s: float, poll_s: float, stop: threading.Eve
         delay = min(10.0, delay * 1.5)
 
 
-def check_run_model(info: dict[str, Any], path: Path, model: Any) -> None:
-    """Refuse a local model folder whose tokenizer or vocabulary is not the run's (ConfigError)."""
-    from pnyx.models.tokenizer import tokenizer_digest
-
-    fix = "Copy the run's model folder (model.path in run.json) to this machine, or set PNYX_MODEL_PATH."
-    want = info.get("tokenizer_digest")
-    if want and tokenizer_digest(path) != want:
-        raise ConfigError(
-            f"the tokenizer in {path} is not the run's (digest {tokenizer_digest(path)[:16]} != {want[:16]}): "
-            f"this worker would produce token ids the trainer cannot read. {fix}"
-        )
-    vocab = info.get("vocab_size")
-    if vocab is not None and int(vocab) != int(model.config.vocab_size):
-        raise ConfigError(f"the model in {path} has vocab_size {model.config.vocab_size}, the run's {vocab}. {fix}")
-
-
 class Worker:
     """One rollout worker of one run. Not thread-safe: call `run` from one thread; `request_stop` from any."""
 
@@ -212,9 +196,9 @@ class Worker:
 
     def join(self) -> None:
         """Read run.json, load model + tokenizer + env, cold-join the weights, find the resume seq."""
-        from pnyx.config import config_from_dict, resolve_model_path
+        from pnyx.config import config_from_dict
         from pnyx.envs import get_env
-        from pnyx.models import load_model, load_tokenizer
+        from pnyx.models import load_model, load_tokenizer, resolve_run_model
         from pnyx.rollout.engine import Engine
         from pnyx.weights.syncer import Syncer
 
@@ -228,10 +212,11 @@ class Worker:
                 "--worker.int8=true (the trainer then publishes it next to the bf16 weights), or drop --int8."
             )
         self.env = get_env(self.cfg.env.name, **self.cfg.env.kwargs)
-        path = Path(self.opts.model_path) if self.opts.model_path else resolve_model_path(self.cfg)
+        path = resolve_run_model(
+            manifest.model or {}, self.cfg.model.path, self.cfg.model.revision, self.opts.model_path
+        )  # the run's exact model on this machine, or a ConfigError saying what differs
         self.tokenizer = load_tokenizer(path)
         self.model = load_model(path, dtype=self.cfg.model.dtype, device=self.opts.device)
-        check_run_model(manifest.model or {}, path, self.model)
         self.engine = Engine(self.model, self.tokenizer)
         w = self.cfg.worker
         capacity = max(w.spool_max_groups, w.prompts_per_cohort)  # 0 in config: hold one cohort at most

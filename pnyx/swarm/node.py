@@ -420,10 +420,10 @@ def open_node(
     """Load this node's model (fp32, for training), tokenizer and environment, and build the node."""
     from pnyx.config import resolve_model_path
     from pnyx.envs import get_env
-    from pnyx.models import load_model, load_tokenizer
+    from pnyx.models import load_model, load_tokenizer, model_folder
 
     check_node_name(name)
-    path = Path(model_dir) if model_dir is not None else resolve_model_path(cfg)
+    path = model_folder(model_dir) if model_dir is not None else resolve_model_path(cfg)
     model = load_model(path, dtype="float32", device=cfg.trainer.device)
     tokenizer = load_tokenizer(path)
     env = get_env(cfg.env.name, **cfg.env.kwargs)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pnyx.config import PnyxConfig, overlay_changed, resolve_model_path
+from pnyx.config import PnyxConfig, overlay_changed, resolve_model_source
 from pnyx.errors import ConfigError, FencedError, IntegrityError, NotFoundError, RecordRejected
 from pnyx.train import bootstrap, checkpoint
 from pnyx.train.ingest import Cursor, Ingestor, IngestSettings, ScoredGroup
@@ -115,15 +115,20 @@ class Trainer:
 
     # --- setup ---------------------------------------------------------------------------------------
 
-    def _load(self) -> None:
+    def _load(self, run: Any = None) -> None:
+        """Load model, tokenizer, env, optimizer; resuming `run` (its RunManifest), its recorded model."""
         from pnyx.config import resolve_device
         from pnyx.envs import get_env
-        from pnyx.models import load_model, load_tokenizer, render_prompt, tokenizer_digest
+        from pnyx.models import load_model, load_tokenizer, render_prompt, resolve_run_model, tokenizer_digest
         from pnyx.weights.publisher import Publisher
 
         cfg = self.cfg
         torch.manual_seed(cfg.run.seed)  # nothing in a step samples today; keeps any future use seeded
-        model_dir = resolve_model_path(cfg)
+        if run is not None:  # resuming: exactly the run's recorded model (a hub id pinned to its commit)
+            source = resolve_run_model(run.model, cfg.model.path, cfg.model.revision)
+        else:
+            source = resolve_model_source(cfg)
+        model_dir = source.folder
         self.device = resolve_device(cfg.trainer.device)
         self.model = load_model(model_dir, dtype="float32", device=self.device)
         self.tokenizer = load_tokenizer(model_dir)
@@ -138,8 +143,9 @@ class Trainer:
         self.publisher = Publisher(self.store, anchor_every=cfg.trainer.anchor_every, int8_plane=cfg.worker.int8)
         vocab = int(self.model.config.vocab_size)
         self.model_info = {
-            "name": model_dir.name,
+            "name": source.name,
             "path": str(model_dir),
+            "source": source.identity(),
             "model_type": getattr(self.model.config, "model_type", None),
             "vocab_size": vocab,
             "tokenizer_digest": tokenizer_digest(model_dir),
@@ -184,7 +190,7 @@ class Trainer:
                 )
             self.cfg = merge_resume_config(existing.config, self.cfg)
             self.steps = self._steps_override if self._steps_override is not None else self.cfg.run.steps
-        self._load()
+        self._load(existing if self.resume else None)
         config_json = self.cfg.model_dump(mode="json")
         config_json["store"]["url"] = None  # where the run lives is not part of what it is
         if existing is not None:
