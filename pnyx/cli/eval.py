@@ -91,8 +91,13 @@ def eval_main(
             target = latest_version(run_store) if version is None else version
             if target is None:
                 raise fail(f"{run_store.url} has no published weights yet")
+            from pnyx.models import resolve_run_model
+            from pnyx.train.bootstrap import read_run
+
+            info = read_run(run_store).model or {}  # the run's own model (a hub id at the trainer's commit)
+            source = resolve_run_model(info, cfg.model.path, cfg.model.revision, check="tokenizer")
             evaluator = VersionEvaluator(
-                run_store, resolve_model_path(cfg), cfg.env.name, cfg.env.kwargs, tasks=tasks, samples=samples,
+                run_store, source, cfg.env.name, cfg.env.kwargs, tasks=tasks, samples=samples,
                 temperature=cfg.worker.temperature, top_p=cfg.worker.top_p, top_k=cfg.worker.top_k,
                 max_new_tokens=cfg.worker.max_new_tokens, seed=cfg.run.seed, ks=ks,
             )
@@ -115,7 +120,7 @@ def eval_main(
                 temperature=cfg.worker.temperature, top_p=cfg.worker.top_p, top_k=cfg.worker.top_k,
                 max_new_tokens=cfg.worker.max_new_tokens, seed=cfg.run.seed, ks=ks,
             )
-            title = f"pnyx eval — {path}"
+            title = f"pnyx eval — {cfg.model.path or path}"
     except ConfigError as e:
         raise fail(str(e)) from None
     except PnyxError as e:
