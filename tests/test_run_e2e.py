@@ -268,3 +268,8 @@ def test_run_folder_has_evals_curve_and_summary(fleet_run):
     assert [e["version"] for e in evals].count(0) == 1  # the resumed run reused the stored v0 evaluation
     for role in ("trainer", "worker-1", "worker-2"):
         assert (folder / "logs" / f"{role}.log").is_file()
+
+
+@pytest.mark.slow
+def test_run_ends_by_printing_the_export_command_of_its_store(fleet_run):
+    assert f"export it: pnyx export --store {fleet_run['store_dir']} --out " in fleet_run["logs"]

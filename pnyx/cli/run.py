@@ -416,7 +416,8 @@ class Orchestrator:
         self.say(f"learning curve: {self.plan.folder / CURVE_FILE}")
         self.say(f"summary: {self.plan.folder / SUMMARY_FILE}   logs: {self.plan.logs}/")
         if final_version is not None:
-            self.say(f"export it: pnyx export --store {self.plan.store_url} --out {self.plan.folder / 'export'}")
+            export = f"pnyx export --store {self.plan.store_url} --out {self.plan.folder / 'export'}"
+            self.console.print(f"export it: {export}", highlight=False, soft_wrap=True)  # one line, copy-pastable
         if outcome.trainer_failed:
             self.say(f"[red]the trainer failed[/red]: read {self.fleet.trainer.log}")
             return 1
