@@ -257,7 +257,8 @@ def _hub_errors(repo_id: str, revision: str | None, filename: str | None) -> Ite
     except LocalEntryNotFoundError as e:  # offline, or the hub unreachable, and not (completely) in the cache
         if hub_offline():
             raise ModelNotFoundError(
-                f"{what}{at} is not in the Hugging Face cache ({hub_cache_dir()}) and HF_HUB_OFFLINE is set, so "
+                f"{what}{at} is not a local path, not in the Hugging Face cache ({hub_cache_dir()}), and "
+                "HF_HUB_OFFLINE is set, so "
                 f"pnyx may not download it. Fetch it first on a machine with network access (`{fetch}`, with the "
                 "same HF_HOME, then copy that cache here), or unset HF_HUB_OFFLINE to let pnyx download it."
             ) from e
@@ -271,8 +272,8 @@ def _hub_errors(repo_id: str, revision: str | None, filename: str | None) -> Ite
         raise ModelNotFoundError(f"{repo_id}{at} has no file {filename!r}: check the file name") from e
     except RepositoryNotFoundError as e:
         raise ModelNotFoundError(
-            f"the hub has no model {repo_id!r} visible to you: check the id, or log in (`hf auth login` or "
-            "HF_TOKEN) if it is private or gated"
+            f"{repo_id!r} is not a local path, and the hub has no model of that name visible to you: check the "
+            "path or id, or log in (`hf auth login` or HF_TOKEN) if it is private or gated"
         ) from e
     except HfHubHTTPError as e:
         raise ModelNotFoundError(f"the hub refused {what}{at}: {e}") from e
