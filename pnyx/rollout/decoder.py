@@ -1,28 +1,41 @@
-"""Incremental decoding of a left-padded batch with a key/value cache: prefill, step, drop finished rows.
+"""Incremental decoding of a left-padded batch with a key/value cache: prefill, step, extend, drop rows.
 
-Two interchangeable sessions share one surface (`prefill(ids, attn) -> logits`, `step(tokens) -> logits`,
-`keep(rows)`):
-- `FastSession`: a direct forward of Llama-shaped decoders (Qwen2, Llama, Mistral without sliding window)
-  over the model's own parameters, with a preallocated cache, a precomputed rotary table, and q/k/v and
-  gate/up each as one matmul (`fused_linear`). It skips the per-call mask building, output dataclasses
-  and cache bookkeeping of the transformers forward, which is most of a small model's decode step on CPU.
-- `HFSession`: the transformers forward with a `DynamicCache`, for every other architecture.
+Two interchangeable sessions share one surface:
+- `prefill(ids, attn) -> logits`: a left-padded batch [B, P] with its mask; logits [B, V] of the last slot.
+- `step(tokens, live=None) -> logits`: one token per row; a row whose `live` flag is False gets a *hole*
+  (a masked slot that does not count as a position), so a row can wait while others decode.
+- `extend(ids, attn) -> logits`: a left-padded chunk [B, R] appended on top of the cache (tool replies of
+  different lengths; the pads become holes). The last column must be real for every row.
+- `keep(rows)`: drop every other row of the batch (finished rows leave).
 
-Both keep the invariant the engine relies on: row i's logits depend only on row i's real (unpadded)
-tokens, position ids count real tokens only, and padded query rows attend to themselves so no NaN
-appears. Parameters are never copied: the stacked q/k/v and gate/up tensors back the model's own
-parameters, so weights loaded in place are used by the next session (a replaced parameter is restacked).
+- `FastSession`: a direct forward of Llama-shaped decoders (Llama, Qwen2, Mistral without sliding window,
+  Qwen3 with its per-head q/k RMSNorm) over the model's own parameters, with a growable preallocated cache,
+  a precomputed rotary table, and q/k/v and gate/up each as one matmul (`fused_linear`). It skips the
+  per-call mask building, output dataclasses and cache bookkeeping of the transformers forward.
+- `HFSession`: the transformers forward with a `DynamicCache`, for every other causal LM. It selects rows
+  itself, because transformers' own `batch_select_indices` skips conv/recurrent states (LFM2).
+
+Invariant of both: row i's logits depend only on row i's real tokens; position ids count real tokens only
+(holes and padding never advance them); padded or hole query rows always see at least one key, so no NaN
+appears. Holes are exact only where attention is the only way tokens meet: a sliding window or chunked
+attention counts cache slots, not tokens, and a conv or recurrent state takes in every slot, so there
+`HFSession.holes_ok` is False (with `holes_reason`) and callers must not leave holes in rows they keep
+(the engine then re-prefills between tool turns). Rows that will be dropped may hold holes anywhere.
+Parameters are never copied: the stacked q/k/v and gate/up tensors back the model's own parameters, so
+weights loaded in place are used by the next session (a replaced parameter is restacked).
 Knows nothing about sampling, stop strings or tools.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-FAST_MODEL_TYPES = ("qwen2", "llama", "mistral")
+FAST_MODEL_TYPES = ("qwen2", "llama", "mistral", "qwen3")
+QK_NORM_MODEL_TYPES = ("qwen3",)
 
 
 def fast_path_supported(model: Any) -> bool:
@@ -40,10 +53,15 @@ def fast_path_supported(model: Any) -> bool:
     if layer_types and any(t != "full_attention" for t in layer_types):
         return False
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type", "default")) == "dynamic":
-        return False  # its frequencies depend on the sequence length seen so far
+    if rope.get("rope_type", rope.get("type", "default")) in ("dynamic", "longrope"):
+        return False  # their frequencies depend on the sequence length seen so far
     body = getattr(model, "model", None)
-    return body is not None and hasattr(body, "layers") and hasattr(body, "rotary_emb")
+    if body is None or not hasattr(body, "layers") or not hasattr(body, "rotary_emb"):
+        return False
+    if cfg.model_type in QK_NORM_MODEL_TYPES:
+        attn = body.layers[0].self_attn
+        return hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+    return True
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -126,8 +144,23 @@ def _prefill_mask(attn: torch.Tensor) -> torch.Tensor:
     return ((causal & attn[:, None, :]) | eye)[:, None]
 
 
+def _chunk_positions(pos: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Position ids [B, R] of a chunk appended after last positions `pos` [B, 1]: real tokens count up,
+    holes repeat the previous position (they are masked, so their value only has to be valid)."""
+    return pos + attn.long().cumsum(-1)
+
+
+def _check_chunk(attn: torch.Tensor) -> None:
+    if not bool(attn[:, -1].all()):
+        raise ValueError("extend: every row's chunk must end with a real token (left-pad the chunk)")
+
+
 class FastSession:
-    """Decode session over a Llama-shaped model's parameters with a preallocated KV cache."""
+    """Decode session over a Llama-shaped model's parameters with a preallocated, growable KV cache."""
+
+    holes_ok = True
+    holes_reason: str | None = None
+    can_keep = True
 
     def __init__(self, model: Any, max_len: int):
         self.model = model
@@ -138,13 +171,11 @@ class FastSession:
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
-        self.max_len = max_len
+        self.qk_norm = cfg.model_type in QK_NORM_MODEL_TYPES
         self.device = next(model.parameters()).device
         self.dtype = self.body.embed_tokens.weight.dtype
-        dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
-        positions = torch.arange(max_len, device=self.device)[None]
-        cos, sin = self.body.rotary_emb(dummy, positions)
-        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_len, head_dim]
+        self.capacity = 0
+        self._rotary(max(1, max_len))
         # Checked once per session: weights do not change while one batch is decoded.
         self.fused = [
             (
@@ -153,6 +184,34 @@ class FastSession:
             )
             for la in self.body.layers
         ]
+
+    def _rotary(self, capacity: int) -> None:
+        """The rotary table for positions [0, capacity) (positions never exceed the slots used)."""
+        dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
+        positions = torch.arange(capacity, device=self.device)[None]
+        cos, sin = self.body.rotary_emb(dummy, positions)
+        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [capacity, head_dim]
+
+    def _reserve(self, end: int) -> None:
+        """Make room for cache slots [0, end): grow the cache (at least doubling) and the rotary table."""
+        if end <= self.capacity:
+            return
+        cap = max(end, 2 * self.capacity)
+        b = self.attn.shape[0]
+        shape = (b, self.n_kv, cap, self.head_dim)
+        used = self.length
+        for li in range(len(self.k)):
+            k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            k[:, :, :used] = self.k[li][:, :, :used]
+            v[:, :, :used] = self.v[li][:, :, :used]
+            self.k[li], self.v[li] = k, v
+        attn = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
+        attn[:, :used] = self.attn[:, :used]
+        self.attn = attn
+        if cap > self.cos.shape[0]:
+            self._rotary(cap)
+        self.capacity = cap
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, start: int) -> torch.Tensor:
         """Hidden state of the last position [B, H]; writes K/V at cache slots [start, start + T)."""
@@ -168,6 +227,11 @@ class FastSession:
             x = _rms_norm(h, layer.input_layernorm.weight, self.eps)
             qkv = F.linear(x, w_qkv, b_qkv).view(b, t, nq + 2 * nkv, self.head_dim)
             qk = qkv[:, :, : nq + nkv]
+            if self.qk_norm:  # Qwen3: RMSNorm over each head's vector, before rotary
+                qk = torch.cat(
+                    (_rms_norm(qk[:, :, :nq], attn.q_norm.weight, self.eps), _rms_norm(qk[:, :, nq:], attn.k_norm.weight, self.eps)),
+                    dim=2,
+                )
             qk = qk * cos + _rotate_half(qk) * sin  # rotary on queries and keys at once
             q = qk[:, :, :nq].transpose(1, 2)
             self.k[li][:, :, start:end] = qk[:, :, nq:].transpose(1, 2)
@@ -188,28 +252,48 @@ class FastSession:
 
     def prefill(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         b, width = ids.shape
-        if width > self.max_len:
-            raise ValueError(f"prompt of {width} tokens exceeds the session length {self.max_len}")
-        shape = (b, self.n_kv, self.max_len, self.head_dim)
+        cap = max(self.cos.shape[0], width)
+        shape = (b, self.n_kv, cap, self.head_dim)
         n_layers = len(self.body.layers)
         self.k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(n_layers)]
         self.v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(n_layers)]
-        self.attn = torch.zeros(b, self.max_len, dtype=torch.bool, device=self.device)
+        self.attn = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
+        self.capacity, self.length = cap, 0
+        if cap > self.cos.shape[0]:
+            self._rotary(cap)
         self.attn[:, :width] = attn
-        self.pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
         self.length = width
-        hidden = self._forward(ids, self.pos, _prefill_mask(attn), 0)
-        self.pos = self.pos[:, -1:]
+        hidden = self._forward(ids, pos, _prefill_mask(attn), 0)
+        self.pos = pos[:, -1:]
         return self.head(hidden)
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.length >= self.max_len:
-            raise ValueError(f"decode step past the session length {self.max_len}")
-        self.pos = self.pos + 1
-        self.attn[:, self.length] = True
+    def step(self, tokens: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        self._reserve(self.length + 1)
+        if live is None:
+            self.pos = self.pos + 1
+            self.attn[:, self.length] = True
+        else:
+            self.pos = self.pos + live[:, None].long()
+            self.attn[:, self.length] = live
         self.length += 1
         mask = self.attn[:, None, None, : self.length]
         hidden = self._forward(tokens[:, None], self.pos, mask, self.length - 1)
+        return self.head(hidden)
+
+    def extend(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        _check_chunk(attn)
+        r = ids.shape[1]
+        start, end = self.length, self.length + r
+        self._reserve(end)
+        pos = _chunk_positions(self.pos, attn)
+        self.attn[:, start:end] = attn
+        slots = torch.arange(end, device=self.device)
+        causal = slots[None, :] <= (start + torch.arange(r, device=self.device))[:, None]  # [R, end]
+        mask = (self.attn[:, None, :end] & causal[None])[:, None]  # [B, 1, R, end]
+        self.length = end
+        hidden = self._forward(ids, pos, mask, start)
+        self.pos = pos[:, -1:]
         return self.head(hidden)
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -225,46 +309,106 @@ class FastSession:
         self.pos = self.pos[rows]
 
 
+def _cache_layer_kinds() -> tuple[type, type, type]:
+    from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
+
+    return DynamicLayer, LinearAttentionCacheLayerMixin, DummyLayer
+
+
+def _select_rows(cache: Any, rows: torch.Tensor) -> None:
+    """Keep `rows` of every layer of a `DynamicCache`, conv and recurrent states included."""
+    dynamic, linear, _ = _cache_layer_kinds()
+    for layer in cache.layers:
+        if isinstance(layer, linear):
+            for states in (layer.conv_states, layer.recurrent_states):
+                for k, st in states.items():
+                    if st is not None:
+                        states[k] = st.index_select(0, rows)
+            if isinstance(layer, dynamic):  # hybrid layers: their own method only selects keys/values
+                dynamic.batch_select_indices(layer, rows)
+        else:
+            layer.batch_select_indices(rows)
+
+
 class HFSession:
     """Decode session through the transformers forward and a `DynamicCache` (any causal LM)."""
 
     def __init__(self, model: Any, max_len: int):
-        import inspect
-
         self.model = model
         self.max_len = max_len
         params = inspect.signature(model.forward).parameters
+        # transformers 5 renamed the argument `past_key_values` -> `cache`.
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.extra: dict[str, Any] = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._new_cache()
+
+    def _new_cache(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        self._inspect_cache()
 
     def _call(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # The cache is updated in place; transformers 5 renamed the argument `past_key_values` -> `cache`.
+        # The cache is updated in place.
         out = self.model(
             input_ids=ids,
             attention_mask=self.attn.long(),
             position_ids=pos,
             use_cache=True,
-            logits_to_keep=1,
+            **self.extra,
             **{self.cache_arg: self.cache},
         )
         return out.logits[:, -1]
 
-    def prefill(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        from transformers import DynamicCache
+    def _inspect_cache(self) -> None:
+        """What this model's cache allows: dropping rows (known layer kinds) and holes (attention only)."""
+        dynamic, linear, dummy = _cache_layer_kinds()
+        layers = list(self.cache.layers)
+        if not layers:  # built lazily by the first forward: kinds unknown until then
+            self.can_keep, self.holes_ok, self.holes_reason = False, False, "cache layers not known before a forward"
+            return
+        self.can_keep = all(isinstance(la, (dynamic, linear, dummy)) for la in layers)
+        self.holes_ok, self.holes_reason = True, None
+        for la in layers:
+            if isinstance(la, linear):
+                self.holes_ok = False
+                self.holes_reason = f"{type(la).__name__}: a conv/recurrent state takes in every slot, holes too"
+            elif not isinstance(la, dummy) and type(la) is not dynamic:
+                self.holes_ok = False
+                self.holes_reason = (
+                    f"{type(la).__name__}: sliding-window or chunked attention counts cache slots, not tokens"
+                )
+            if not self.holes_ok:
+                break
 
-        self.cache = DynamicCache(config=self.model.config)
+    def prefill(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        if self.cache.get_seq_length() > 0:
+            self._new_cache()
         self.attn = attn
         pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
         self.pos = pos[:, -1:]
-        return self._call(ids, pos)
+        logits = self._call(ids, pos)
+        self._inspect_cache()
+        return logits
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.pos = self.pos + 1
-        ones = torch.ones(self.attn.shape[0], 1, dtype=torch.bool, device=self.attn.device)
-        self.attn = torch.cat([self.attn, ones], dim=1)
+    def step(self, tokens: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        if live is None:
+            live = torch.ones(self.attn.shape[0], dtype=torch.bool, device=self.attn.device)
+        self.pos = self.pos + live[:, None].long()
+        self.attn = torch.cat([self.attn, live[:, None]], dim=1)
         return self._call(tokens[:, None], self.pos)
 
+    def extend(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        _check_chunk(attn)
+        pos = _chunk_positions(self.pos, attn)
+        self.attn = torch.cat([self.attn, attn], dim=1)
+        self.pos = pos[:, -1:]
+        return self._call(ids, pos)
+
     def keep(self, rows: torch.Tensor) -> None:
-        self.cache.batch_select_indices(rows)
+        if not self.can_keep:
+            raise ValueError("this model's cache has layers pnyx cannot select rows of; check can_keep first")
+        _select_rows(self.cache, rows)
         self.attn = self.attn[rows]
         self.pos = self.pos[rows]
 
