@@ -63,7 +63,9 @@ def logprob_gap(model, prompts, completions, params: SamplingParams) -> float:
 
 
 def test_greedy_tokens_equal_transformers_generate_on_ragged_batch(arch_model, tokenizer, prompts):
-    completions = generic(arch_model, tokenizer).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16))
+    completions = generic(arch_model, tokenizer).generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=16)
+    )
     ids, attn = left_pad(prompts, tokenizer.pad_token_id, torch.device("cpu"))
     with torch.inference_mode():
         ref = arch_model.generate(

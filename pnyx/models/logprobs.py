@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 
 
-def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def sampling_logprobs(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
     """Log-probabilities [..., V] (float32) of the distribution sampled at these settings; -inf = excluded."""
     x = logits.float()
     if temperature <= 0:
@@ -68,7 +70,9 @@ def _split_rows(lengths: list[int], max_tokens: int | None) -> list[tuple[int, i
     return chunks
 
 
-def _picked_logits(model: Any, ids: torch.Tensor, attn: torch.Tensor, gather_pos: torch.Tensor) -> torch.Tensor:
+def _picked_logits(
+    model: Any, ids: torch.Tensor, attn: torch.Tensor, gather_pos: torch.Tensor
+) -> torch.Tensor:
     """Logits [B, W, V] at positions `gather_pos` [B, W], exactly as the model's own forward computes them.
 
     The model's forward runs unchanged (so a final logit soft-cap, a logit scale or any other step after the
@@ -83,7 +87,12 @@ def _picked_logits(model: Any, ids: torch.Tensor, attn: torch.Tensor, gather_pos
     def narrow(module: Any, args: tuple) -> tuple | None:
         nonlocal fired
         hidden = args[0] if args else None
-        if fired or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != ids.shape:
+        if (
+            fired
+            or not isinstance(hidden, torch.Tensor)
+            or hidden.dim() != 3
+            or hidden.shape[:2] != ids.shape
+        ):
             return None
         fired = True
         picked = hidden.gather(1, gather_pos[..., None].expand(-1, -1, hidden.shape[-1]))
@@ -156,7 +165,9 @@ def completion_logprobs(
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
     if any(len(p) == 0 for p in prompt_ids):
-        raise ValueError("every prompt needs at least one token (the first completion token is predicted from it)")
+        raise ValueError(
+            "every prompt needs at least one token (the first completion token is predicted from it)"
+        )
     device = next(model.parameters()).device
     width = max((len(c) for c in completion_ids), default=0)
     rows = len(prompt_ids)

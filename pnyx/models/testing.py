@@ -147,10 +147,16 @@ def make_tiny_model_dir(
 # shorter than any test's prompt + completion, so the sliding and conv code paths really run.
 TINY_ARCHS: dict[str, dict] = {
     "qwen3": {},
-    "gemma3_text": dict(sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
-    "gemma2": dict(sliding_window=6, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "gemma3_text": dict(
+        sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"]
+    ),
+    "gemma2": dict(
+        sliding_window=6, layer_types=["sliding_attention", "full_attention", "sliding_attention"]
+    ),
     "lfm2": dict(
-        layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, block_ff_dim=128,
+        layer_types=["conv", "full_attention", "conv"],
+        conv_L_cache=3,
+        block_ff_dim=128,
         block_auto_adjust_ff_dim=False,
     ),
     "smollm3": dict(no_rope_layers=[1, 1, 0]),

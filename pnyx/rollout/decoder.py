@@ -7,6 +7,8 @@ Two interchangeable sessions share one surface:
 - `extend(ids, attn) -> logits`: a left-padded chunk [B, R] appended on top of the cache (tool replies of
   different lengths; the pads become holes). The last column must be real for every row.
 - `keep(rows)`: drop every other row of the batch (finished rows leave).
+- `take(rows) -> Parked` and `merge(parked)`: set rows aside (a row waiting for its tool costs nothing
+  while the others decode) and put them back after the current rows, the slots they missed as holes.
 
 - `FastSession`: a direct forward of Llama-shaped decoders (Llama, Qwen2, Mistral without sliding window,
   Qwen3 with its per-head q/k RMSNorm) over the model's own parameters, with a growable preallocated cache,
@@ -29,6 +31,7 @@ Knows nothing about sampling, stop strings or tools.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -125,7 +128,9 @@ def fused_linear(owner: Any, name: str, linears: list[Any]) -> tuple[torch.Tenso
     return w, b
 
 
-def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    prompts: list[list[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [B, P], attention mask [B, P] bool) with each prompt right-aligned."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -148,6 +153,29 @@ def _chunk_positions(pos: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Position ids [B, R] of a chunk appended after last positions `pos` [B, 1]: real tokens count up,
     holes repeat the previous position (they are masked, so their value only has to be valid)."""
     return pos + attn.long().cumsum(-1)
+
+
+@dataclass
+class Parked:
+    """Rows taken out of a session (`take`) to be put back later (`merge`): their cache up to its length."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor] | None]
+    """Per layer: keys and values [r, kv heads, length, head dim], or None for a layer without a cache."""
+    attn: torch.Tensor
+    """[r, length] bool: which slots are real tokens."""
+    pos: torch.Tensor
+    """[r, 1]: the position id of each row's last real token."""
+
+
+def _pad_slots(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """`x` zero-padded (False for bool) along `dim` to `length`: holes must hold finite values, since a
+    masked score is still computed from them."""
+    extra = length - x.shape[dim]
+    if extra == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, torch.zeros(shape, dtype=x.dtype, device=x.device)], dim=dim)
 
 
 def _check_chunk(attn: torch.Tensor) -> None:
@@ -179,7 +207,9 @@ class FastSession:
         # Checked once per session: weights do not change while one batch is decoded.
         self.fused = [
             (
-                fused_linear(la.self_attn, "_pnyx_qkv", [la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj]),
+                fused_linear(
+                    la.self_attn, "_pnyx_qkv", [la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj]
+                ),
                 fused_linear(la.mlp, "_pnyx_gate_up", [la.mlp.gate_proj, la.mlp.up_proj]),
             )
             for la in self.body.layers
@@ -229,7 +259,10 @@ class FastSession:
             qk = qkv[:, :, : nq + nkv]
             if self.qk_norm:  # Qwen3: RMSNorm over each head's vector, before rotary
                 qk = torch.cat(
-                    (_rms_norm(qk[:, :, :nq], attn.q_norm.weight, self.eps), _rms_norm(qk[:, :, nq:], attn.k_norm.weight, self.eps)),
+                    (
+                        _rms_norm(qk[:, :, :nq], attn.q_norm.weight, self.eps),
+                        _rms_norm(qk[:, :, nq:], attn.k_norm.weight, self.eps),
+                    ),
                     dim=2,
                 )
             qk = qk * cos + _rotate_half(qk) * sin  # rotary on queries and keys at once
@@ -308,6 +341,28 @@ class FastSession:
         self.attn = self.attn[rows]
         self.pos = self.pos[rows]
 
+    def take(self, rows: torch.Tensor) -> Parked:
+        """A copy of `rows`' state (the session is unchanged: `keep` the others to remove them)."""
+        used = self.length
+        kv = [(k[rows, :, :used], v[rows, :, :used]) for k, v in zip(self.k, self.v, strict=True)]
+        return Parked(kv, self.attn[rows, :used], self.pos[rows])
+
+    def merge(self, parked: list[Parked]) -> None:
+        """Append parked rows after the current ones; their slots since they were taken become holes."""
+        if not parked:
+            return
+        used, cap = self.length, self.capacity
+        for li in range(len(self.k)):
+            for which, store in ((0, self.k), (1, self.v)):
+                parts = [store[li][:, :, :used]] + [_pad_slots(p.kv[li][which], used, 2) for p in parked]
+                merged = torch.cat(parts)
+                store[li] = torch.empty((merged.shape[0], *merged.shape[1:2], cap, merged.shape[3]),
+                                        dtype=self.dtype, device=self.device)  # fmt: skip
+                store[li][:, :, :used] = merged
+        attn = torch.cat([self.attn[:, :used]] + [_pad_slots(p.attn, used, 1) for p in parked])
+        self.attn = _pad_slots(attn, cap, 1)
+        self.pos = torch.cat([self.pos] + [p.pos for p in parked])
+
 
 def _cache_layer_kinds() -> tuple[type, type, type]:
     from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
@@ -365,14 +420,20 @@ class HFSession:
         dynamic, linear, dummy = _cache_layer_kinds()
         layers = list(self.cache.layers)
         if not layers:  # built lazily by the first forward: kinds unknown until then
-            self.can_keep, self.holes_ok, self.holes_reason = False, False, "cache layers not known before a forward"
+            self.can_keep, self.holes_ok, self.holes_reason = (
+                False,
+                False,
+                "cache layers not known before a forward",
+            )
             return
         self.can_keep = all(isinstance(la, (dynamic, linear, dummy)) for la in layers)
         self.holes_ok, self.holes_reason = True, None
         for la in layers:
             if isinstance(la, linear):
                 self.holes_ok = False
-                self.holes_reason = f"{type(la).__name__}: a conv/recurrent state takes in every slot, holes too"
+                self.holes_reason = (
+                    f"{type(la).__name__}: a conv/recurrent state takes in every slot, holes too"
+                )
             elif not isinstance(la, dummy) and type(la) is not dynamic:
                 self.holes_ok = False
                 self.holes_reason = (
@@ -411,6 +472,31 @@ class HFSession:
         _select_rows(self.cache, rows)
         self.attn = self.attn[rows]
         self.pos = self.pos[rows]
+
+    def _kv_layers(self) -> list:
+        if not self.holes_ok:
+            raise ValueError(f"rows of this model's cache cannot be parked: {self.holes_reason}")
+        return [
+            la if getattr(la, "keys", None) is not None and la.keys.numel() else None
+            for la in self.cache.layers
+        ]
+
+    def take(self, rows: torch.Tensor) -> Parked:
+        """A copy of `rows`' state (the session is unchanged). Only where `holes_ok` (attention-only cache)."""
+        kv = [None if la is None else (la.keys[rows], la.values[rows]) for la in self._kv_layers()]
+        return Parked(kv, self.attn[rows], self.pos[rows])
+
+    def merge(self, parked: list[Parked]) -> None:
+        """Append parked rows after the current ones; their slots since they were taken become holes."""
+        if not parked:
+            return
+        used = self.attn.shape[1]
+        for li, la in enumerate(self._kv_layers()):
+            if la is not None:
+                la.keys = torch.cat([la.keys] + [_pad_slots(p.kv[li][0], used, 2) for p in parked])
+                la.values = torch.cat([la.values] + [_pad_slots(p.kv[li][1], used, 2) for p in parked])
+        self.attn = torch.cat([self.attn] + [_pad_slots(p.attn, used, 1) for p in parked])
+        self.pos = torch.cat([self.pos] + [p.pos for p in parked])
 
 
 def open_session(model: Any, max_len: int, fast: bool | None = None) -> FastSession | HFSession:

@@ -10,8 +10,10 @@ last few tokens, never by re-tokenizing), or at `max_new_tokens`. Finished rows 
 
 Seeded: the same model, prompts and `SamplingParams` (seed included) give the same tokens. A row's draw
 depends on the whole batch, so the same prompt in a different batch may sample differently.
-`Engine.run_episodes` (the multi-turn tool loop) lives in `episodes.py`. Knows nothing about
-environments' scoring, the store or the trainer.
+`Engine.decode` is the sampling loop over an open decode session (`decoder.py`); `generate` prefills a
+fresh one, and the multi-turn tool loop (`episodes.py`, `Engine.run_episodes`) keeps one across turns.
+Runs on the model's device and dtype (CPU or CUDA) with one host sync per step, none when no row can end
+early. Knows nothing about environments' scoring, the store or the trainer.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from pnyx.errors import ConfigError
 from pnyx.models.logprobs import sampling_logprobs
 from pnyx.models.tokenizer import eos_token_ids
-from pnyx.rollout.decoder import FastSession, HFSession, left_pad, open_session
+from pnyx.rollout.decoder import FastSession, HFSession, Parked, left_pad, open_session
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -155,32 +157,36 @@ class Engine:
         return open_session(self.model, max_len, self.fast)
 
     def decode(
-        self, session: FastSession | HFSession, logits: torch.Tensor, params: SamplingParams,
+        self,
+        session: FastSession | HFSession,
+        logits: torch.Tensor,
+        params: SamplingParams,
         park: frozenset[str] = frozenset(),
     ) -> Turn:
         """Sample from `session` (whose rows gave `logits` [n, V]) until every row ends.
 
-        Rows that end leave the sampling batch once >= 25% of it has ended, exactly as a fresh `generate`
-        of these rows would, so seeded draws do not depend on what else the session holds. A row ended by
-        a stop string in `park` stays in the session (its later slots are holes), so the caller can
-        append to it; other ended rows are dropped. Call inside `torch.inference_mode()`.
+        Rows that end leave the batch once >= 25% of it has ended, exactly as in a fresh `generate` of
+        these rows, so seeded draws are the same. A row ended by a stop string in `park` is set aside
+        (`take`) instead of dropped and put back (`merge`) after the turn, its missed slots as holes, so
+        the caller can append to it; other ended rows are dropped. Call inside `torch.inference_mode()`.
         """
         n, max_new, dev = logits.shape[0], params.max_new_tokens, self.device
         gen = torch.Generator(device=dev).manual_seed(params.seed)
         matcher = StopMatcher(self.tokenizer, params.stop)
         eos = frozenset() if params.ignore_eos else frozenset(self.eos_ids)
+        if not eos and not matcher.stops:  # no row can end early: no host sync per token
+            return self._decode_blind(session, logits, params, gen)
         tokens: list[list[int]] = [[] for _ in range(n)]
         reasons: list[FinishReason] = ["length"] * n
         stop_of: list[str | None] = [None] * n
         done = [False] * n
         out_lp = torch.zeros(n, max_new, dtype=torch.float32, device=dev)
-        batch = list(range(n))  # rows sampled each step: what a fresh `generate` of these rows would hold
-        resident = list(range(n))  # rows in the session, in session order
-        sel: torch.Tensor | None = None  # session positions of the batch rows, when they differ
+        batch = list(range(n))  # the session's rows: exactly what a fresh `generate` of these rows holds
         batch_dev = torch.arange(n, device=dev)
+        parked: list[tuple[list[int], Parked]] = []  # rows set aside on a park stop, to put back at the end
         live: torch.Tensor | None = None  # per session row: False = feed a hole (it has ended)
         for step in range(max_new):
-            tok, lp = self._draw(logits if sel is None else logits[sel], params, gen)
+            tok, lp = self._draw(logits, params, gen)
             out_lp[batch_dev, step] = lp
             changed = False
             for i, t in zip(batch, tok.tolist(), strict=True):  # the one host sync per step
@@ -194,25 +200,45 @@ class Engine:
             alive = sum(not done[i] for i in batch)
             if step == max_new - 1 or alive == 0:
                 break
-            feed = tok if sel is None else torch.zeros(len(resident), dtype=tok.dtype, device=dev).index_copy_(0, sel, tok)
             if session.can_keep and len(batch) - alive >= max(1, COMPACT_FRACTION * len(batch)):
-                slot = {row: k for k, row in enumerate(resident)}
-                kept = [i for i in resident if not done[i] or stop_of[i] in park]
-                if kept != resident:
-                    index = torch.tensor([slot[i] for i in kept], device=dev)
-                    session.keep(index)
-                    feed, resident = feed[index], kept
-                batch = [i for i in batch if not done[i]]
-                slot = {row: k for k, row in enumerate(resident)}
-                sel = None if batch == resident else torch.tensor([slot[i] for i in batch], device=dev)
+                wait = [k for k, i in enumerate(batch) if done[i] and stop_of[i] in park]
+                if wait:
+                    parked.append(([batch[k] for k in wait], session.take(torch.tensor(wait, device=dev))))
+                keep = [k for k, i in enumerate(batch) if not done[i]]
+                index = torch.tensor(keep, device=dev)
+                session.keep(index)
+                tok, batch = tok[index], [batch[k] for k in keep]
                 batch_dev = torch.tensor(batch, device=dev)
+                changed = True
             if changed:
-                ended = [done[i] for i in resident]
+                ended = [done[i] for i in batch]
                 live = torch.tensor([not d for d in ended], device=dev) if any(ended) else None
-            logits = session.step(feed, live)
+            logits = session.step(tok, live)
+        if parked:
+            session.merge([p for _, p in parked])
+            batch = batch + [i for rows, _ in parked for i in rows]
         lp_rows = out_lp.tolist()
         logprobs = [lp_rows[i][: len(tokens[i])] for i in range(n)]
-        return Turn(tokens, logprobs, reasons, stop_of, resident)
+        return Turn(tokens, logprobs, reasons, stop_of, batch)
+
+    def _decode_blind(
+        self,
+        session: FastSession | HFSession,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        gen: torch.Generator,
+    ) -> Turn:
+        """`decode` when nothing can end a row before `max_new_tokens`: tokens stay on the device until the
+        end, so the host never waits for the accelerator inside the loop."""
+        n, max_new = logits.shape[0], params.max_new_tokens
+        out_tok = torch.zeros(n, max_new, dtype=torch.long, device=self.device)
+        out_lp = torch.zeros(n, max_new, dtype=torch.float32, device=self.device)
+        for step in range(max_new):
+            tok, out_lp[:, step] = self._draw(logits, params, gen)
+            out_tok[:, step] = tok
+            if step < max_new - 1:
+                logits = session.step(tok)
+        return Turn(out_tok.tolist(), out_lp.tolist(), ["length"] * n, [None] * n, list(range(n)))
 
     @staticmethod
     def _draw(
@@ -248,6 +274,13 @@ class Engine:
         from pnyx.rollout.episodes import run_episodes
 
         return run_episodes(
-            self, prompt_ids, params, tool, tool_stops, max_turns, max_episode_tokens, max_tool_tokens,
+            self,
+            prompt_ids,
+            params,
+            tool,
+            tool_stops,
+            max_turns,
+            max_episode_tokens,
+            max_tool_tokens,
             self.reuse_cache if reuse_cache is None else reuse_cache,
         )

@@ -2,8 +2,13 @@
 
 Episodes are assembled as token ids. The model's own tokens are kept exactly as sampled (loss mask 1, their
 behaviour logprob); a tool reply is encoded once and appended with loss mask 0 and logprob 0.0; nothing is
-ever re-tokenized. Each turn re-reads the whole context (prompt + episode so far), so a recorded logprob is
-the model's probability given exactly the tokens the trainer will see.
+ever re-tokenized. Two loops give the same episodes for the same seed (up to float noise in the logits):
+- on the cache (default where the model allows it): one decode session for the whole batch; a row that
+  calls a tool waits in the session while the others finish the turn, then only its last token and the
+  reply are prefilled on top of its KV cache;
+- re-prefill: every turn is a fresh `generate` over prompt + episode so far.
+Either way a recorded logprob is the model's probability given exactly the tokens the trainer will see
+(position ids count real tokens only; waiting slots and padding are masked).
 
 Finish reasons: "stop" (EOS, a non-tool stop string, or the tool answered None), "length" (the episode
 token cap or the per-turn `max_new_tokens` was reached), "turn_limit" (a tool call when no model turn is
@@ -53,7 +58,9 @@ class Episode:
         self.loss_mask.extend([mask] * len(tokens))
 
 
-def _call_tool(tool: ToolFn, text: str, tokenizer, max_tool_tokens: int) -> tuple[list[int] | None, str | None]:
+def _call_tool(
+    tool: ToolFn, text: str, tokenizer, max_tool_tokens: int
+) -> tuple[list[int] | None, str | None]:
     """(reply token ids or None for no reply, error message or None). Never raises."""
     try:
         reply = tool(text)
@@ -72,8 +79,17 @@ def _call_tool(tool: ToolFn, text: str, tokenizer, max_tool_tokens: int) -> tupl
 
 
 def _settle(
-    ep: Episode, tokens: list[int], logprobs: list[float], reason: str, stop: str | None, tool: ToolFn,
-    tokenizer, tool_only: set[str], max_turns: int, max_episode_tokens: int, max_tool_tokens: int,
+    ep: Episode,
+    tokens: list[int],
+    logprobs: list[float],
+    reason: str,
+    stop: str | None,
+    tool: ToolFn,
+    tokenizer,
+    tool_only: set[str],
+    max_turns: int,
+    max_episode_tokens: int,
+    max_tool_tokens: int,
 ) -> list[int] | None:
     """Append one model turn to `ep`, run its tool call if it made one; the reply's token ids if the
     episode goes on (already appended with loss mask 0), else None with `ep.finish_reason` set."""
@@ -150,25 +166,46 @@ class _Loop:
     """The turn loop, in two implementations that give the same episodes (up to float noise)."""
 
     def __init__(
-        self, engine: Engine, params: SamplingParams, tools: list[ToolFn], tool_stops: list[str],
-        max_turns: int, max_episode_tokens: int, max_tool_tokens: int,
+        self,
+        engine: Engine,
+        params: SamplingParams,
+        tools: list[ToolFn],
+        tool_stops: list[str],
+        max_turns: int,
+        max_episode_tokens: int,
+        max_tool_tokens: int,
     ):
         self.engine, self.params, self.tools = engine, params, tools
         self.stops = list(dict.fromkeys([*params.stop, *tool_stops]))
         self.tool_only = set(tool_stops) - set(params.stop)
-        self.max_turns, self.max_episode_tokens, self.max_tool_tokens = max_turns, max_episode_tokens, max_tool_tokens
+        self.max_turns, self.max_episode_tokens, self.max_tool_tokens = (
+            max_turns,
+            max_episode_tokens,
+            max_tool_tokens,
+        )
 
     def turn_params(self, episodes: list[Episode], active: list[int], turn: int) -> SamplingParams:
         budget = max(self.max_episode_tokens - len(episodes[i].tokens) for i in active)
         return replace(
-            self.params, stop=self.stops, seed=self.params.seed + turn,
+            self.params,
+            stop=self.stops,
+            seed=self.params.seed + turn,
             max_new_tokens=min(self.params.max_new_tokens, budget),
         )
 
     def settle(self, ep: Episode, i: int, tokens, logprobs, reason, stop) -> list[int] | None:
         return _settle(
-            ep, tokens, logprobs, reason, stop, self.tools[i], self.engine.tokenizer, self.tool_only,
-            self.max_turns, self.max_episode_tokens, self.max_tool_tokens,
+            ep,
+            tokens,
+            logprobs,
+            reason,
+            stop,
+            self.tools[i],
+            self.engine.tokenizer,
+            self.tool_only,
+            self.max_turns,
+            self.max_episode_tokens,
+            self.max_tool_tokens,
         )
 
     def re_prefill(self, prompt_ids: list[list[int]]) -> list[Episode]:
@@ -181,7 +218,8 @@ class _Loop:
             contexts = [prompt_ids[i] + episodes[i].tokens for i in active]
             completions = self.engine.generate(contexts, turn_params)
             active = [
-                i for i, c in zip(active, completions, strict=True)
+                i
+                for i, c in zip(active, completions, strict=True)
                 if self.settle(episodes[i], i, c.tokens, c.logprobs, c.finish_reason, c.stop) is not None
             ]
             turn += 1
@@ -204,7 +242,9 @@ class _Loop:
             session = engine.session(ids.shape[1] + turn_params.max_new_tokens)
             if not session.holes_ok:
                 if required:
-                    raise ConfigError(f"reuse_cache=True, but this model's cache cannot: {session.holes_reason}")
+                    raise ConfigError(
+                        f"reuse_cache=True, but this model's cache cannot: {session.holes_reason}"
+                    )
                 _note_fallback(engine, session.holes_reason)
                 return None
             logits = session.prefill(ids, attn)
@@ -214,7 +254,9 @@ class _Loop:
                 out = engine.decode(session, logits, turn_params, park)
                 still, chunks, rows = [], [], []
                 for j, i in enumerate(active):
-                    reply = self.settle(episodes[i], i, out.tokens[j], out.logprobs[j], out.reasons[j], out.stops[j])
+                    reply = self.settle(
+                        episodes[i], i, out.tokens[j], out.logprobs[j], out.reasons[j], out.stops[j]
+                    )
                     if reply is not None:  # it ended on a park stop, so it is still in the session
                         still.append(i)
                         rows.append(out.resident.index(j))
