@@ -26,12 +26,13 @@ import torch
 from pnyx.errors import ConfigError
 from pnyx.models.logprobs import sampling_logprobs
 from pnyx.models.tokenizer import eos_token_ids
-from pnyx.rollout.decoder import FastSession, HFSession, Parked, left_pad, open_session
+from pnyx.rollout.decoder import FastSession, Parked, left_pad, open_session
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from pnyx.rollout.episodes import Episode, ToolFn
+    from pnyx.rollout.hf_session import HFSession
 
 FinishReason = Literal["stop", "length"]
 

@@ -178,11 +178,9 @@ class _Loop:
         self.engine, self.params, self.tools = engine, params, tools
         self.stops = list(dict.fromkeys([*params.stop, *tool_stops]))
         self.tool_only = set(tool_stops) - set(params.stop)
-        self.max_turns, self.max_episode_tokens, self.max_tool_tokens = (
-            max_turns,
-            max_episode_tokens,
-            max_tool_tokens,
-        )
+        self.max_turns = max_turns
+        self.max_episode_tokens = max_episode_tokens
+        self.max_tool_tokens = max_tool_tokens
 
     def turn_params(self, episodes: list[Episode], active: list[int], turn: int) -> SamplingParams:
         budget = max(self.max_episode_tokens - len(episodes[i].tokens) for i in active)
