@@ -72,13 +72,19 @@ def test_greedy_records_temperature_one_logprob_reproduced_at_temperature_zero(m
 
 
 def test_greedy_tokens_equal_transformers_generate_on_ragged_batch(model, tokenizer, prompts):
-    completions = Engine(model, tokenizer).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16))
+    completions = Engine(model, tokenizer).generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=16)
+    )
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
         ref = model.generate(
-            ids, attention_mask=attn, do_sample=False, max_new_tokens=16, min_new_tokens=16,
+            ids,
+            attention_mask=attn,
+            do_sample=False,
+            max_new_tokens=16,
+            min_new_tokens=16,
             pad_token_id=tokenizer.pad_token_id,
         )
     for i, c in enumerate(completions):

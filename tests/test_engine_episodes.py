@@ -20,7 +20,9 @@ def engine(tiny_model_dir) -> Engine:
 
 @pytest.fixture(scope="module")
 def prompt(engine) -> list[int]:
-    return engine.tokenizer.encode("<search>capital of France</search> The answer is", add_special_tokens=False)
+    return engine.tokenizer.encode(
+        "<search>capital of France</search> The answer is", add_special_tokens=False
+    )
 
 
 def tool_stop_for(engine: Engine, prompt: list[int], params: SamplingParams) -> str:
@@ -118,5 +120,7 @@ def test_tool_answering_none_ends_the_episode(engine, prompt):
 def test_episode_tokens_never_exceed_the_cap(engine, prompt):
     params = SamplingParams(temperature=0.0, max_new_tokens=24)
     stop = tool_stop_for(engine, prompt, params)
-    ep = engine.run_episodes([prompt], params, lambda text: REPLY, [stop], max_turns=50, max_episode_tokens=40)[0]
+    ep = engine.run_episodes(
+        [prompt], params, lambda text: REPLY, [stop], max_turns=50, max_episode_tokens=40
+    )[0]
     assert len(ep.tokens) <= 40 and ep.finish_reason == "length"

@@ -22,7 +22,8 @@ class ScriptedEngine(Engine):
     """The real engine (and its real `run_episodes`) with `generate` replaced by fixed per-row turns."""
 
     def __init__(self, model, tokenizer, scripts: list[list[tuple[str, str | None]]]):
-        super().__init__(model, tokenizer)
+        # reuse_cache=False: the tool loop then calls `generate` every turn (the cache path never does).
+        super().__init__(model, tokenizer, reuse_cache=False)
         self.scripts = scripts
         self.turn = 0
 

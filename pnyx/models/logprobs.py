@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 
 
-def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def sampling_logprobs(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
     """Log-probabilities [..., V] (float32) of the distribution sampled at these settings; -inf = excluded."""
     x = logits.float()
     if temperature <= 0:
@@ -68,19 +70,43 @@ def _split_rows(lengths: list[int], max_tokens: int | None) -> list[tuple[int, i
     return chunks
 
 
-def _hidden_and_head(model: Any) -> tuple[Any, Any]:
-    """(decoder body returning hidden states, output projection), or (None, None) if not separable."""
-    get_decoder = getattr(model, "get_decoder", None)
+def _picked_logits(
+    model: Any, ids: torch.Tensor, attn: torch.Tensor, gather_pos: torch.Tensor
+) -> torch.Tensor:
+    """Logits [B, W, V] at positions `gather_pos` [B, W], exactly as the model's own forward computes them.
+
+    The model's forward runs unchanged (so a final logit soft-cap, a logit scale or any other step after the
+    output projection is applied), but a pre-hook on the output projection narrows its input from every
+    position to the gathered ones, so the vocabulary-sized logits exist only there. A model whose forward
+    does not call its output-embedding module on [B, T, H] hidden states (the hook does not fire) gives full
+    logits, which are gathered afterwards: same values, more memory.
+    """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if get_decoder is None or head is None:
-        return None, None
+    fired = False
+
+    def narrow(module: Any, args: tuple) -> tuple | None:
+        nonlocal fired
+        hidden = args[0] if args else None
+        if (
+            fired
+            or not isinstance(hidden, torch.Tensor)
+            or hidden.dim() != 3
+            or hidden.shape[:2] != ids.shape
+        ):
+            return None
+        fired = True
+        picked = hidden.gather(1, gather_pos[..., None].expand(-1, -1, hidden.shape[-1]))
+        return (picked, *args[1:])
+
+    handle = head.register_forward_pre_hook(narrow) if isinstance(head, torch.nn.Module) else None
     try:
-        body = get_decoder()
-    except (AttributeError, NotImplementedError):
-        return None, None
-    if body is None or body is model:
-        return None, None
-    return body, head
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    finally:
+        if handle is not None:
+            handle.remove()
+    if fired:
+        return logits
+    return logits.gather(1, gather_pos[..., None].expand(-1, -1, logits.shape[-1]))
 
 
 def _chunk_logprobs(
@@ -111,14 +137,7 @@ def _chunk_logprobs(
             targets[i, : len(c)] = torch.tensor(c, dtype=torch.long)
     ids, attn, gather_pos, targets = (t.to(device) for t in (ids, attn, gather_pos, targets))
 
-    body, head = _hidden_and_head(model)
-    if body is not None:
-        hidden = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
-        picked = hidden.gather(1, gather_pos[..., None].expand(-1, -1, hidden.shape[-1]))
-        logits = head(picked)
-    else:
-        full = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-        logits = full.gather(1, gather_pos[..., None].expand(-1, -1, full.shape[-1]))
+    logits = _picked_logits(model, ids, attn, gather_pos)
     logp_all = sampling_logprobs(logits, temperature, top_k, top_p)
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
     ent = _entropy(logp_all) if with_entropy else None
@@ -146,7 +165,9 @@ def completion_logprobs(
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
     if any(len(p) == 0 for p in prompt_ids):
-        raise ValueError("every prompt needs at least one token (the first completion token is predicted from it)")
+        raise ValueError(
+            "every prompt needs at least one token (the first completion token is predicted from it)"
+        )
     device = next(model.parameters()).device
     width = max((len(c) for c in completion_ids), default=0)
     rows = len(prompt_ids)

@@ -1,11 +1,15 @@
-"""Tiny random models for tests: a Qwen2 causal LM plus a real byte-level BPE tokenizer, offline.
+"""Tiny random models for tests: causal LMs of several architectures plus a real byte-level BPE tokenizer.
 
-`make_tiny_model_dir` writes a folder in Hugging Face layout (config.json, model.safetensors,
+`make_tiny_model_dir` writes a Qwen2 folder in Hugging Face layout (config.json, model.safetensors,
 generation_config.json, tokenizer.json, tokenizer_config.json, chat template) that `load_model` and
-`load_tokenizer` read like any downloaded checkpoint. Nothing here touches the network: the tokenizer is
-trained on a small built-in corpus with `tokenizers`, and the weights are random from a seeded generator.
-`make_hub_cache` lays such a folder out as a hub download (so hub ids resolve offline in tests) and
-`write_gguf` writes it as a real GGUF file (needs the `gguf` package).
+`load_tokenizer` read like any downloaded checkpoint. `tiny_arch_model` builds a tiny random model of
+another architecture transformers ships (`TINY_ARCHS`: Qwen3, Gemma3, Gemma2, LFM2, SmolLM3, Phi3), sized
+for the same tokenizer, with the features that stress a decoder kept on (sliding windows shorter than a
+test's sequences, LFM2's conv layers, Gemma2's logit soft-cap, SmolLM3's layers without rotary).
+`make_hub_cache` lays a model folder out as a hub download (so hub ids resolve offline in tests) and
+`write_gguf` writes it as a real GGUF file (needs the `gguf` package). Nothing here touches the network:
+the tokenizer is trained on a small built-in corpus with `tokenizers`, and the weights are random from a
+seeded generator.
 
 Invariant: the same arguments always produce the same tokenizer and bit-identical weights, so tests that
 compare two runs (or two processes) see the same model. Knows nothing about the store or RL.
@@ -234,3 +238,40 @@ def write_gguf(model_dir: str | Path, out_file: str | Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return Path(out_file)
+
+
+# Per architecture: the config fields beyond the shared tiny shape. Windows of 6 and conv kernels of 3 are
+# shorter than any test's prompt + completion, so the sliding and conv code paths really run.
+TINY_ARCHS: dict[str, dict] = {
+    "qwen3": {},
+    "gemma3_text": dict(
+        sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"]
+    ),
+    "gemma2": dict(
+        sliding_window=6, layer_types=["sliding_attention", "full_attention", "sliding_attention"]
+    ),
+    "lfm2": dict(
+        layer_types=["conv", "full_attention", "conv"],
+        conv_L_cache=3,
+        block_ff_dim=128,
+        block_auto_adjust_ff_dim=False,
+    ),
+    "smollm3": dict(no_rope_layers=[1, 1, 0]),
+    "phi3": {},
+}
+
+
+def tiny_arch_model(model_type: str, tokenizer, seed: int = 0, dtype: str = "float32", device: str = "cpu"):
+    """A tiny random causal LM of `model_type` (a `TINY_ARCHS` key) for `tokenizer` (3 layers, hidden 64,
+    4 heads / 2 KV heads of dim 16, tied embeddings, init std 0.1), in eval mode. Seeded."""
+    from pnyx.models.loading import model_from_config
+
+    if model_type not in TINY_ARCHS:
+        raise ValueError(f"no tiny config for {model_type!r}; known: {sorted(TINY_ARCHS)}")
+    config = dict(
+        model_type=model_type, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None, initializer_range=0.1, tie_word_embeddings=True, **TINY_ARCHS[model_type],
+    )  # fmt: skip
+    return model_from_config(config, dtype=dtype, device=device, seed=seed)

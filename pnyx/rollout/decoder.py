@@ -1,28 +1,45 @@
-"""Incremental decoding of a left-padded batch with a key/value cache: prefill, step, drop finished rows.
+"""Incremental decoding of a left-padded batch with a key/value cache: prefill, step, extend, drop rows.
 
-Two interchangeable sessions share one surface (`prefill(ids, attn) -> logits`, `step(tokens) -> logits`,
-`keep(rows)`):
-- `FastSession`: a direct forward of Llama-shaped decoders (Qwen2, Llama, Mistral without sliding window)
-  over the model's own parameters, with a preallocated cache, a precomputed rotary table, and q/k/v and
-  gate/up each as one matmul (`fused_linear`). It skips the per-call mask building, output dataclasses
-  and cache bookkeeping of the transformers forward, which is most of a small model's decode step on CPU.
-- `HFSession`: the transformers forward with a `DynamicCache`, for every other architecture.
+Two interchangeable sessions share one surface:
+- `prefill(ids, attn) -> logits`: a left-padded batch [B, P] with its mask; logits [B, V] of the last slot.
+- `step(tokens, live=None) -> logits`: one token per row; a row whose `live` flag is False gets a *hole*
+  (a masked slot that does not count as a position), so a row can wait while others decode.
+- `extend(ids, attn) -> logits`: a left-padded chunk [B, R] appended on top of the cache (tool replies of
+  different lengths; the pads become holes). The last column must be real for every row.
+- `keep(rows)`: drop every other row of the batch (finished rows leave).
+- `take(rows) -> Parked` and `merge(parked)`: set rows aside (a row waiting for its tool costs nothing
+  while the others decode) and put them back after the current rows, the slots they missed as holes.
 
-Both keep the invariant the engine relies on: row i's logits depend only on row i's real (unpadded)
-tokens, position ids count real tokens only, and padded query rows attend to themselves so no NaN
-appears. Parameters are never copied: the stacked q/k/v and gate/up tensors back the model's own
-parameters, so weights loaded in place are used by the next session (a replaced parameter is restacked).
+- `FastSession`: a direct forward of Llama-shaped decoders (Llama, Qwen2, Mistral without sliding window,
+  Qwen3 with its per-head q/k RMSNorm) over the model's own parameters, with a growable preallocated cache,
+  a precomputed rotary table, and q/k/v and gate/up each as one matmul (`fused_linear`). It skips the
+  per-call mask building, output dataclasses and cache bookkeeping of the transformers forward.
+- `HFSession` (`hf_session.py`): the transformers forward with a `DynamicCache`, for every other causal LM.
+
+Invariant of both: row i's logits depend only on row i's real tokens; position ids count real tokens only
+(holes and padding never advance them); padded or hole query rows always see at least one key, so no NaN
+appears. Holes are exact only where attention is the only way tokens meet: a sliding window or chunked
+attention counts cache slots, not tokens, and a conv or recurrent state takes in every slot, so there
+`HFSession.holes_ok` is False (with `holes_reason`) and callers must not leave holes in rows they keep
+(the engine then re-prefills between tool turns). Rows that will be dropped may hold holes anywhere.
+Parameters are never copied: the stacked q/k/v and gate/up tensors back the model's own parameters, so
+weights loaded in place are used by the next session (a replaced parameter is restacked).
 Knows nothing about sampling, stop strings or tools.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-FAST_MODEL_TYPES = ("qwen2", "llama", "mistral")
+if TYPE_CHECKING:
+    from pnyx.rollout.hf_session import HFSession
+
+FAST_MODEL_TYPES = ("qwen2", "llama", "mistral", "qwen3")
+QK_NORM_MODEL_TYPES = ("qwen3",)
 
 
 def fast_path_supported(model: Any) -> bool:
@@ -40,10 +57,15 @@ def fast_path_supported(model: Any) -> bool:
     if layer_types and any(t != "full_attention" for t in layer_types):
         return False
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type", "default")) == "dynamic":
-        return False  # its frequencies depend on the sequence length seen so far
+    if rope.get("rope_type", rope.get("type", "default")) in ("dynamic", "longrope"):
+        return False  # their frequencies depend on the sequence length seen so far
     body = getattr(model, "model", None)
-    return body is not None and hasattr(body, "layers") and hasattr(body, "rotary_emb")
+    if body is None or not hasattr(body, "layers") or not hasattr(body, "rotary_emb"):
+        return False
+    if cfg.model_type in QK_NORM_MODEL_TYPES:
+        attn = body.layers[0].self_attn
+        return hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+    return True
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -107,7 +129,9 @@ def fused_linear(owner: Any, name: str, linears: list[Any]) -> tuple[torch.Tenso
     return w, b
 
 
-def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    prompts: list[list[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [B, P], attention mask [B, P] bool) with each prompt right-aligned."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -126,8 +150,46 @@ def _prefill_mask(attn: torch.Tensor) -> torch.Tensor:
     return ((causal & attn[:, None, :]) | eye)[:, None]
 
 
+def _chunk_positions(pos: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Position ids [B, R] of a chunk appended after last positions `pos` [B, 1]: real tokens count up,
+    holes repeat the previous position (they are masked, so their value only has to be valid)."""
+    return pos + attn.long().cumsum(-1)
+
+
+@dataclass
+class Parked:
+    """Rows taken out of a session (`take`) to be put back later (`merge`): their cache up to its length."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor] | None]
+    """Per layer: keys and values [r, kv heads, length, head dim], or None for a layer without a cache."""
+    attn: torch.Tensor
+    """[r, length] bool: which slots are real tokens."""
+    pos: torch.Tensor
+    """[r, 1]: the position id of each row's last real token."""
+
+
+def _pad_slots(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """`x` zero-padded (False for bool) along `dim` to `length`: holes must hold finite values, since a
+    masked score is still computed from them."""
+    extra = length - x.shape[dim]
+    if extra == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, torch.zeros(shape, dtype=x.dtype, device=x.device)], dim=dim)
+
+
+def _check_chunk(attn: torch.Tensor) -> None:
+    if not bool(attn[:, -1].all()):
+        raise ValueError("extend: every row's chunk must end with a real token (left-pad the chunk)")
+
+
 class FastSession:
-    """Decode session over a Llama-shaped model's parameters with a preallocated KV cache."""
+    """Decode session over a Llama-shaped model's parameters with a preallocated, growable KV cache."""
+
+    holes_ok = True
+    holes_reason: str | None = None
+    can_keep = True
 
     def __init__(self, model: Any, max_len: int):
         self.model = model
@@ -138,21 +200,49 @@ class FastSession:
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
-        self.max_len = max_len
+        self.qk_norm = cfg.model_type in QK_NORM_MODEL_TYPES
         self.device = next(model.parameters()).device
         self.dtype = self.body.embed_tokens.weight.dtype
-        dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
-        positions = torch.arange(max_len, device=self.device)[None]
-        cos, sin = self.body.rotary_emb(dummy, positions)
-        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_len, head_dim]
+        self.capacity = 0
+        self._rotary(max(1, max_len))
         # Checked once per session: weights do not change while one batch is decoded.
         self.fused = [
             (
-                fused_linear(la.self_attn, "_pnyx_qkv", [la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj]),
+                fused_linear(
+                    la.self_attn, "_pnyx_qkv", [la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj]
+                ),
                 fused_linear(la.mlp, "_pnyx_gate_up", [la.mlp.gate_proj, la.mlp.up_proj]),
             )
             for la in self.body.layers
         ]
+
+    def _rotary(self, capacity: int) -> None:
+        """The rotary table for positions [0, capacity) (positions never exceed the slots used)."""
+        dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
+        positions = torch.arange(capacity, device=self.device)[None]
+        cos, sin = self.body.rotary_emb(dummy, positions)
+        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [capacity, head_dim]
+
+    def _reserve(self, end: int) -> None:
+        """Make room for cache slots [0, end): grow the cache (at least doubling) and the rotary table."""
+        if end <= self.capacity:
+            return
+        cap = max(end, 2 * self.capacity)
+        b = self.attn.shape[0]
+        shape = (b, self.n_kv, cap, self.head_dim)
+        used = self.length
+        for li in range(len(self.k)):
+            k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            k[:, :, :used] = self.k[li][:, :, :used]
+            v[:, :, :used] = self.v[li][:, :, :used]
+            self.k[li], self.v[li] = k, v
+        attn = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
+        attn[:, :used] = self.attn[:, :used]
+        self.attn = attn
+        if cap > self.cos.shape[0]:
+            self._rotary(cap)
+        self.capacity = cap
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, start: int) -> torch.Tensor:
         """Hidden state of the last position [B, H]; writes K/V at cache slots [start, start + T)."""
@@ -168,6 +258,14 @@ class FastSession:
             x = _rms_norm(h, layer.input_layernorm.weight, self.eps)
             qkv = F.linear(x, w_qkv, b_qkv).view(b, t, nq + 2 * nkv, self.head_dim)
             qk = qkv[:, :, : nq + nkv]
+            if self.qk_norm:  # Qwen3: RMSNorm over each head's vector, before rotary
+                qk = torch.cat(
+                    (
+                        _rms_norm(qk[:, :, :nq], attn.q_norm.weight, self.eps),
+                        _rms_norm(qk[:, :, nq:], attn.k_norm.weight, self.eps),
+                    ),
+                    dim=2,
+                )
             qk = qk * cos + _rotate_half(qk) * sin  # rotary on queries and keys at once
             q = qk[:, :, :nq].transpose(1, 2)
             self.k[li][:, :, start:end] = qk[:, :, nq:].transpose(1, 2)
@@ -188,28 +286,48 @@ class FastSession:
 
     def prefill(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         b, width = ids.shape
-        if width > self.max_len:
-            raise ValueError(f"prompt of {width} tokens exceeds the session length {self.max_len}")
-        shape = (b, self.n_kv, self.max_len, self.head_dim)
+        cap = max(self.cos.shape[0], width)
+        shape = (b, self.n_kv, cap, self.head_dim)
         n_layers = len(self.body.layers)
         self.k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(n_layers)]
         self.v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(n_layers)]
-        self.attn = torch.zeros(b, self.max_len, dtype=torch.bool, device=self.device)
+        self.attn = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
+        self.capacity, self.length = cap, 0
+        if cap > self.cos.shape[0]:
+            self._rotary(cap)
         self.attn[:, :width] = attn
-        self.pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
         self.length = width
-        hidden = self._forward(ids, self.pos, _prefill_mask(attn), 0)
-        self.pos = self.pos[:, -1:]
+        hidden = self._forward(ids, pos, _prefill_mask(attn), 0)
+        self.pos = pos[:, -1:]
         return self.head(hidden)
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.length >= self.max_len:
-            raise ValueError(f"decode step past the session length {self.max_len}")
-        self.pos = self.pos + 1
-        self.attn[:, self.length] = True
+    def step(self, tokens: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        self._reserve(self.length + 1)
+        if live is None:
+            self.pos = self.pos + 1
+            self.attn[:, self.length] = True
+        else:
+            self.pos = self.pos + live[:, None].long()
+            self.attn[:, self.length] = live
         self.length += 1
         mask = self.attn[:, None, None, : self.length]
         hidden = self._forward(tokens[:, None], self.pos, mask, self.length - 1)
+        return self.head(hidden)
+
+    def extend(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        _check_chunk(attn)
+        r = ids.shape[1]
+        start, end = self.length, self.length + r
+        self._reserve(end)
+        pos = _chunk_positions(self.pos, attn)
+        self.attn[:, start:end] = attn
+        slots = torch.arange(end, device=self.device)
+        causal = slots[None, :] <= (start + torch.arange(r, device=self.device))[:, None]  # [R, end]
+        mask = (self.attn[:, None, :end] & causal[None])[:, None]  # [B, 1, R, end]
+        self.length = end
+        hidden = self._forward(ids, pos, mask, start)
+        self.pos = pos[:, -1:]
         return self.head(hidden)
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -224,53 +342,33 @@ class FastSession:
         self.attn = self.attn[rows]
         self.pos = self.pos[rows]
 
+    def take(self, rows: torch.Tensor) -> Parked:
+        """A copy of `rows`' state (the session is unchanged: `keep` the others to remove them)."""
+        used = self.length
+        kv = [(k[rows, :, :used], v[rows, :, :used]) for k, v in zip(self.k, self.v, strict=True)]
+        return Parked(kv, self.attn[rows, :used], self.pos[rows])
 
-class HFSession:
-    """Decode session through the transformers forward and a `DynamicCache` (any causal LM)."""
-
-    def __init__(self, model: Any, max_len: int):
-        import inspect
-
-        self.model = model
-        self.max_len = max_len
-        params = inspect.signature(model.forward).parameters
-        self.cache_arg = "cache" if "cache" in params else "past_key_values"
-
-    def _call(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # The cache is updated in place; transformers 5 renamed the argument `past_key_values` -> `cache`.
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self.attn.long(),
-            position_ids=pos,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self.cache_arg: self.cache},
-        )
-        return out.logits[:, -1]
-
-    def prefill(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        from transformers import DynamicCache
-
-        self.cache = DynamicCache(config=self.model.config)
-        self.attn = attn
-        pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
-        self.pos = pos[:, -1:]
-        return self._call(ids, pos)
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.pos = self.pos + 1
-        ones = torch.ones(self.attn.shape[0], 1, dtype=torch.bool, device=self.attn.device)
-        self.attn = torch.cat([self.attn, ones], dim=1)
-        return self._call(tokens[:, None], self.pos)
-
-    def keep(self, rows: torch.Tensor) -> None:
-        self.cache.batch_select_indices(rows)
-        self.attn = self.attn[rows]
-        self.pos = self.pos[rows]
+    def merge(self, parked: list[Parked]) -> None:
+        """Append parked rows after the current ones; their slots since they were taken become holes."""
+        if not parked:
+            return
+        used, cap = self.length, self.capacity
+        for li in range(len(self.k)):
+            for which, store in ((0, self.k), (1, self.v)):
+                parts = [store[li][:, :, :used]] + [_pad_slots(p.kv[li][which], used, 2) for p in parked]
+                merged = torch.cat(parts)
+                store[li] = torch.empty((merged.shape[0], *merged.shape[1:2], cap, merged.shape[3]),
+                                        dtype=self.dtype, device=self.device)  # fmt: skip
+                store[li][:, :, :used] = merged
+        attn = torch.cat([self.attn[:, :used]] + [_pad_slots(p.attn, used, 1) for p in parked])
+        self.attn = _pad_slots(attn, cap, 1)
+        self.pos = torch.cat([self.pos] + [p.pos for p in parked])
 
 
 def open_session(model: Any, max_len: int, fast: bool | None = None) -> FastSession | HFSession:
     """A decode session for `model`; `fast=None` uses the fast path whenever it is supported."""
+    from pnyx.rollout.hf_session import HFSession
+
     use_fast = fast_path_supported(model) if fast is None else fast
     if use_fast and not fast_path_supported(model):
         raise ValueError(f"the fast decode path does not support model_type={model.config.model_type!r}")

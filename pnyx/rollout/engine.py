@@ -10,8 +10,10 @@ last few tokens, never by re-tokenizing), or at `max_new_tokens`. Finished rows 
 
 Seeded: the same model, prompts and `SamplingParams` (seed included) give the same tokens. A row's draw
 depends on the whole batch, so the same prompt in a different batch may sample differently.
-`Engine.run_episodes` (the multi-turn tool loop) lives in `episodes.py`. Knows nothing about
-environments' scoring, the store or the trainer.
+`Engine.decode` is the sampling loop over an open decode session (`decoder.py`); `generate` prefills a
+fresh one, and the multi-turn tool loop (`episodes.py`, `Engine.run_episodes`) keeps one across turns.
+Runs on the model's device and dtype (CPU or CUDA) with one host sync per step, none when no row can end
+early. Knows nothing about environments' scoring, the store or the trainer.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ import torch
 from pnyx.errors import ConfigError
 from pnyx.models.logprobs import sampling_logprobs
 from pnyx.models.tokenizer import eos_token_ids
-from pnyx.rollout.decoder import left_pad, open_session
+from pnyx.rollout.decoder import FastSession, Parked, left_pad, open_session
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from pnyx.rollout.episodes import Episode, ToolFn
+    from pnyx.rollout.hf_session import HFSession
 
 FinishReason = Literal["stop", "length"]
 
@@ -108,13 +111,28 @@ class StopMatcher:
         return None
 
 
+@dataclass
+class Turn:
+    """What one decode turn produced for each of its rows, and which rows the session still holds."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    reasons: list[FinishReason]
+    stops: list[str | None]
+    resident: list[int]
+    """The turn's rows still in the session after the turn, in session order (rows ended by a `park` stop
+    always are; their last token is not in the cache yet)."""
+
+
 class Engine:
     """Batched sampling from a causal LM (any transformers model; a fast path for Llama-shaped ones)."""
 
-    def __init__(self, model: Any, tokenizer: Any, fast: bool | None = None):
+    def __init__(self, model: Any, tokenizer: Any, fast: bool | None = None, reuse_cache: bool | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.fast = fast
+        self.reuse_cache = reuse_cache
+        """Tool turns on top of the KV cache (`run_episodes`): None = where the model allows it."""
         self.eos_ids = eos_token_ids(tokenizer, model)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad) if pad is not None else 0
@@ -127,65 +145,101 @@ class Engine:
         if any(len(p) == 0 for p in prompt_ids):
             raise ConfigError("every prompt needs at least one token")
         with torch.inference_mode():
-            tokens, logprobs, reasons, stops = self._sample(prompt_ids, params)
+            ids, attn = left_pad(prompt_ids, self.pad_id, self.device)
+            session = self.session(ids.shape[1] + params.max_new_tokens)
+            turn = self.decode(session, session.prefill(ids, attn), params)
         return [
             Completion(t, lp, r, self.tokenizer.decode(t, skip_special_tokens=True), s)
-            for t, lp, r, s in zip(tokens, logprobs, reasons, stops, strict=True)
+            for t, lp, r, s in zip(turn.tokens, turn.logprobs, turn.reasons, turn.stops, strict=True)
         ]
 
-    def _sample(
-        self, prompts: list[list[int]], params: SamplingParams
-    ) -> tuple[list[list[int]], list[list[float]], list[FinishReason], list[str | None]]:
-        n, max_new = len(prompts), params.max_new_tokens
-        dev = self.device
-        ids, attn = left_pad(prompts, self.pad_id, dev)
-        session = open_session(self.model, ids.shape[1] + max_new, self.fast)
+    def session(self, max_len: int) -> FastSession | HFSession:
+        """A fresh decode session for this engine's model (`max_len`: the slots to preallocate)."""
+        return open_session(self.model, max_len, self.fast)
+
+    def decode(
+        self,
+        session: FastSession | HFSession,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        park: frozenset[str] = frozenset(),
+    ) -> Turn:
+        """Sample from `session` (whose rows gave `logits` [n, V]) until every row ends.
+
+        Rows that end leave the batch once >= 25% of it has ended, exactly as in a fresh `generate` of
+        these rows, so seeded draws are the same. A row ended by a stop string in `park` is set aside
+        (`take`) instead of dropped and put back (`merge`) after the turn, its missed slots as holes, so
+        the caller can append to it; other ended rows are dropped. Call inside `torch.inference_mode()`.
+        """
+        n, max_new, dev = logits.shape[0], params.max_new_tokens, self.device
         gen = torch.Generator(device=dev).manual_seed(params.seed)
         matcher = StopMatcher(self.tokenizer, params.stop)
-        eos = torch.tensor(self.eos_ids or [-1], dtype=torch.long, device=dev)
-
-        out_tok = torch.zeros(n, max_new, dtype=torch.long, device=dev)
-        out_lp = torch.zeros(n, max_new, dtype=torch.float32, device=dev)
-        lengths = [max_new] * n
+        eos = frozenset() if params.ignore_eos else frozenset(self.eos_ids)
+        if not eos and not matcher.stops:  # no row can end early: no host sync per token
+            return self._decode_blind(session, logits, params, gen)
+        tokens: list[list[int]] = [[] for _ in range(n)]
         reasons: list[FinishReason] = ["length"] * n
         stop_of: list[str | None] = [None] * n
-        history: list[list[int]] = [[] for _ in range(n)] if matcher.stops else []
-        rows = torch.arange(n, device=dev)  # original index of each row in the session
-        alive = torch.ones(n, dtype=torch.bool, device=dev)
-
-        logits = session.prefill(ids, attn)
+        done = [False] * n
+        out_lp = torch.zeros(n, max_new, dtype=torch.float32, device=dev)
+        batch = list(range(n))  # the session's rows: exactly what a fresh `generate` of these rows holds
+        batch_dev = torch.arange(n, device=dev)
+        parked: list[tuple[list[int], Parked]] = []  # rows set aside on a park stop, to put back at the end
+        live: torch.Tensor | None = None  # per session row: False = feed a hole (it has ended)
         for step in range(max_new):
             tok, lp = self._draw(logits, params, gen)
-            out_tok[rows, step] = tok
-            out_lp[rows, step] = lp
-            ended = torch.zeros_like(alive) if params.ignore_eos else torch.isin(tok, eos) & alive
-            if matcher.stops:
-                flags = ended.tolist()
-                for j, (i, t, a) in enumerate(zip(rows.tolist(), tok.tolist(), alive.tolist(), strict=True)):
-                    if not a:
-                        continue
-                    history[i].append(t)
-                    if not flags[j] and (s := matcher.match(history[i])) is not None:
-                        flags[j] = True
-                        stop_of[i] = s
-                ended = torch.tensor(flags, dtype=torch.bool, device=dev)
-            for j in ended.nonzero().flatten().tolist():
-                i = int(rows[j])
-                lengths[i], reasons[i] = step + 1, "stop"
-            alive &= ~ended
-            if step == max_new - 1 or not bool(alive.any()):
+            out_lp[batch_dev, step] = lp
+            changed = False
+            for i, t in zip(batch, tok.tolist(), strict=True):  # the one host sync per step
+                if done[i]:
+                    continue  # ended but not yet compacted: its draw is consumed, its token ignored
+                tokens[i].append(t)
+                if t in eos:
+                    done[i], reasons[i], changed = True, "stop", True
+                elif matcher.stops and (s := matcher.match(tokens[i])) is not None:
+                    done[i], reasons[i], stop_of[i], changed = True, "stop", s, True
+            alive = sum(not done[i] for i in batch)
+            if step == max_new - 1 or alive == 0:
                 break
-            dead = len(alive) - int(alive.sum())
-            if dead >= max(1, COMPACT_FRACTION * len(alive)):
-                keep = alive.nonzero().flatten()
-                session.keep(keep)
-                rows, alive, tok = rows[keep], alive[keep], tok[keep]
-            logits = session.step(tok)
+            if session.can_keep and len(batch) - alive >= max(1, COMPACT_FRACTION * len(batch)):
+                wait = [k for k, i in enumerate(batch) if done[i] and stop_of[i] in park]
+                if wait:
+                    parked.append(([batch[k] for k in wait], session.take(torch.tensor(wait, device=dev))))
+                keep = [k for k, i in enumerate(batch) if not done[i]]
+                index = torch.tensor(keep, device=dev)
+                session.keep(index)
+                tok, batch = tok[index], [batch[k] for k in keep]
+                batch_dev = torch.tensor(batch, device=dev)
+                changed = True
+            if changed:
+                ended = [done[i] for i in batch]
+                live = torch.tensor([not d for d in ended], device=dev) if any(ended) else None
+            logits = session.step(tok, live)
+        if parked:
+            session.merge([p for _, p in parked])
+            batch = batch + [i for rows, _ in parked for i in rows]
+        lp_rows = out_lp.tolist()
+        logprobs = [lp_rows[i][: len(tokens[i])] for i in range(n)]
+        return Turn(tokens, logprobs, reasons, stop_of, batch)
 
-        tok_rows, lp_rows = out_tok.tolist(), out_lp.tolist()
-        tokens = [tok_rows[i][: lengths[i]] for i in range(n)]
-        logprobs = [lp_rows[i][: lengths[i]] for i in range(n)]
-        return tokens, logprobs, reasons, stop_of
+    def _decode_blind(
+        self,
+        session: FastSession | HFSession,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        gen: torch.Generator,
+    ) -> Turn:
+        """`decode` when nothing can end a row before `max_new_tokens`: tokens stay on the device until the
+        end, so the host never waits for the accelerator inside the loop."""
+        n, max_new = logits.shape[0], params.max_new_tokens
+        out_tok = torch.zeros(n, max_new, dtype=torch.long, device=self.device)
+        out_lp = torch.zeros(n, max_new, dtype=torch.float32, device=self.device)
+        for step in range(max_new):
+            tok, out_lp[:, step] = self._draw(logits, params, gen)
+            out_tok[:, step] = tok
+            if step < max_new - 1:
+                logits = session.step(tok)
+        return Turn(out_tok.tolist(), out_lp.tolist(), ["length"] * n, [None] * n, list(range(n)))
 
     @staticmethod
     def _draw(
@@ -198,7 +252,10 @@ class Engine:
         else:
             # Inverse-CDF sampling: one uniform per row (cheaper than a Gumbel draw per vocabulary entry).
             # right=True returns the first index whose cumulative mass exceeds u, which always has p > 0.
-            cdf = logp.exp().cumsum(-1)
+            # cummax keeps the CDF flat across zero-probability (truncated) tokens even where a parallel
+            # scan (CUDA) rounds differently at neighbouring entries, so such a token is never drawn.
+            p = logp.exp()
+            cdf = torch.where(p > 0, p.cumsum(-1), 0.0).cummax(-1).values
             u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
             tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
@@ -212,10 +269,19 @@ class Engine:
         max_turns: int,
         max_episode_tokens: int = 1024,
         max_tool_tokens: int = 512,
+        reuse_cache: bool | None = None,
     ) -> list[Episode]:
         """Multi-turn episodes with tool calls; see `pnyx.rollout.episodes.run_episodes`."""
         from pnyx.rollout.episodes import run_episodes
 
         return run_episodes(
-            self, prompt_ids, params, tool, tool_stops, max_turns, max_episode_tokens, max_tool_tokens
+            self,
+            prompt_ids,
+            params,
+            tool,
+            tool_stops,
+            max_turns,
+            max_episode_tokens,
+            max_tool_tokens,
+            self.reuse_cache if reuse_cache is None else reuse_cache,
         )
