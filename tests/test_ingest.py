@@ -1,4 +1,5 @@
-"""Ingestion against real stores: window listing, validation, re-scoring, staleness, reuse, cursor."""
+"""Ingestion against real stores: listing, ranking, validation, re-scoring, staleness, reuse, cursor, and a
+cost that follows the step (what is fetched), not the backlog (what is listed)."""
 
 from __future__ import annotations
 
@@ -61,14 +62,17 @@ def make_group(version: int, worker: str, seq: int, task_index: int = 0, answers
     )
 
 
-def put(store, group) -> str:
-    key = layout.rollout_key(group.policy_version, group.worker_id, group.seq)
+def put(store, group, stamp_ms: int | None = None) -> str:
+    key = layout.rollout_key(group.policy_version, group.worker_id, group.seq, stamp_ms)
     store.put(key, encode_group(group), mode="create")
     return key
 
 
-def make_ingestor(store, **settings) -> Ingestor:
-    return Ingestor(store=store, env=ENV, detokenize=detok, settings=IngestSettings(**settings), run_id=RUN)
+def make_ingestor(store, grace_s: float = 0.0, **settings) -> Ingestor:
+    return Ingestor(
+        store=store, env=ENV, detokenize=detok, settings=IngestSettings(**settings), run_id=RUN,
+        sweep_grace_s=grace_s,
+    )
 
 
 @pytest.fixture
@@ -90,11 +94,12 @@ def test_forged_reward_is_overwritten_by_the_rescore_and_counted(store):
     g.samples[1] = make_group(0, "liar", 0).samples[0]  # second sample right: the group has variance
     put(store, g)
     ing = make_ingestor(store)
-    ing.poll(0)
     (scored,) = ing.select(0, 1)
     assert scored.rewards == [0.0, 1.0]
     assert scored.worker_rewards == [1.0, 1.0]
-    assert ing.cursor.disagreements == {"liar": 1}
+    assert ing.cursor.disagreements == {}  # counted when consumed, so a restart never counts it twice
+    ing.commit([scored.key])
+    assert ing.cursor.disagreements == {"liar": 1} and ing.cursor.scored == {"liar": 2}
     assert scored.advantages[0] < 0 < scored.advantages[1]
 
 
@@ -121,7 +126,7 @@ def test_window_listing_never_reads_versions_outside_the_window(store):
     ing = make_ingestor(store, max_staleness=2)
     ing.cursor.swept_below = 8  # versions below 8 already left the window earlier
     ing.poll(10)
-    assert listed == [layout.rollouts_dir(v) for v in (8, 9, 10)]
+    assert sorted(listed) == [layout.rollouts_dir(v) for v in (8, 9, 10)]
 
 
 def test_group_is_used_at_most_max_reuse_times(store):
@@ -237,17 +242,13 @@ def test_cursor_forgets_keys_once_their_version_leaves_the_window(store):
 
 def test_workers_take_turns_within_a_version(store):
     # "a" sorts before "b": with plain key order every batch would be a's alone.
+    a_keys = [put(store, make_group(0, "a", seq, task_index=seq), stamp_ms=1000 + seq) for seq in range(4)]
     for seq in range(4):
-        put(store, make_group(0, "a", seq, task_index=seq))
-        put(store, make_group(0, "b", seq, task_index=10 + seq))
+        put(store, make_group(0, "b", seq, task_index=10 + seq), stamp_ms=2000 + seq)
     ing = make_ingestor(store, max_groups_per_prompt=1)
-    ing.poll(0)
     batch = ing.select(0, 4)
     assert sorted(g.worker_id for g in batch) == ["a", "a", "b", "b"]
-    assert {g.key for g in batch if g.worker_id == "a"} == {
-        layout.rollout_key(0, "a", 0),
-        layout.rollout_key(0, "a", 1),
-    }  # each worker's oldest groups first
+    assert {g.key for g in batch if g.worker_id == "a"} == set(a_keys[:2])  # each worker's oldest first
 
 
 def test_groups_from_int8_plane_workers_match_a_published_digest():

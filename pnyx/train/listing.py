@@ -1,0 +1,84 @@
+"""What the trainer knows about the rollout keys of one version, from listings alone (no object is read).
+
+A `VersionListing` holds every key listed under `rollouts/v{V:08d}/` so far: the keys still waiting to be
+trained on (per worker, oldest first), the highest upload stamp seen (the incremental listing resumes just
+below it), and when the prefix was last listed. `list_keys` is the only I/O: one LIST request per 1,000
+keys, starting after `high_ms - STAMP_SLACK_MS` for an incremental listing, or at the start of the prefix
+for a full one.
+
+Why a slack: a key is stamped by its uploader before its upload lands, so a key can appear in a listing
+after keys with higher stamps; re-listing the last few seconds catches it (the `seen` set deduplicates).
+A key that lands later than that (a slow upload, a clock that runs behind) is found by the periodic full
+listing (`RESCAN_S`) or, at the latest, by the sweep when its version leaves the window. A clock that runs
+ahead cannot push the incremental bound past now (`now_ms` caps it), so it never hides other workers' keys.
+
+Knows nothing about records, scoring or the cursor. Not thread-safe: the `Ingestor` holds its lock
+around every mutation; `list_keys` does the I/O without it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+from pnyx.protocol import layout
+
+STAMP_SLACK_MS = 5_000
+"""An incremental listing re-reads keys stamped this long before the highest stamp seen (uploads in flight)."""
+RESCAN_S = 60.0
+"""Each version in the window is listed from the start of its prefix this often (late keys, old layout)."""
+
+
+@dataclass
+class VersionListing:
+    """The listed keys of one version's rollout prefix."""
+
+    version: int
+    seen: set[str] = field(default_factory=set)
+    """Every key listed under this prefix (rollout keys and junk), so a re-listing adds nothing twice."""
+    pending: dict[str, list[str]] = field(default_factory=dict)
+    """Worker id -> keys that may still be trained on (not rejected, not used up), sorted (oldest first)."""
+    ids: dict[tuple[str, int], str] = field(default_factory=dict)
+    """(worker, seq) -> the key that holds that group: a second key for the same group is a duplicate."""
+    high_ms: int = -1
+    """The highest upload stamp listed so far (-1: none)."""
+    listed_at: float | None = None
+    """Monotonic time of the last listing (None: never listed)."""
+    full_at: float | None = None
+    """Monotonic time of the last listing from the start of the prefix."""
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(keys) for keys in self.pending.values())
+
+    def add_pending(self, key: str, worker: str) -> None:
+        keys = self.pending.setdefault(worker, [])
+        if not keys or key > keys[-1]:
+            keys.append(key)  # the common case: listings come in key order
+        else:
+            bisect.insort(keys, key)
+
+    def remove_pending(self, key: str) -> bool:
+        parsed = layout.parse_rollout_key(key)
+        keys = self.pending.get(parsed[1]) if parsed else None
+        if not keys:
+            return False
+        i = bisect.bisect_left(keys, key)
+        if i < len(keys) and keys[i] == key:
+            del keys[i]
+            if not keys:
+                del self.pending[parsed[1]]
+            return True
+        return False
+
+    def start_after(self, now_ms: int, full: bool) -> str | None:
+        """The `start_after` bound of the next listing (None: from the start of the prefix)."""
+        if full or self.listed_at is None or self.high_ms < 0:
+            return None
+        return layout.rollouts_start_after(self.version, min(self.high_ms, now_ms) - STAMP_SLACK_MS)
+
+
+def list_keys(store: Any, version: int, start_after: str | None) -> list[str]:
+    """Keys under `rollouts/v{version:08d}/` after `start_after`, sorted (the only I/O of this module)."""
+    return [m.key for m in store.list(layout.rollouts_dir(version), start_after=start_after)]

@@ -1,0 +1,146 @@
+"""The prefetcher: while the trainer steps and publishes, a background thread prepares the next batch.
+
+`ahead(version, in_flight)` tells it which step comes next (the version it will train from, and the keys
+of the batch being trained now, which will be used by then); it then refreshes the listing (at most once
+per step and per `list_interval_s`, newest versions first, stopping once they hold enough waiting keys),
+sweeps versions that left the window, and fetches, decodes, validates and re-scores the top of the next
+step's ranking (`Ingestor.plan`) in the ingestor's bounded fetch pool. The main loop's `Ingestor.select`
+then finds those records ready; what it takes is decided by the ranking alone, never by what the
+prefetcher happened to fetch, so resume stays exact.
+
+`poke()` asks for a listing now (the main loop is short of groups); `wait_listing(timeout)` waits for the
+next one to finish. Memory is bounded by the ingestor (one step's top plus the over-fetch).
+
+Every error of the thread is kept and re-raised in the main loop by `check()`, except an unavailable
+store, which is logged and retried with backoff (the store's own retries already ran). Knows nothing
+about torch or the optimizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from pnyx.errors import StoreUnavailableError
+from pnyx.train.ingest import Ingestor
+
+log = logging.getLogger("pnyx.train.prefetch")
+
+LIST_INTERVAL_S = 1.0
+"""The prefetcher lists at most this often unless the main loop is short of groups (`poke`)."""
+IDLE_S = 5.0
+"""With nothing asked of it, the thread still wakes this often (sweeps are due on a timer)."""
+
+
+class Prefetcher:
+    """One background thread working one step ahead of the trainer (see the module docstring)."""
+
+    def __init__(self, ingestor: Ingestor, need: int, list_interval_s: float = LIST_INTERVAL_S):
+        if need < 1:
+            raise ValueError(f"a step needs at least one group, got {need}")
+        self.ingestor = ingestor
+        self.need = need
+        self.list_interval_s = list_interval_s
+        self.error: BaseException | None = None
+        self.busy_s = 0.0
+        """Seconds the thread spent working (listing, sweeping, fetching): ingestion hidden behind steps."""
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._listed = threading.Condition()
+        self._generation = 0  # listings completed
+        self._target: tuple[int, frozenset[str]] | None = None
+        self._new_step = False
+        self._poked = False
+        self._last_list = float("-inf")
+        self._thread: threading.Thread | None = None
+
+    # --- control (main thread) -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pnyx-prefetch", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread; waits at most `timeout` (a store call in flight is abandoned with the process)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def check(self) -> None:
+        """Re-raise, in the calling thread, the error that ended the background thread."""
+        if self.error is not None:
+            raise self.error
+
+    def ahead(self, version: int, in_flight: frozenset[str] | set[str] | list[str] = frozenset()) -> None:
+        """The next step trains from `version`; `in_flight` keys will have been used by then."""
+        self._target = (version, frozenset(in_flight))
+        self._new_step = True
+        self._wake.set()
+
+    def poke(self) -> None:
+        """List now (the main loop is waiting for groups)."""
+        self._poked = True
+        self._wake.set()
+
+    def wait_listing(self, timeout: float) -> bool:
+        """Wait until a listing that started after this call has finished (False on timeout)."""
+        with self._listed:
+            start = self._generation
+            done = start + (2 if start % 2 == 0 else 3)  # odd: one is running, and it may have missed news
+            return self._listed.wait_for(lambda: self._generation >= done or self._stop.is_set(), timeout)
+
+    # --- the thread -------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = 0.2
+        while not self._stop.is_set():
+            self._wake.wait(IDLE_S)
+            self._wake.clear()
+            target = self._target
+            if self._stop.is_set() or target is None:
+                continue
+            t0 = time.perf_counter()
+            try:
+                self._work(*target)
+                backoff = 0.2
+            except StoreUnavailableError as e:
+                log.warning("trainer prefetch: store unavailable (%s); retrying in %.1fs", e, backoff)
+                self._stop.wait(backoff)
+                backoff = min(5.0, backoff * 2)
+                self._wake.set()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the main loop by check()
+                self.error = e
+                log.error("trainer prefetch failed: %s: %s", type(e).__name__, e)
+                return
+            finally:
+                self.busy_s += time.perf_counter() - t0
+
+    def _work(self, version: int, in_flight: frozenset[str]) -> None:
+        ing = self.ingestor
+        now = time.monotonic()
+        if self._poked or (self._new_step and now - self._last_list >= self.list_interval_s):
+            self._poked = self._new_step = False
+            self._last_list = now
+            with self._listed:
+                self._generation += 1  # odd: a listing is running
+            try:
+                ing.refresh(version, min_waiting=2 * self.need + len(in_flight))
+            finally:
+                with self._listed:
+                    self._generation += 1
+                    self._listed.notify_all()
+        else:
+            ing.sweep(version)
+        for _ in range(8):  # a few rounds: rejections free places in the top
+            if self._stop.is_set():
+                return
+            plan = ing.plan(version, self.need, in_flight)
+            if plan.unlisted is not None:
+                ing.list_version(plan.unlisted, full=True)
+                continue
+            if not plan.unknown and not plan.extra:
+                return
+            ing.fetch(plan.unknown + plan.extra, stop=self._stop.is_set)
