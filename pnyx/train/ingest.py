@@ -142,6 +142,7 @@ class Ingestor:
         self._rendered: dict[str, list[int]] = {}
         self._left_at: dict[int, float] = {}
         self._outcomes: deque[str] = deque(maxlen=OUTCOMES)  # "ok", "zv_hard/easy/flat", or a reason
+        self._closed = False  # after close(), results of abandoned calls no longer touch the state
         self.listed = 0
         """Keys listed so far by this process (all versions)."""
         self.fetched = 0
@@ -177,8 +178,8 @@ class Ingestor:
         keys = list_keys(self.store, version, start_after)
         now = time.monotonic()
         with self._lock:
-            if version < self.cursor.swept_below:
-                return 0  # swept while we listed: counted there
+            if self._closed or version < self.cursor.swept_below:
+                return 0  # closed, or swept while we listed (counted there)
             lst = self._listing(version)
             new = 0
             for key in keys:
@@ -255,7 +256,7 @@ class Ingestor:
                 return
             keys = list_keys(self.store, v, None)
             with self._lock:
-                if v >= self.cursor.swept_below:
+                if not self._closed and v >= self.cursor.swept_below:
                     self._account(v, keys)
             v += 1
 
@@ -301,7 +302,7 @@ class Ingestor:
             scored = self.load(key)
         except RecordRejected as e:
             with self._lock:
-                if key not in self.cursor.rejected and key not in self.cursor.uses:
+                if not self._closed and key not in self.cursor.rejected and key not in self.cursor.uses:
                     self._reject(key, e.reason, str(e))
                     self._outcomes.append(e.reason)
             return
@@ -315,7 +316,11 @@ class Ingestor:
             with self._lock:
                 self.fetched += 1
         with self._lock:
-            if key in self.cursor.rejected or self.cursor.uses.get(key, 0) >= self.settings.max_reuse:
+            if (
+                self._closed
+                or key in self.cursor.rejected
+                or self.cursor.uses.get(key, 0) >= self.settings.max_reuse
+            ):
                 return
             lst = self._versions.get(scored.version)
             if lst is None or scored.version < self.cursor.swept_below:
@@ -328,6 +333,11 @@ class Ingestor:
                 return
             self._outcomes.append("ok")
             self._ready[key] = scored
+
+    def cursor_json(self) -> bytes:
+        """The cursor as JSON, taken under the lock (background fetches keep filing results meanwhile)."""
+        with self._lock:
+            return self.cursor.to_json()
 
     def _pool_get(self) -> DaemonPool:
         with self._lock:
@@ -381,8 +391,10 @@ class Ingestor:
             self._futures.pop(key, None)
 
     def close(self) -> None:
-        """Stop the fetch threads (queued fetches are cancelled; one in flight is abandoned)."""
+        """Stop the fetch threads (queued fetches are cancelled; one in flight is abandoned and its result
+        ignored, so the cursor no longer changes behind a final checkpoint)."""
         with self._lock:
+            self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown()
@@ -465,6 +477,7 @@ class Ingestor:
         whose record is valid, honouring reuse and the per-prompt cap. Lists never-listed versions and
         fetches what the top needs (in parallel); None if `stop()` turned true. Changes no use count: the
         caller `commit`s the keys once the step is recorded."""
+        self.sweep(version)
         while True:
             if stop is not None and stop():
                 return None

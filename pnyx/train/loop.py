@@ -418,7 +418,7 @@ class Trainer:
         if self.last_checkpoint == self.version:
             return
         checkpoint.save_checkpoint(
-            self.store, self.version, self.model, self.optimizer, self.ingestor.cursor.to_json(),
+            self.store, self.version, self.model, self.optimizer, self.ingestor.cursor_json(),
             {"run_id": self.manifest.run_id},
         )
         self.last_checkpoint = self.version
