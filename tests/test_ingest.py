@@ -70,7 +70,11 @@ def put(store, group, stamp_ms: int | None = None) -> str:
 
 def make_ingestor(store, grace_s: float = 0.0, **settings) -> Ingestor:
     return Ingestor(
-        store=store, env=ENV, detokenize=detok, settings=IngestSettings(**settings), run_id=RUN,
+        store=store,
+        env=ENV,
+        detokenize=detok,
+        settings=IngestSettings(**settings),
+        run_id=RUN,
         sweep_grace_s=grace_s,
     )
 

@@ -55,7 +55,9 @@ def write_zero_variance_backlog(store, model_dir: Path, n: int) -> None:
     for seq in range(n):
         task = tasks[seq % len(tasks)]
         wrong = tok.encode(f"<answer>{task.answer + 7}</answer>", add_special_tokens=False)
-        samples = [Sample(tokens=wrong, logprobs=[-1.0] * len(wrong), loss_mask=[1] * len(wrong), reward=0.0)] * 2
+        samples = [
+            Sample(tokens=wrong, logprobs=[-1.0] * len(wrong), loss_mask=[1] * len(wrong), reward=0.0)
+        ] * 2
         g = RolloutGroup(
             run_id=run_id, worker_id="w", seq=1000 + seq, policy_version=0, weights_digest=digest, env="arith",
             task_id=task.id, prompt_tokens=prompts[task.id], samples=samples, temperature=1.0, top_p=1.0, top_k=0,
@@ -141,7 +143,11 @@ def test_trainer_logs_every_10s_stops_within_10s_of_sigterm_and_resumes_exactly(
     assert second.max_gap() <= MAX_GAP_S, second.log()[-3000:]
     assert "had the same reward for every sample" in second.log()  # the zero-variance warning
 
-    assert [checkpoint.read_batch_record(store, v).keys for v in (1, 2, 3)] == [good[0:2], good[2:4], good[4:6]]
+    assert [checkpoint.read_batch_record(store, v).keys for v in (1, 2, 3)] == [
+        good[0:2],
+        good[2:4],
+        good[4:6],
+    ]
     assert checkpoint.read_batch_record(store, 4) is None
     last = checkpoint.read_metrics(store)[-1]
     assert last["drops"] == {"zero_variance": BACKLOG}  # each worthless group counted once across the stop
