@@ -26,6 +26,7 @@ from pnyx.protocol.codec import encode_group
 from pnyx.protocol.records import RolloutGroup, Sample
 from pnyx.store import open_store
 from pnyx.train import checkpoint
+from pnyx.train.progress import STATUS_KEY
 from tests.test_train_loop import STAMP0, _run_id, make_trainer, overrides, write_groups
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,6 +150,8 @@ def test_trainer_logs_every_10s_stops_within_10s_of_sigterm_and_resumes_exactly(
         good[4:6],
     ]
     assert checkpoint.read_batch_record(store, 4) is None
+    status = json.loads(store.get(STATUS_KEY))  # what `pnyx status` shows: the trainer's last word
+    assert status["phase"] == "stopped" and status["version"] == 3 and "waiting" in status["backlog"]
     last = checkpoint.read_metrics(store)[-1]
     assert last["drops"] == {"zero_variance": BACKLOG}  # each worthless group counted once across the stop
     from pnyx.weights import verify_chain
