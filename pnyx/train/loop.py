@@ -43,7 +43,6 @@ from pnyx.errors import (
     IntegrityError,
     NotFoundError,
     RecordRejected,
-    StoreUnavailableError,
 )
 from pnyx.train import bootstrap, checkpoint
 from pnyx.train.ingest import Cursor, Ingestor, IngestSettings, ScoredGroup
@@ -330,36 +329,18 @@ class Trainer:
 
     def _wait_for_batch(self) -> list[ScoredGroup] | None:
         """The top `groups_per_step` groups of the ranking (None: stop requested, or no full batch for
-        `trainer.max_wait_s`). Short of groups, it asks the prefetcher to list, with backoff 0.2 s → 5 s."""
-        need = self.cfg.trainer.groups_per_step
-        deadline = time.monotonic() + self.cfg.trainer.max_wait_s
-        delay = 0.2
+        `trainer.max_wait_s`); see `Prefetcher.next_batch`."""
         self.progress.phase("ingesting", have=0)
-        while not self._stop:
-            self.prefetcher.check()
-            try:
-                chosen = self.ingestor.select(self.version, need, stop=lambda: self._stop)
-            except StoreUnavailableError as e:
-                log.warning("trainer v=%d store unavailable while ingesting (%s); retrying", self.version, e)
-                chosen = []
-            if chosen is None:
-                return None
-            if len(chosen) >= need:
-                return chosen
-            self.progress.phase("waiting", have=len(chosen))
-            now = time.monotonic()
-            if now > deadline:
-                log.warning(
-                    "trainer v=%d no full batch for %.0fs: stopping", self.version, self.cfg.trainer.max_wait_s
-                )
-                return None
-            self.prefetcher.poke()
-            end = time.monotonic() + min(delay, max(0.0, deadline - now))
-            while not self._stop and time.monotonic() < end:  # wakes at once on stop, on a listing soon after
-                if self.prefetcher.wait_listing(min(0.1, max(0.0, end - time.monotonic()))):
-                    break
-            delay = min(delay * 1.5, 5.0)
-        return None
+        chosen = self.prefetcher.next_batch(
+            self.version,
+            self.cfg.trainer.groups_per_step,
+            stop=lambda: self._stop,
+            deadline_s=self.cfg.trainer.max_wait_s,
+            on_short=lambda have: self.progress.phase("waiting", have=have),
+        )
+        if chosen is None and not self._stop:
+            log.warning("trainer v=%d no full batch for %.0fs: stopping", self.version, self.cfg.trainer.max_wait_s)
+        return chosen
 
     def _load_recorded(self, rec: checkpoint.BatchRecord) -> list[ScoredGroup]:
         """The groups a batch record names, validated and re-scored again (they are immutable)."""

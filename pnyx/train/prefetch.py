@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from pnyx.errors import StoreUnavailableError
-from pnyx.train.ingest import Ingestor
+from pnyx.train.ingest import Ingestor, ScoredGroup
 
 log = logging.getLogger("pnyx.train.prefetch")
 
@@ -91,6 +92,44 @@ class Prefetcher:
             start = self._generation
             done = start + (2 if start % 2 == 0 else 3)  # odd: one is running, and it may have missed news
             return self._listed.wait_for(lambda: self._generation >= done or self._stop.is_set(), timeout)
+
+    def next_batch(
+        self,
+        version: int,
+        need: int,
+        stop: Callable[[], bool],
+        deadline_s: float,
+        on_short: Callable[[int], None] | None = None,
+    ) -> list[ScoredGroup] | None:
+        """The top `need` groups of the ranking for the step at `version` (`Ingestor.select`); short of
+        them, ask for a listing and wait for it, backing off 0.2 s → 5 s. None once `stop()` turns true or
+        after `deadline_s` without a full batch; `on_short(have)` is told each time it has to wait. A store
+        that stays unavailable is retried until the deadline; errors of the thread re-raise here."""
+        deadline = time.monotonic() + deadline_s
+        delay = 0.2
+        while not stop():
+            self.check()
+            try:
+                chosen = self.ingestor.select(version, need, stop=stop)
+            except StoreUnavailableError as e:
+                log.warning("trainer v=%d store unavailable while ingesting (%s); retrying", version, e)
+                chosen = []
+            if chosen is None:
+                return None
+            if len(chosen) >= need:
+                return chosen
+            if on_short is not None:
+                on_short(len(chosen))
+            now = time.monotonic()
+            if now > deadline:
+                return None
+            self.poke()
+            end = now + min(delay, deadline - now)
+            while not stop() and time.monotonic() < end:  # wakes at once on stop, on a listing soon after
+                if self.wait_listing(min(0.1, max(0.0, end - time.monotonic()))):
+                    break
+            delay = min(delay * 1.5, 5.0)
+        return None
 
     # --- the thread -------------------------------------------------------------------------------------
 
