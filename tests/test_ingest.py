@@ -331,7 +331,7 @@ def test_stale_groups_are_counted_from_the_listing_without_being_downloaded(tmp_
     put(store, make_group(5, "w", 99))
     ing = make_ingestor(store, max_staleness=3)
     gets = store.calls["get"]
-    ing.refresh(5)
+    ing.sweep(5)
     assert ing.cursor.drops == {"stale": 40}
     assert store.calls["get"] == gets  # counted from one listing of v0, no record read
 
@@ -340,10 +340,10 @@ def test_a_version_leaving_the_window_is_swept_only_after_the_grace_period(store
     put(store, make_group(0, "w", 0))
     ing = make_ingestor(store, grace_s=3600.0, max_staleness=0)
     ing.refresh(0)
-    ing.refresh(1)
+    ing.sweep(1)
     assert ing.cursor.drops == {} and ing.cursor.swept_below == 0  # a late upload to v0 may still come
     ing.sweep_grace_s = 0.0
-    ing.refresh(1)
+    ing.sweep(1)
     assert ing.cursor.drops == {"stale": 1} and ing.cursor.swept_below == 1
 
 
@@ -354,7 +354,7 @@ def test_a_key_that_lands_behind_the_incremental_listing_is_still_accounted_for(
     put(store, make_group(0, "late", 0), stamp_ms=layout.now_ms() - 600_000)  # its clock runs 10 min behind
     ing.list_version(0)
     assert ing.backlog(0)["waiting"] == 1  # not seen by the incremental listing...
-    ing.refresh(1)
+    ing.sweep(1)
     assert ing.cursor.drops == {"stale": 2}  # ...but counted by the sweep, never lost
 
 
@@ -421,6 +421,7 @@ def test_cursor_and_memory_stay_bounded_over_thousands_of_groups_across_many_ver
             answers = [answer, answer] if i % 3 == 0 else None
             put(store, make_group(v, f"w{i % 6}", seq, task_index=0, answers=answers))
             seq += 1
+        ing.sweep(v)  # the prefetcher's job in the trainer
         batch = ing.select(v, per_step)
         ing.commit([g.key for g in batch])
     held = len(ing.cursor.uses) + len(ing.cursor.rejected)
@@ -448,3 +449,18 @@ def test_reward_parts_and_zero_variance_share_are_reported(store):
     assert "90% of groups had the same reward" in note and "too hard" in note
     assert zero_variance_note(0.3, "hard") is None
     assert answer  # the task exists
+
+
+def test_the_two_newest_versions_share_one_listing_on_a_store_that_lists_in_order():
+    store = open_store("memory://")
+    assert store.sorted_listing
+    for v in (4, 5):
+        put(store, make_group(v, "w", v, task_index=v))
+    ing = make_ingestor(store)
+    ing.refresh(5)  # first contact: each version from its start
+    put(store, make_group(4, "w", 14, task_index=1))
+    put(store, make_group(5, "w", 15, task_index=2))
+    lists = spy_lists(store)
+    assert ing.refresh(5, depth=2) == 2
+    assert [prefix for prefix, _, _ in lists] == [layout.ROLLOUTS_PREFIX]  # one listing across v4 and v5
+    assert ing.backlog(5)["waiting"] == 4

@@ -50,7 +50,7 @@ import msgspec
 from pnyx.errors import NotFoundError, RecordRejected, StoreUnavailableError
 from pnyx.protocol import layout
 from pnyx.train.advantages import AdvantageMode, is_zero_variance
-from pnyx.train.listing import RESCAN_S, VersionListing, list_keys
+from pnyx.train.listing import RESCAN_S, VersionListing, list_keys, list_range
 from pnyx.train.pool import DaemonPool
 from pnyx.train.ranking import Plan, ranked
 from pnyx.train.rescore import REWARD_TOL, ScoredGroup, rescore
@@ -61,8 +61,10 @@ FETCH_WORKERS = 16
 """Parallel GETs (and re-scores) of one trainer."""
 SWEEP_GRACE_S = 30.0
 """A version is swept (its unused keys counted `stale`) this long after it left the window..."""
-SWEEP_MAX_LAG = 8
+SWEEP_MAX_LAG = 16
 """...or once it is this many versions below the window, whichever comes first."""
+SWEEP_BATCH = 8
+"""On a store that lists in key order, versions are swept this many at a time (one paged listing)."""
 OUTCOMES = 256
 """How many recent admissions the survival rate and the zero-variance share are measured over."""
 
@@ -143,6 +145,7 @@ class Ingestor:
         self._left_at: dict[int, float] = {}
         self._outcomes: deque[str] = deque(maxlen=OUTCOMES)  # "ok", "zv_hard/easy/flat", or a reason
         self._closed = False  # after close(), results of abandoned calls no longer touch the state
+        self._selecting = threading.RLock()  # held by `select`: listings merge before or after it
         self.listed = 0
         """Keys listed so far by this process (all versions)."""
         self.fetched = 0
@@ -164,7 +167,8 @@ class Ingestor:
         return lst
 
     def note_published(self, version: int) -> None:
-        """`version` was just published: no group of it can exist yet, so its prefix counts as listed."""
+        """`version` is being or was just published: no group of it can exist yet (a worker generates from
+        verified weights only), so its prefix counts as listed, empty, now."""
         with self._lock:
             lst = self._listing(version)
             if lst.listed_at is None:
@@ -173,24 +177,38 @@ class Ingestor:
     def list_version(self, version: int, full: bool = False) -> int:
         """List one version's prefix (incrementally unless `full`); returns how many new keys it found."""
         with self._lock:
-            lst = self._listing(version)
-            start_after = lst.start_after(layout.now_ms(), full)
-        keys = list_keys(self.store, version, start_after)
-        now = time.monotonic()
+            start_after = self._listing(version).start_after(layout.now_ms(), full)
+        return self._file(
+            {version: list_keys(self.store, version, start_after)}, {version: start_after is None}
+        )
+
+    def list_span(self, first: int, last: int) -> int:
+        """List versions first..last with one paged listing (stores that list in key order): `first`
+        incrementally, the newer ones from their start (they are young: few keys). Returns new keys."""
         with self._lock:
-            if self._closed or version < self.cursor.swept_below:
-                return 0  # closed, or swept while we listed (counted there)
-            lst = self._listing(version)
-            new = 0
-            for key in keys:
-                if key not in lst.seen:
-                    new += 1
-                    self._merge(lst, key)
-            lst.listed_at = now
-            if start_after is None:
-                lst.full_at = now
+            start_after = self._listing(first).start_after(layout.now_ms(), False)
+        listings = list_range(self.store, first, last + 1, start_after=start_after)
+        return self._file(listings, {v: v > first or start_after is None for v in listings})
+
+    def _file(self, listings: dict[int, list[str]], complete: dict[int, bool]) -> int:
+        """Merge listed keys into the versions' listings; `complete[v]`: v was listed from its start.
+        Waits while a selection runs, so a selection ranks one listing, not one that changes under it."""
+        now = time.monotonic()
+        new = 0
+        with self._selecting, self._lock:
+            for version, keys in listings.items():
+                if self._closed or version < self.cursor.swept_below:
+                    continue  # closed, or swept while we listed (counted there)
+                lst = self._listing(version)
+                for key in keys:
+                    if key not in lst.seen:
+                        new += 1
+                        self._merge(lst, key)
+                lst.listed_at = now
+                if complete.get(version):
+                    lst.full_at = now
             self.listed += new
-            return new
+        return new
 
     def _merge(self, lst: VersionListing, key: str) -> None:
         lst.seen.add(key)
@@ -219,20 +237,36 @@ class Ingestor:
             return
         lst.add_pending(key, parsed[1])
 
-    def refresh(self, version: int, full: bool = False, min_waiting: int | None = None) -> int:
-        """Sweep, then list the window newest version first (each fully every `RESCAN_S`); with
-        `min_waiting`, stop once the versions listed hold that many waiting keys. Returns new keys."""
-        self.sweep(version)
+    def refresh(
+        self, version: int, full: bool = False, min_waiting: int | None = None, depth: int | None = None
+    ) -> int:
+        """List the window newest version first (each fully every `RESCAN_S`); with `min_waiting`, stop
+        once the versions listed hold that many waiting keys; with `depth`, list at most that many
+        versions. On a store that lists in key order the two newest versions (where uploads land) share
+        one listing. Returns how many new keys were found. (The sweep is separate: `sweep`.)"""
         new = 0
         now = time.monotonic()
-        for v in range(version, self._low(version) - 1, -1):
-            with self._lock:
-                lst = self._versions.get(v)
-                rescan = full or lst is None or lst.full_at is None or now - lst.full_at >= RESCAN_S
-            new += self.list_version(v, full=rescan)
+        versions = list(range(version, self._low(version) - 1, -1))[:depth]
+        with self._lock:
+            rescan = {v: full or self._rescan_due(v, now) for v in versions}
+        if (
+            len(versions) >= 2
+            and getattr(self.store, "sorted_listing", False)
+            and not any(rescan[v] for v in versions[:2])
+        ):
+            new += self.list_span(versions[1], versions[0])
+            if min_waiting is not None and self._waiting_from(version, versions[1]) >= min_waiting:
+                return new
+            versions = versions[2:]
+        for v in versions:
+            new += self.list_version(v, full=rescan[v])
             if min_waiting is not None and self._waiting_from(version, v) >= min_waiting:
                 break
         return new
+
+    def _rescan_due(self, version: int, now: float) -> bool:
+        lst = self._versions.get(version)
+        return lst is None or lst.full_at is None or now - lst.full_at >= RESCAN_S
 
     def _waiting_from(self, version: int, low: int) -> int:
         with self._lock:
@@ -241,24 +275,37 @@ class Ingestor:
     # --- sweep: versions that left the window ---------------------------------------------------------
 
     def sweep(self, version: int) -> None:
-        """Count the unused keys of versions that left the window as `stale` (from one last full listing
-        of each, after `sweep_grace_s`), then forget those versions."""
+        """Count the unused keys of versions that left the window as `stale`, from one last listing of them,
+        then forget those versions. A version is due `sweep_grace_s` after it left the window (uploads that
+        land late are still counted) or once `SWEEP_MAX_LAG` versions below it. On a store that lists in key
+        order (S3, GCS, memory) due versions are swept `SWEEP_BATCH` at a time with one paged listing across
+        their prefixes (1 request per 1,000 keys, not one per version)."""
         low = self._low(version)
         now = time.monotonic()
         with self._lock:
             for key in [k for k, g in self._ready.items() if g.version < low]:
                 del self._ready[key]  # never trained on again; the sweep counts it
-        v = self.cursor.swept_below
-        while v < low:
-            with self._lock:
+            due = []
+            for v in range(self.cursor.swept_below, low):
                 left = self._left_at.setdefault(v, now)
-            if now - left < self.sweep_grace_s and v >= low - SWEEP_MAX_LAG:
-                return
-            keys = list_keys(self.store, v, None)
-            with self._lock:
+                if now - left < self.sweep_grace_s and v >= low - SWEEP_MAX_LAG:
+                    break
+                due.append(v)
+            oldest = self._left_at.get(due[0], now) if due else now
+        if not due:
+            return
+        if not getattr(self.store, "sorted_listing", False):
+            listings = {v: list_keys(self.store, v, None) for v in due}
+        elif (
+            len(due) >= SWEEP_BATCH or now - oldest >= 4 * self.sweep_grace_s or due[0] < low - SWEEP_MAX_LAG
+        ):
+            listings = list_range(self.store, due[0], due[-1] + 1)
+        else:
+            return  # wait for a fuller batch
+        with self._lock:
+            for v in due:
                 if not self._closed and v >= self.cursor.swept_below:
-                    self._account(v, keys)
-            v += 1
+                    self._account(v, listings.get(v, []))
 
     def _account(self, version: int, keys: list[str]) -> None:
         lst = self._versions.pop(version, None) or VersionListing(version)
@@ -477,23 +524,24 @@ class Ingestor:
         whose record is valid, honouring reuse and the per-prompt cap. Lists never-listed versions and
         fetches what the top needs (in parallel); None if `stop()` turned true. Changes no use count: the
         caller `commit`s the keys once the step is recorded."""
-        self.sweep(version)
-        while True:
-            if stop is not None and stop():
-                return None
-            plan = self.plan(version, n)
-            if plan.unlisted is not None:
-                self.list_version(plan.unlisted, full=True)
-                continue
-            if not plan.unknown:
-                return plan.chosen
-            failed = self.fetch(plan.unknown + plan.extra, wait_for=plan.unknown, stop=stop)
-            if failed:
-                return plan.chosen  # the store is failing: the caller backs off and asks again
+        with self._selecting:
+            while True:
+                if stop is not None and stop():
+                    return None
+                plan = self.plan(version, n)
+                if plan.unlisted is not None:
+                    self.list_version(plan.unlisted, full=True)
+                    continue
+                if not plan.unknown:
+                    return plan.chosen
+                failed = self.fetch(plan.unknown + plan.extra, wait_for=plan.unknown, stop=stop)
+                if failed:
+                    return plan.chosen  # the store is failing: the caller backs off and asks again
 
     def poll(self, version: int) -> int:
         """List the whole window and fetch every waiting key (exhaustive: for tests and tools, never the
         trainer loop, whose cost must not follow the backlog). Returns `available(version)`."""
+        self.sweep(version)
         self.refresh(version, full=True)
         with self._lock:
             keys = [

@@ -24,8 +24,10 @@ from typing import Any
 
 from pnyx.protocol import layout
 
-STAMP_SLACK_MS = 5_000
+STAMP_SLACK_MS = 2_000
 """An incremental listing re-reads keys stamped this long before the highest stamp seen (uploads in flight)."""
+PAGE = 1000
+"""Keys per LIST request on S3-compatible stores."""
 RESCAN_S = 60.0
 """Each version in the window is listed from the start of its prefix this often (late keys, old layout)."""
 
@@ -82,3 +84,30 @@ class VersionListing:
 def list_keys(store: Any, version: int, start_after: str | None) -> list[str]:
     """Keys under `rollouts/v{version:08d}/` after `start_after`, sorted (the only I/O of this module)."""
     return [m.key for m in store.list(layout.rollouts_dir(version), start_after=start_after)]
+
+
+def list_range(store: Any, first: int, end: int, start_after: str | None = None) -> dict[int, list[str]]:
+    """The keys of versions [first, end) after `start_after` (default: all), by version, from one paged
+    listing of `rollouts/` (for stores that list in key order and start after a key server-side: one
+    request per 1,000 keys)."""
+    out: dict[int, list[str]] = {v: [] for v in range(first, end)}
+    stop = layout.rollouts_dir(end)
+    after = start_after or layout.rollouts_dir(first)  # the bare prefix sorts before every key under it
+    while True:
+        page = store.list(layout.ROLLOUTS_PREFIX, start_after=after, limit=PAGE)
+        for m in page:
+            if m.key >= stop:
+                return out
+            parsed = layout.parse_rollout_key(m.key)
+            version = parsed[0] if parsed is not None else _version_of_dir(m.key)
+            if version is not None and first <= version < end:
+                out[version].append(m.key)
+        if len(page) < PAGE:
+            return out
+        after = page[-1].key
+
+
+def _version_of_dir(key: str) -> int | None:
+    """The version of a junk key under `rollouts/v{V:08d}/` (so the sweep counts it), else None."""
+    head = key[len(layout.ROLLOUTS_PREFIX) :].split("/", 1)[0]
+    return int(head[1:]) if len(head) == 9 and head[0] == "v" and head[1:].isdigit() else None

@@ -171,7 +171,9 @@ class Trainer:
         self.optimizer = make_optimizer(
             self.model, cfg.trainer.lr, tuple(cfg.trainer.betas), cfg.trainer.weight_decay
         )
-        self.publisher = Publisher(self.store, anchor_every=cfg.trainer.anchor_every, int8_plane=cfg.worker.int8)
+        self.publisher = Publisher(
+            self.store, anchor_every=cfg.trainer.anchor_every, int8_plane=cfg.worker.int8
+        )
         vocab = int(self.model.config.vocab_size)
         self.model_info = {
             "name": model_dir.name,
@@ -246,7 +248,9 @@ class Trainer:
                     "Resume it with --resume (if its trainer is dead) or use another --store."
                 ) from None
             self.version = 0
-            log.info("trainer run=%s created: v0 published (%s)", self.manifest.run_id, self.model_info["name"])
+            log.info(
+                "trainer run=%s created: v0 published (%s)", self.manifest.run_id, self.model_info["name"]
+            )
             return
         self._restore(latest_version(self.store))
 
@@ -339,7 +343,9 @@ class Trainer:
             on_short=lambda have: self.progress.phase("waiting", have=have),
         )
         if chosen is None and not self._stop:
-            log.warning("trainer v=%d no full batch for %.0fs: stopping", self.version, self.cfg.trainer.max_wait_s)
+            log.warning(
+                "trainer v=%d no full batch for %.0fs: stopping", self.version, self.cfg.trainer.max_wait_s
+            )
         return chosen
 
     def _load_recorded(self, rec: checkpoint.BatchRecord) -> list[ScoredGroup]:
@@ -362,7 +368,9 @@ class Trainer:
         """One step V → V+1 (None if stopped while waiting for data)."""
         target = self.version + 1
         rec = checkpoint.read_batch_record(self.store, target) if self._check_pending else None
-        self._check_pending = False  # later records can only come from a rival, which the create-only write sees
+        self._check_pending = (
+            False  # later records can only come from a rival, which the create-only write sees
+        )
         if rec is None:
             t0 = time.perf_counter()
             chosen = self._wait_for_batch()
@@ -371,10 +379,15 @@ class Trainer:
             self._ingest_wait_s = time.perf_counter() - t0
             rec = checkpoint.write_batch_record(self.store, target, [g.key for g in chosen], self.trainer_id)
             by_key = {g.key: g for g in chosen}
-            groups = [by_key[k] for k in rec.keys] if set(rec.keys) == set(by_key) else self._load_recorded(rec)
+            groups = (
+                [by_key[k] for k in rec.keys] if set(rec.keys) == set(by_key) else self._load_recorded(rec)
+            )
         else:
             log.info(
-                "trainer v=%d: reusing the recorded batch of v%d (%d groups)", self.version, target, len(rec.keys)
+                "trainer v=%d: reusing the recorded batch of v%d (%d groups)",
+                self.version,
+                target,
+                len(rec.keys),
             )
             self.progress.phase("ingesting", have=0)
             groups = self._load_recorded(rec)
@@ -399,7 +412,11 @@ class Trainer:
         if self.last_checkpoint == self.version:
             return
         checkpoint.save_checkpoint(
-            self.store, self.version, self.model, self.optimizer, self.ingestor.cursor_json(),
+            self.store,
+            self.version,
+            self.model,
+            self.optimizer,
+            self.ingestor.cursor_json(),
             {"run_id": self.manifest.run_id},
         )
         self.last_checkpoint = self.version
@@ -408,7 +425,9 @@ class Trainer:
         # may name (its manifest holds the digest ingestion checks).
         from pnyx.weights import apply_retention
 
-        apply_retention(self.store, self.cfg.trainer.keep_anchors, window=self.cfg.algorithm.max_staleness + 1)
+        apply_retention(
+            self.store, self.cfg.trainer.keep_anchors, window=self.cfg.algorithm.max_staleness + 1
+        )
 
     def metrics(self, r: StepResult) -> dict[str, Any]:
         s = r.stats

@@ -28,8 +28,12 @@ from pnyx.train.ingest import Ingestor, ScoredGroup
 
 log = logging.getLogger("pnyx.train.prefetch")
 
-LIST_INTERVAL_S = 1.0
+LIST_INTERVAL_S = 0.5
 """The prefetcher lists at most this often unless the main loop is short of groups (`poke`)."""
+LATE = 0.7
+"""A running step's listing happens this far into it (as a share of the recent step time)."""
+REFRESH_DEPTH = 2
+"""A refresh between steps lists at most this many of the newest versions (the full window when short)."""
 IDLE_S = 5.0
 """With nothing asked of it, the thread still wakes this often (sweeps are due on a timer)."""
 
@@ -51,9 +55,11 @@ class Prefetcher:
         self._listed = threading.Condition()
         self._generation = 0  # listings completed
         self._target: tuple[int, frozenset[str]] | None = None
-        self._new_step = False
+        self._step_started: float | None = None  # when the step now running started (monotonic)
+        self._step_s: float | None = None  # smoothed time from one step's start to the next
+        self._refreshed = True  # the step now running has had its listing
         self._poked = False
-        self._last_list = float("-inf")
+        self._last_list = float("-inf")  # monotonic time of the last listing
         self._thread: threading.Thread | None = None
 
     # --- control (main thread) -----------------------------------------------------------------------
@@ -76,9 +82,16 @@ class Prefetcher:
             raise self.error
 
     def ahead(self, version: int, in_flight: frozenset[str] | set[str] | list[str] = frozenset()) -> None:
-        """The next step trains from `version`; `in_flight` keys will have been used by then."""
+        """The next step trains from `version`; `in_flight` keys (the batch of the step that starts now,
+        if any) will have been used by then."""
+        now = time.monotonic()
+        if in_flight:
+            if self._step_started is not None:
+                took = now - self._step_started
+                self._step_s = took if self._step_s is None else 0.5 * self._step_s + 0.5 * took
+            self._step_started = now
+            self._refreshed = False
         self._target = (version, frozenset(in_flight))
-        self._new_step = True
         self._wake.set()
 
     def poke(self) -> None:
@@ -133,10 +146,20 @@ class Prefetcher:
 
     # --- the thread -------------------------------------------------------------------------------------
 
+    def _listing_due(self) -> float:
+        """Seconds until the running step's listing is due (0: now); `IDLE_S` when none is pending."""
+        if self._poked:
+            return 0.0
+        if self._refreshed or self._step_started is None:
+            return IDLE_S
+        due = self._step_started + LATE * (self._step_s or 0.0)
+        due = max(due, self._last_list + self.list_interval_s)
+        return max(0.0, due - time.monotonic())
+
     def _run(self) -> None:
         backoff = 0.2
         while not self._stop.is_set():
-            self._wake.wait(IDLE_S)
+            self._wake.wait(self._listing_due())
             self._wake.clear()
             target = self._target
             if self._stop.is_set() or target is None:
@@ -158,21 +181,32 @@ class Prefetcher:
                 self.busy_s += time.perf_counter() - t0
 
     def _work(self, version: int, in_flight: frozenset[str]) -> None:
+        """List if due, fetch what the next step needs, then sweep (accounting last: it may be slow).
+
+        A running step gets one listing, late in it (`LATE` of the usual step time): the groups uploaded
+        meanwhile are the freshest the next step can have, and what is fetched then stays at the top of
+        the next step's ranking (a later upload of the same version ranks after it). Short of groups
+        (`poke`), the whole window is listed at once.
+        """
         ing = self.ingestor
-        now = time.monotonic()
-        if self._poked or (self._new_step and now - self._last_list >= self.list_interval_s):
-            self._poked = self._new_step = False
-            self._last_list = now
+        if in_flight:
+            ing.note_published(version)  # being trained: no group of it can exist before its publish
+        if self._listing_due() == 0.0:
+            depth = None if self._poked else REFRESH_DEPTH
+            self._poked = False
+            self._refreshed = True
+            self._last_list = time.monotonic()
             with self._listed:
                 self._generation += 1  # odd: a listing is running
-            try:
-                ing.refresh(version, min_waiting=2 * self.need + len(in_flight))
+            try:  # while a step runs, its target version is not published yet: start below it
+                newest = version - 1 if in_flight else version
+                ing.refresh(newest, min_waiting=self.need + len(in_flight), depth=depth)
             finally:
                 with self._listed:
                     self._generation += 1
                     self._listed.notify_all()
-        else:
-            ing.sweep(version)
+        elif in_flight and not self._refreshed:
+            return  # fetch after the listing, or the fetch would serve groups the listing will outrank
         for _ in range(8):  # a few rounds: rejections free places in the top
             if self._stop.is_set():
                 return
@@ -181,5 +215,6 @@ class Prefetcher:
                 ing.list_version(plan.unlisted, full=True)
                 continue
             if not plan.unknown and not plan.extra:
-                return
+                break
             ing.fetch(plan.unknown + plan.extra, stop=self._stop.is_set)
+        ing.sweep(version)
