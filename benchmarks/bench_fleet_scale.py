@@ -435,7 +435,7 @@ def main() -> None:
     p.add_argument("--step-s", type=float, default=0.5, help="the stand-in step (sleep) per version")
     p.add_argument("--rate", type=float, default=32.0, help="groups uploaded per second by the whole fleet")
     p.add_argument("--lag-s", type=float, default=0.5, help="a worker learns a new version up to this late")
-    p.add_argument("--zero-variance", type=float, default=0.2)
+    p.add_argument("--zero-variance", type=float, default=0.0, help="share of groups whose samples all fail")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     args.workers = [int(x) for x in args.workers.split(",")]

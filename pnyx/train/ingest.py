@@ -490,8 +490,7 @@ class Ingestor:
         more: list[str] = []
         per_prompt: Counter[str] = Counter()
         with self._lock:
-            want_more = self._extra(n) if extra is None else extra
-            budget = 4 * want_more + 64  # keys looked at below the top while collecting `more`
+            below = self._extra(n) if extra is None else extra  # places below the top worth fetching
             for item in ranked(
                 self._versions,
                 self.cursor.uses,
@@ -504,9 +503,9 @@ class Ingestor:
                     return Plan(chosen, unknown, more, item)
                 g = self._ready.get(item)
                 if len(chosen) + len(unknown) >= n:
-                    if len(more) >= want_more or budget <= 0:
+                    if below <= 0:
                         break
-                    budget -= 1
+                    below -= 1
                     if g is None:
                         more.append(item)
                     continue

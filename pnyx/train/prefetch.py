@@ -34,6 +34,8 @@ LATE = 0.7
 """A running step's listing happens this far into it (as a share of the recent step time)."""
 REFRESH_DEPTH = 2
 """A refresh between steps lists at most this many of the newest versions (the full window when short)."""
+ROUNDS = 32
+"""At most this many fetch rounds per wake (a round waits for one parallel fetch of the top's unknowns)."""
 IDLE_S = 5.0
 """With nothing asked of it, the thread still wakes this often (sweeps are due on a timer)."""
 
@@ -207,10 +209,13 @@ class Prefetcher:
                     self._listed.notify_all()
         elif in_flight and not self._refreshed:
             return  # fetch after the listing, or the fetch would serve groups the listing will outrank
-        for _ in range(8):  # a few rounds: rejections free places in the top
+        # Rounds without over-fetch: each fetches only the unknown keys inside the top, and rejections free
+        # places for the next round. Latency is hidden behind the step here; over-fetch (which `select`
+        # uses, on the critical path) would download groups a fresher listing may outrank.
+        for _ in range(ROUNDS):
             if self._stop.is_set():
                 return
-            plan = ing.plan(version, self.need, in_flight)
+            plan = ing.plan(version, self.need, in_flight, extra=0)
             if plan.unlisted is not None:
                 ing.list_version(plan.unlisted, full=True)
                 continue
