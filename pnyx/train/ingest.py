@@ -1,22 +1,22 @@
 """Ingestion: from rollout keys in the store to scored groups for one step, at a cost sized to the step.
 
 The trainer at version V may train on groups of versions [V - max_staleness, V] (the window). It lists
-each version's prefix incrementally (`listing.py`: keys are stamped, so a listing starts just below the
-highest stamp seen), ranks the listed keys **from the listing alone** (fresh before replayed, newest
+each version's prefix incrementally (`listing.py`, the listing half of the `Ingestor`: keys are stamped, so
+a listing starts just below the highest stamp seen), ranks the listed keys **from the listing alone** (fresh before replayed, newest
 version first, then workers take turns, each worker's oldest group first), and fetches only the top of
 that ranking, in parallel (`fetch`): decode, validate (limits, key vs record, run, weights digest, env,
 task, prompt), **re-score every sample with the trainer's own verifier**, compute advantages, and drop
 zero-variance groups. The per-prompt cap (`max_groups_per_prompt` per step) needs the task id, which is
-inside the record, so it is applied after fetching; a selection fetches a little more than it needs,
-sized by the recent share of groups that survive (`_extra`). A group the window will never train on is
+inside the record, so it is applied after fetching; a selection on the critical path fetches a few places
+below the top too, sized by the recent share of groups that survive (`_extra`). A group the window will never train on is
 never downloaded: when its version leaves the window the prefix is listed one last time and every key
 not consumed or rejected is counted `stale` (after `sweep_grace_s`, so uploads that land late are counted
 too). Junk keys (`bad_key`) and a second key for the same (worker, seq) (`duplicate`) are counted from
 the listing alone as well.
 
 `select` is deterministic given the listing and the records: it repeats "rank, fetch what the top needs"
-until the top `n` are all known, so which groups a step takes does not depend on what happened to be
-prefetched (the kill tests compare a resumed run with an uninterrupted one). `prefetch.py` runs the same
+until the top `n` are all known, with listings held back while it runs, so which groups a step takes does
+not depend on what happened to be prefetched (the kill tests compare a resumed run with an uninterrupted one). `prefetch.py` runs the same
 ranking ahead, in a background thread, while the trainer steps.
 
 Knows nothing about torch or models: text comes from an injected `detokenize` callable and prompts from an
@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -50,7 +49,7 @@ import msgspec
 from pnyx.errors import NotFoundError, RecordRejected, StoreUnavailableError
 from pnyx.protocol import layout
 from pnyx.train.advantages import AdvantageMode, is_zero_variance
-from pnyx.train.listing import RESCAN_S, VersionListing, list_keys, list_range
+from pnyx.train.listing import SWEEP_GRACE_S, VersionListing, WindowListings
 from pnyx.train.pool import DaemonPool
 from pnyx.train.ranking import Plan, ranked
 from pnyx.train.rescore import REWARD_TOL, ScoredGroup, rescore
@@ -59,12 +58,6 @@ log = logging.getLogger("pnyx.train.ingest")
 
 FETCH_WORKERS = 16
 """Parallel GETs (and re-scores) of one trainer."""
-SWEEP_GRACE_S = 30.0
-"""A version is swept (its unused keys counted `stale`) this long after it left the window..."""
-SWEEP_MAX_LAG = 16
-"""...or once it is this many versions below the window, whichever comes first."""
-SWEEP_BATCH = 8
-"""On a store that lists in key order, versions are swept this many at a time (one paged listing)."""
 OUTCOMES = 256
 """How many recent admissions the survival rate and the zero-variance share are measured over."""
 
@@ -113,7 +106,7 @@ def _default_decode(data: bytes, vocab_size: int | None) -> Any:
 
 
 @dataclass
-class Ingestor:
+class Ingestor(WindowListings):
     """Listing, ranking, fetching, validation and re-scoring of one run's rollout groups.
 
     `env` is the run's environment (`task`, `score`); `detokenize(ids) -> str` turns completion tokens into
@@ -150,191 +143,6 @@ class Ingestor:
         """Keys listed so far by this process (all versions)."""
         self.fetched = 0
         """Records fetched so far by this process."""
-
-    # --- window and listing -------------------------------------------------------------------------
-
-    def window(self, version: int) -> range:
-        """Rollout versions the trainer at `version` may train on: [version - max_staleness, version]."""
-        return range(self._low(version), version + 1)
-
-    def _low(self, version: int) -> int:
-        return max(0, version - self.settings.max_staleness)
-
-    def _listing(self, version: int) -> VersionListing:
-        lst = self._versions.get(version)
-        if lst is None:
-            lst = self._versions[version] = VersionListing(version)
-        return lst
-
-    def note_published(self, version: int) -> None:
-        """`version` is being or was just published: no group of it can exist yet (a worker generates from
-        verified weights only), so its prefix counts as listed, empty, now."""
-        with self._lock:
-            lst = self._listing(version)
-            if lst.listed_at is None:
-                lst.listed_at = lst.full_at = time.monotonic()
-
-    def list_version(self, version: int, full: bool = False) -> int:
-        """List one version's prefix (incrementally unless `full`); returns how many new keys it found."""
-        with self._lock:
-            start_after = self._listing(version).start_after(layout.now_ms(), full)
-        return self._file(
-            {version: list_keys(self.store, version, start_after)}, {version: start_after is None}
-        )
-
-    def list_span(self, first: int, last: int) -> int:
-        """List versions first..last with one paged listing (stores that list in key order): `first`
-        incrementally, the newer ones from their start (they are young: few keys). Returns new keys."""
-        with self._lock:
-            start_after = self._listing(first).start_after(layout.now_ms(), False)
-        listings = list_range(self.store, first, last + 1, start_after=start_after)
-        return self._file(listings, {v: v > first or start_after is None for v in listings})
-
-    def _file(self, listings: dict[int, list[str]], complete: dict[int, bool]) -> int:
-        """Merge listed keys into the versions' listings; `complete[v]`: v was listed from its start.
-        Waits while a selection runs, so a selection ranks one listing, not one that changes under it."""
-        now = time.monotonic()
-        new = 0
-        with self._selecting, self._lock:
-            for version, keys in listings.items():
-                if self._closed or version < self.cursor.swept_below:
-                    continue  # closed, or swept while we listed (counted there)
-                lst = self._listing(version)
-                for key in keys:
-                    if key not in lst.seen:
-                        new += 1
-                        self._merge(lst, key)
-                lst.listed_at = now
-                if complete.get(version):
-                    lst.full_at = now
-            self.listed += new
-        return new
-
-    def _merge(self, lst: VersionListing, key: str) -> None:
-        lst.seen.add(key)
-        parsed = layout.parse_rollout_key(key)
-        if parsed is None or parsed[0] != lst.version:
-            if key not in self.cursor.rejected:
-                self._reject(key, "bad_key")
-            return
-        stamp = layout.rollout_stamp(key)
-        if stamp is not None:
-            lst.high_ms = max(lst.high_ms, stamp)
-        ident = (parsed[1], parsed[2])
-        other = lst.ids.get(ident)
-        if other is not None:
-            # Two keys for one group: the first listed stays unless the other was consumed already.
-            keep, dup = (key, other) if self.cursor.uses.get(key, 0) > 0 else (other, key)
-            lst.ids[ident] = keep
-            if dup not in self.cursor.rejected:
-                lst.remove_pending(dup)
-                self._ready.pop(dup, None)
-                self._reject(dup, "duplicate")
-            if keep is other:
-                return
-        lst.ids[ident] = key
-        if key in self.cursor.rejected or self.cursor.uses.get(key, 0) >= self.settings.max_reuse:
-            return
-        lst.add_pending(key, parsed[1])
-
-    def refresh(
-        self, version: int, full: bool = False, min_waiting: int | None = None, depth: int | None = None
-    ) -> int:
-        """List the window newest version first (each fully every `RESCAN_S`); with `min_waiting`, stop
-        once the versions listed hold that many waiting keys; with `depth`, list at most that many
-        versions. On a store that lists in key order the two newest versions (where uploads land) share
-        one listing. Returns how many new keys were found. (The sweep is separate: `sweep`.)"""
-        new = 0
-        now = time.monotonic()
-        versions = list(range(version, self._low(version) - 1, -1))[:depth]
-        with self._lock:
-            rescan = {v: full or self._rescan_due(v, now) for v in versions}
-        if (
-            len(versions) >= 2
-            and getattr(self.store, "sorted_listing", False)
-            and not any(rescan[v] for v in versions[:2])
-        ):
-            new += self.list_span(versions[1], versions[0])
-            if min_waiting is not None and self._waiting_from(version, versions[1]) >= min_waiting:
-                return new
-            versions = versions[2:]
-        for v in versions:
-            new += self.list_version(v, full=rescan[v])
-            if min_waiting is not None and self._waiting_from(version, v) >= min_waiting:
-                break
-        return new
-
-    def _rescan_due(self, version: int, now: float) -> bool:
-        lst = self._versions.get(version)
-        return lst is None or lst.full_at is None or now - lst.full_at >= RESCAN_S
-
-    def _waiting_from(self, version: int, low: int) -> int:
-        with self._lock:
-            return sum(self._versions[v].waiting for v in range(low, version + 1) if v in self._versions)
-
-    # --- sweep: versions that left the window ---------------------------------------------------------
-
-    def sweep(self, version: int) -> None:
-        """Count the unused keys of versions that left the window as `stale`, from one last listing of them,
-        then forget those versions. A version is due `sweep_grace_s` after it left the window (uploads that
-        land late are still counted) or once `SWEEP_MAX_LAG` versions below it. On a store that lists in key
-        order (S3, GCS, memory) due versions are swept `SWEEP_BATCH` at a time with one paged listing across
-        their prefixes (1 request per 1,000 keys, not one per version)."""
-        low = self._low(version)
-        now = time.monotonic()
-        with self._lock:
-            for key in [k for k, g in self._ready.items() if g.version < low]:
-                del self._ready[key]  # never trained on again; the sweep counts it
-            due = []
-            for v in range(self.cursor.swept_below, low):
-                left = self._left_at.setdefault(v, now)
-                if now - left < self.sweep_grace_s and v >= low - SWEEP_MAX_LAG:
-                    break
-                due.append(v)
-            oldest = self._left_at.get(due[0], now) if due else now
-        if not due:
-            return
-        if not getattr(self.store, "sorted_listing", False):
-            listings = {v: list_keys(self.store, v, None) for v in due}
-        elif (
-            len(due) >= SWEEP_BATCH or now - oldest >= 4 * self.sweep_grace_s or due[0] < low - SWEEP_MAX_LAG
-        ):
-            listings = list_range(self.store, due[0], due[-1] + 1)
-        else:
-            return  # wait for a fuller batch
-        with self._lock:
-            for v in due:
-                if not self._closed and v >= self.cursor.swept_below:
-                    self._account(v, listings.get(v, []))
-
-    def _account(self, version: int, keys: list[str]) -> None:
-        lst = self._versions.pop(version, None) or VersionListing(version)
-        for key in keys:
-            if key not in lst.seen:
-                self._merge(lst, key)  # counts junk and duplicates first seen now
-        for key in lst.seen:
-            if self.cursor.uses.get(key, 0) == 0 and key not in self.cursor.rejected:
-                self._drop("stale")
-        prefix = layout.rollouts_dir(version)
-        for d in (self.cursor.uses, self.cursor.rejected, self._ready):
-            for k in [k for k in d if k.startswith(prefix)]:
-                del d[k]
-        self._left_at.pop(version, None)
-        self.cursor.swept_below = version + 1
-
-    # --- admission: fetch, decode, validate, re-score ------------------------------------------------
-
-    def _drop(self, reason: str) -> None:
-        self.cursor.drops[reason] = self.cursor.drops.get(reason, 0) + 1
-
-    def _reject(self, key: str, reason: str, detail: str = "") -> None:
-        self.cursor.rejected[key] = reason
-        self._drop(reason)
-        parsed = layout.parse_rollout_key(key)
-        if parsed is not None and parsed[0] in self._versions:
-            self._versions[parsed[0]].remove_pending(key)
-        self._ready.pop(key, None)
-        log.debug("rejected %s: %s %s", key, reason, detail)
 
     def _count_scored(self, g: ScoredGroup) -> None:
         w = g.worker_id

@@ -48,7 +48,7 @@ from pnyx.train import bootstrap, checkpoint
 from pnyx.train.ingest import Cursor, Ingestor, IngestSettings, ScoredGroup
 from pnyx.train.losses import LossSettings
 from pnyx.train.prefetch import Prefetcher
-from pnyx.train.progress import Progress, fmt_counts
+from pnyx.train.progress import Progress, format_line, reward_parts
 from pnyx.train.step import StepStats, make_optimizer, train_step
 
 log = logging.getLogger("pnyx.train")
@@ -522,29 +522,3 @@ class Trainer:
         self.progress.phase("checkpointing")
         self.checkpoint()
         self.progress.phase("stopped")
-
-
-def reward_parts(groups: list[ScoredGroup]) -> dict[str, float]:
-    """Mean of each reward part over the samples of a batch (from the trainer's own re-score)."""
-    sums: Counter[str] = Counter()
-    counts: Counter[str] = Counter()
-    for g in groups:
-        for parts in g.parts:
-            for k, v in parts.items():
-                sums[k] += v
-                counts[k] += 1
-    return {k: sums[k] / counts[k] for k in sorted(sums)}
-
-
-def format_line(m: dict[str, Any]) -> str:
-    """The dense greppable per-step line."""
-    parts = ",".join(f"{k}:{v:.2f}" for k, v in (m.get("reward_parts") or {}).items()) or "-"
-    b = m.get("backlog") or {}
-    return (
-        f"trainer v={m['version']} groups={m['groups']} reward={m['reward']:.3f} parts={parts} "
-        f"stale={m['stale_mean']:.2f} masked={100 * m['masked_frac']:.2f}% clip={100 * m['clip_frac']:.2f}% "
-        f"ess={m['ess']:.3f} ent={m['entropy']:.3f} gnorm={m['grad_norm']:.3f} loss={m['loss']:+.4f} "
-        f"tok/s={m['tok_s']:.0f} pub={m['publish_kind']}:{m['publish_s']:.2f}s "
-        f"ingest={m.get('ingest_wait_s', 0.0):.2f}s backlog=waiting:{b.get('waiting', 0)},fetched:{b.get('fetched', 0)} "
-        f"drops={fmt_counts(m['drops'])} disagree={fmt_counts(m['disagreements'])}"
-    )

@@ -1,15 +1,18 @@
 """The prefetcher: while the trainer steps and publishes, a background thread prepares the next batch.
 
 `ahead(version, in_flight)` tells it which step comes next (the version it will train from, and the keys
-of the batch being trained now, which will be used by then); it then refreshes the listing (at most once
-per step and per `list_interval_s`, newest versions first, stopping once they hold enough waiting keys),
-sweeps versions that left the window, and fetches, decodes, validates and re-scores the top of the next
-step's ranking (`Ingestor.plan`) in the ingestor's bounded fetch pool. The main loop's `Ingestor.select`
-then finds those records ready; what it takes is decided by the ranking alone, never by what the
-prefetcher happened to fetch, so resume stays exact.
+of the batch being trained now, which will be used by then). Once per step, late in it (`LATE` of the
+recent step time, and at most every `list_interval_s`), it lists the two newest versions (where uploads
+land; the whole window when the main loop is short of groups, `poke()`), then fetches, decodes, validates
+and re-scores the top of the next step's ranking (`Ingestor.plan`) in the ingestor's bounded fetch pool,
+round after round until the top is known (no over-fetch: the latency is hidden behind the step), then
+sweeps versions that left the window. Listing late matters: what is fetched then stays at the top of the
+next step's ranking (a later upload of the same version ranks after it), so prefetched groups are rarely
+downloaded for nothing. `Ingestor.select` then finds those records ready; what it takes is decided by the
+ranking alone, never by what the prefetcher happened to fetch, so resume stays exact.
 
-`poke()` asks for a listing now (the main loop is short of groups); `wait_listing(timeout)` waits for the
-next one to finish. Memory is bounded by the ingestor (one step's top plus the over-fetch).
+`next_batch` is the main loop's wait for a batch: select, and short of groups, poke and wait for the
+listing with backoff. Memory is bounded by the ingestor (about two steps of fetched records).
 
 Every error of the thread is kept and re-raised in the main loop by `check()`, except an unavailable
 store, which is logged and retried with backoff (the store's own retries already ran). Knows nothing
@@ -138,6 +141,8 @@ class Prefetcher:
             now = time.monotonic()
             if now > deadline:
                 return None
+            if self._thread is None:  # no background thread (a caller stepping by hand): list here
+                self.ingestor.refresh(version)
             self.poke()
             end = now + min(delay, deadline - now)
             while not stop() and time.monotonic() < end:  # wakes at once on stop, on a listing soon after

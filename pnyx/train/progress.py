@@ -10,8 +10,8 @@ Every `STATUS_EVERY_S` (and when the block ends) it overwrites `trainer/status.j
 for `pnyx status` and the live view (backlog, phase, consumption). A status write that fails is logged and
 retried at the next period: reporting never stops the trainer.
 
-`zero_variance_note` words the warning a user sees when most groups carry no signal. Knows nothing about
-torch or the step; never raises from its thread.
+`format_line` is the dense per-step line; `zero_variance_note` words the warning a user sees when most
+groups carry no signal. Knows nothing about torch or the step; never raises from its thread.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -55,6 +56,32 @@ def zero_variance_note(frac: float | None, kind: str | None = None) -> str | Non
 
 def fmt_counts(d: dict[str, int]) -> str:
     return ",".join(f"{k}:{v}" for k, v in sorted(d.items()) if v) or "0"
+
+
+def reward_parts(groups: list[Any]) -> dict[str, float]:
+    """Mean of each reward part over the samples of a batch (from the trainer's own re-score)."""
+    sums: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    for g in groups:
+        for parts in g.parts:
+            for k, v in parts.items():
+                sums[k] += v
+                counts[k] += 1
+    return {k: sums[k] / counts[k] for k in sorted(sums)}
+
+
+def format_line(m: dict[str, Any]) -> str:
+    """The dense greppable per-step line."""
+    parts = ",".join(f"{k}:{v:.2f}" for k, v in (m.get("reward_parts") or {}).items()) or "-"
+    b = m.get("backlog") or {}
+    return (
+        f"trainer v={m['version']} groups={m['groups']} reward={m['reward']:.3f} parts={parts} "
+        f"stale={m['stale_mean']:.2f} masked={100 * m['masked_frac']:.2f}% clip={100 * m['clip_frac']:.2f}% "
+        f"ess={m['ess']:.3f} ent={m['entropy']:.3f} gnorm={m['grad_norm']:.3f} loss={m['loss']:+.4f} "
+        f"tok/s={m['tok_s']:.0f} pub={m['publish_kind']}:{m['publish_s']:.2f}s "
+        f"ingest={m.get('ingest_wait_s', 0.0):.2f}s backlog=waiting:{b.get('waiting', 0)},fetched:{b.get('fetched', 0)} "
+        f"drops={fmt_counts(m['drops'])} disagree={fmt_counts(m['disagreements'])}"
+    )
 
 
 def progress_line(d: dict[str, Any]) -> str:

@@ -21,6 +21,8 @@ from pnyx.train.advantages import group_advantages
 
 REWARD_TOL = 1e-6
 """A worker's reward 'agrees' with the re-score when they differ by at most this."""
+RENDER_CACHE = 4096
+"""Rendered prompts kept by task id (the oldest is forgotten first)."""
 
 
 @dataclass
@@ -94,6 +96,8 @@ def rescore(
         cache = rendered if rendered is not None else {}
         expected = cache.get(task.id)
         if expected is None:
+            if len(cache) >= RENDER_CACHE:  # procedural envs have endless task ids: keep memory bounded
+                del cache[next(iter(cache))]
             expected = cache[task.id] = list(render(task.prompt))
         if list(group.prompt_tokens) != expected:
             raise RecordRejected("prompt_mismatch", f"prompt tokens do not render task {task.id}")
