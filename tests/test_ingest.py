@@ -1,4 +1,5 @@
-"""Ingestion against real stores: window listing, validation, re-scoring, staleness, reuse, cursor."""
+"""Ingestion against real stores: listing, ranking, validation, re-scoring, staleness, reuse, cursor, and a
+cost that follows the step (what is fetched), not the backlog (what is listed)."""
 
 from __future__ import annotations
 
@@ -61,14 +62,21 @@ def make_group(version: int, worker: str, seq: int, task_index: int = 0, answers
     )
 
 
-def put(store, group) -> str:
-    key = layout.rollout_key(group.policy_version, group.worker_id, group.seq)
+def put(store, group, stamp_ms: int | None = None) -> str:
+    key = layout.rollout_key(group.policy_version, group.worker_id, group.seq, stamp_ms)
     store.put(key, encode_group(group), mode="create")
     return key
 
 
-def make_ingestor(store, **settings) -> Ingestor:
-    return Ingestor(store=store, env=ENV, detokenize=detok, settings=IngestSettings(**settings), run_id=RUN)
+def make_ingestor(store, grace_s: float = 0.0, **settings) -> Ingestor:
+    return Ingestor(
+        store=store,
+        env=ENV,
+        detokenize=detok,
+        settings=IngestSettings(**settings),
+        run_id=RUN,
+        sweep_grace_s=grace_s,
+    )
 
 
 @pytest.fixture
@@ -90,11 +98,12 @@ def test_forged_reward_is_overwritten_by_the_rescore_and_counted(store):
     g.samples[1] = make_group(0, "liar", 0).samples[0]  # second sample right: the group has variance
     put(store, g)
     ing = make_ingestor(store)
-    ing.poll(0)
     (scored,) = ing.select(0, 1)
     assert scored.rewards == [0.0, 1.0]
     assert scored.worker_rewards == [1.0, 1.0]
-    assert ing.cursor.disagreements == {"liar": 1}
+    assert ing.cursor.disagreements == {}  # counted when consumed, so a restart never counts it twice
+    ing.commit([scored.key])
+    assert ing.cursor.disagreements == {"liar": 1} and ing.cursor.scored == {"liar": 2}
     assert scored.advantages[0] < 0 < scored.advantages[1]
 
 
@@ -121,7 +130,7 @@ def test_window_listing_never_reads_versions_outside_the_window(store):
     ing = make_ingestor(store, max_staleness=2)
     ing.cursor.swept_below = 8  # versions below 8 already left the window earlier
     ing.poll(10)
-    assert listed == [layout.rollouts_dir(v) for v in (8, 9, 10)]
+    assert sorted(listed) == [layout.rollouts_dir(v) for v in (8, 9, 10)]
 
 
 def test_group_is_used_at_most_max_reuse_times(store):
@@ -237,17 +246,13 @@ def test_cursor_forgets_keys_once_their_version_leaves_the_window(store):
 
 def test_workers_take_turns_within_a_version(store):
     # "a" sorts before "b": with plain key order every batch would be a's alone.
+    a_keys = [put(store, make_group(0, "a", seq, task_index=seq), stamp_ms=1000 + seq) for seq in range(4)]
     for seq in range(4):
-        put(store, make_group(0, "a", seq, task_index=seq))
-        put(store, make_group(0, "b", seq, task_index=10 + seq))
+        put(store, make_group(0, "b", seq, task_index=10 + seq), stamp_ms=2000 + seq)
     ing = make_ingestor(store, max_groups_per_prompt=1)
-    ing.poll(0)
     batch = ing.select(0, 4)
     assert sorted(g.worker_id for g in batch) == ["a", "a", "b", "b"]
-    assert {g.key for g in batch if g.worker_id == "a"} == {
-        layout.rollout_key(0, "a", 0),
-        layout.rollout_key(0, "a", 1),
-    }  # each worker's oldest groups first
+    assert {g.key for g in batch if g.worker_id == "a"} == set(a_keys[:2])  # each worker's oldest first
 
 
 def test_groups_from_int8_plane_workers_match_a_published_digest():
@@ -266,3 +271,196 @@ def test_groups_from_int8_plane_workers_match_a_published_digest():
     assert weights_syncer.digest != int8_syncer.digest
     assert digests == {weights_syncer.digest, int8_syncer.digest}
     assert published_digests(store, 1) is None
+
+
+# --- cost follows the step, not the backlog -----------------------------------------------------------------
+
+
+def counting(store):
+    from pnyx.store.faults import FaultyStore
+
+    return FaultyStore(store)
+
+
+def spy_lists(store) -> list[tuple[str, str | None, int]]:
+    """Record (prefix, start_after, keys returned) of every listing."""
+    seen: list[tuple[str, str | None, int]] = []
+    real = store.list
+
+    def spy(prefix="", start_after=None, limit=None):
+        out = real(prefix, start_after, limit)
+        seen.append((prefix, start_after, len(out)))
+        return out
+
+    store.list = spy
+    return seen
+
+
+def test_incremental_listing_returns_only_what_arrived_since_the_last_listing(store):
+    old = layout.now_ms() - 3_600_000
+    for seq in range(50):  # uploaded 10 s apart, an hour ago
+        put(store, make_group(0, "w", seq, task_index=seq % 20), stamp_ms=old + 10_000 * seq)
+    ing = make_ingestor(store)
+    lists = spy_lists(store)
+    assert ing.refresh(0) == 50
+    put(store, make_group(0, "w", 50), stamp_ms=layout.now_ms())
+    put(store, make_group(0, "w", 51), stamp_ms=layout.now_ms())
+    ing.list_version(0)
+    assert ing.list_version(0) == 0  # nothing new: nothing added twice
+    # the old 50 are never listed again, except the last one, within the slack below the highest stamp
+    assert [n for _, _, n in lists] == [50, 3, 2]
+
+
+def test_a_step_downloads_only_the_groups_it_trains_on_whatever_the_backlog(tmp_path):
+    store = counting(open_store(str(tmp_path / "run")))
+    for seq in range(300):
+        put(store, make_group(0, f"w{seq % 10}", seq, task_index=seq))
+    ing = make_ingestor(store)
+    for step in range(3):
+        gets = store.calls["get"]
+        batch = ing.select(0, 4)
+        assert len(batch) == 4 and store.calls["get"] - gets == 4, step
+        ing.commit([g.key for g in batch])
+    assert ing.backlog(0)["waiting"] == 300 - 12
+
+
+def test_stale_groups_are_counted_from_the_listing_without_being_downloaded(tmp_path):
+    store = counting(open_store(str(tmp_path / "run")))
+    for seq in range(40):
+        put(store, make_group(0, "w", seq, task_index=seq))
+    put(store, make_group(5, "w", 99))
+    ing = make_ingestor(store, max_staleness=3)
+    gets = store.calls["get"]
+    ing.sweep(5)
+    assert ing.cursor.drops == {"stale": 40}
+    assert store.calls["get"] == gets  # counted from one listing of v0, no record read
+
+
+def test_a_version_leaving_the_window_is_swept_only_after_the_grace_period(store):
+    put(store, make_group(0, "w", 0))
+    ing = make_ingestor(store, grace_s=3600.0, max_staleness=0)
+    ing.refresh(0)
+    ing.sweep(1)
+    assert ing.cursor.drops == {} and ing.cursor.swept_below == 0  # a late upload to v0 may still come
+    ing.sweep_grace_s = 0.0
+    ing.sweep(1)
+    assert ing.cursor.drops == {"stale": 1} and ing.cursor.swept_below == 1
+
+
+def test_a_key_that_lands_behind_the_incremental_listing_is_still_accounted_for(store):
+    put(store, make_group(0, "w", 0), stamp_ms=layout.now_ms())
+    ing = make_ingestor(store, max_staleness=0)
+    ing.refresh(0)
+    put(store, make_group(0, "late", 0), stamp_ms=layout.now_ms() - 600_000)  # its clock runs 10 min behind
+    ing.list_version(0)
+    assert ing.backlog(0)["waiting"] == 1  # not seen by the incremental listing...
+    ing.sweep(1)
+    assert ing.cursor.drops == {"stale": 2}  # ...but counted by the sweep, never lost
+
+
+def test_the_newest_version_comes_first(store):
+    put(store, make_group(0, "w", 0, task_index=0))
+    fresh = put(store, make_group(2, "w", 1, task_index=1))
+    ing = make_ingestor(store)
+    assert [g.key for g in ing.select(2, 1)] == [fresh]
+
+
+def test_per_prompt_cap_is_kept_when_only_the_top_is_fetched(store):
+    for seq in range(3):
+        put(store, make_group(0, "w", seq, task_index=0), stamp_ms=1000 + seq)
+    put(store, make_group(0, "w", 3, task_index=1), stamp_ms=2000)
+    ing = make_ingestor(store, max_groups_per_prompt=2)
+    batch = ing.select(0, 3)
+    assert sorted(g.task_id for g in batch) == ["arith/train/0/0", "arith/train/0/0", "arith/train/0/1"]
+
+
+def test_selection_does_not_depend_on_what_was_prefetched(store):
+    answer = str(ENV.sample("train", 0, 1)[0].answer)
+    for seq in range(12):
+        # every third group has zero variance: the selection must skip them the same way each time
+        answers = [answer, answer] if seq % 3 == 0 else None
+        put(store, make_group(0, f"w{seq % 3}", seq, task_index=seq, answers=answers), stamp_ms=1000 + seq)
+    plain = make_ingestor(store)
+    expected = [g.key for g in plain.select(0, 5)]
+    warmed = make_ingestor(store)
+    warmed.refresh(0)
+    everything = [k for ks in warmed._versions[0].pending.values() for k in ks]
+    warmed.fetch(everything[::-1][:7])  # a prefetch of the bottom of the ranking
+    assert [g.key for g in warmed.select(0, 5)] == expected
+
+
+def test_a_second_key_for_the_same_group_is_a_duplicate_never_a_second_use(store):
+    g = make_group(0, "w", 0)
+    first = put(store, g, stamp_ms=1000)
+    put(store, g, stamp_ms=5000)  # the same (worker, seq) re-uploaded under another stamp
+    put(store, make_group(0, "w", 1, task_index=1), stamp_ms=6000)
+    ing = make_ingestor(store)
+    batch = ing.select(0, 10)
+    assert [b.key for b in batch].count(first) == 1 and len(batch) == 2
+    assert ing.cursor.drops == {"duplicate": 1}
+
+
+def test_keys_of_the_first_layout_are_still_ingested(store):
+    g = make_group(3, "old-worker", 7)
+    legacy = "rollouts/v00000003/old-worker-0000000007"
+    store.put(legacy, encode_group(g), mode="create")
+    assert layout.parse_rollout_key(legacy) == (3, "old-worker", 7) and layout.rollout_stamp(legacy) is None
+    ing = make_ingestor(store)
+    assert [b.key for b in ing.select(3, 4)] == [legacy]
+
+
+def test_cursor_and_memory_stay_bounded_over_thousands_of_groups_across_many_versions():
+    store = open_store("memory://")
+    settings = dict(max_staleness=3, max_groups_per_prompt=50)
+    ing = make_ingestor(store, **settings)
+    per_version, per_step, versions = 30, 4, 120
+    answer = str(ENV.sample("train", 0, 1)[0].answer)
+    seq = 0
+    for v in range(versions):
+        for i in range(per_version):  # 3,600 groups in all, a third with zero variance
+            answers = [answer, answer] if i % 3 == 0 else None
+            put(store, make_group(v, f"w{i % 6}", seq, task_index=0, answers=answers))
+            seq += 1
+        ing.sweep(v)  # the prefetcher's job in the trainer
+        batch = ing.select(v, per_step)
+        ing.commit([g.key for g in batch])
+    held = len(ing.cursor.uses) + len(ing.cursor.rejected)
+    window = settings["max_staleness"] + 1
+    # Bound: the window's versions (+1 not yet swept) times what one step uses and rejects (<= 3x its size).
+    assert held <= (window + 1) * 3 * per_step, held
+    assert len(ing.cursor.to_json()) < 12_000
+    assert len(ing._versions) <= window + 1
+    assert ing.cursor.drops["stale"] > 2_000  # the unused ones were counted, then forgotten
+    assert ing.cursor.consumed == per_step * versions
+
+
+def test_reward_parts_and_zero_variance_share_are_reported(store):
+    answer = str(ENV.sample("train", 0, 1)[0].answer)
+    for seq in range(20):
+        put(store, make_group(0, "w", seq, task_index=0, answers=["-1", "-2"] if seq < 18 else None))
+    ing = make_ingestor(store, max_groups_per_prompt=20)
+    (g, *_) = ing.select(0, 2)
+    assert set(g.parts[0]) == {"correct", "format"}
+    zv = ing.zero_variance()
+    assert zv["frac"] == 18 / 20 and zv["kind"] == "hard"
+    from pnyx.train.progress import zero_variance_note
+
+    note = zero_variance_note(zv["frac"], zv["kind"])
+    assert "90% of groups had the same reward" in note and "too hard" in note
+    assert zero_variance_note(0.3, "hard") is None
+    assert answer  # the task exists
+
+
+def test_the_two_newest_versions_share_one_listing_on_a_store_that_lists_in_order():
+    store = open_store("memory://")
+    assert store.sorted_listing
+    for v in (4, 5):
+        put(store, make_group(v, "w", v, task_index=v))
+    ing = make_ingestor(store)
+    ing.refresh(5)  # first contact: each version from its start
+    put(store, make_group(4, "w", 14, task_index=1))
+    put(store, make_group(5, "w", 15, task_index=2))
+    lists = spy_lists(store)
+    assert ing.refresh(5, depth=2) == 2
+    assert [prefix for prefix, _, _ in lists] == [layout.ROLLOUTS_PREFIX]  # one listing across v4 and v5
+    assert ing.backlog(5)["waiting"] == 4

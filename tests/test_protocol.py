@@ -27,7 +27,7 @@ from pnyx.protocol import (
     group_digest,
 )
 from pnyx.protocol.codec import FORMAT_VERSION, HEADER_SIZE, MAGIC
-from pnyx.protocol.layout import parse_rollout_key, rollout_key
+from pnyx.protocol.layout import parse_rollout_key, rollout_key, rollout_stamp, rollouts_start_after
 
 
 def make_group(**overrides) -> RolloutGroup:
@@ -357,9 +357,20 @@ def test_group_digest_rejects_corruption():
 
 def test_rollout_key_round_trips_through_layout():
     group = make_group(seq=1234, policy_version=42, worker_id="gpu-node_7.a")
-    key = rollout_key(group.policy_version, group.worker_id, group.seq)
-    assert key == "rollouts/v00000042/gpu-node_7.a-0000001234"
+    key = rollout_key(group.policy_version, group.worker_id, group.seq, stamp_ms=1_700_000_000_123)
+    assert key == "rollouts/v00000042/1700000000123~gpu-node_7.a-0000001234"
     assert parse_rollout_key(key) == (42, "gpu-node_7.a", 1234)
+    assert rollout_stamp(key) == 1_700_000_000_123
+
+
+def test_rollout_keys_sort_by_stamp_within_a_version_and_old_keys_still_parse():
+    early = rollout_key(3, "zz", 9, stamp_ms=1000)
+    late = rollout_key(3, "aa", 0, stamp_ms=2000)
+    assert early < late  # the worker id does not decide the order: the upload stamp does
+    assert rollouts_start_after(3, 1500) < late and not rollouts_start_after(3, 1500) < early
+    assert rollout_key(3, "w", 1).split("/")[2][:13].isdigit()  # stamped with this machine's clock
+    old = "rollouts/v00000003/worker-9-0000000012"  # the first layout, without a stamp
+    assert parse_rollout_key(old) == (3, "worker-9", 12) and rollout_stamp(old) is None
 
 
 def test_parse_rollout_key_rejects_foreign_keys():
@@ -367,6 +378,9 @@ def test_parse_rollout_key_rejects_foreign_keys():
         "rollouts/v00000042/w-12",
         "rollouts/v42/w-0000000001",
         "rollouts/v00000042/-0000000001",
+        "rollouts/v00000042/123~w-0000000001",  # a stamp is 13 digits
+        "rollouts/v00000042/1700000000123~-0000000001",
+        "rollouts/v00000042/1700000000123~w~x-0000000001",
         "x",
     ):
         assert parse_rollout_key(junk) is None

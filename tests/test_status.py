@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pnyx.cli.live import SILENT_AFTER_S, RunWatcher, plain_line, render
+from pnyx.cli.live import FLEET_ROWS, SILENT_AFTER_S, RunWatcher, plain_line, render
 from pnyx.protocol import Heartbeat, RunManifest, encode_json, layout
 from pnyx.store import open_store
 
@@ -29,7 +29,9 @@ def make_run(url: str, versions: int = 2, heartbeats: dict[str, float] | None = 
 
     store = open_store(url)
     manifest = RunManifest(
-        run_id="demo", created_at=time.time() - 100, config={"env": {"name": "arith"}},
+        run_id="demo",
+        created_at=time.time() - 100,
+        config={"env": {"name": "arith"}, "worker": {"group_size": 4}},
         model={"name": "tiny-base"},
     )
     store.put(layout.RUN_MANIFEST, encode_json(manifest), mode="create")
@@ -40,8 +42,16 @@ def make_run(url: str, versions: int = 2, heartbeats: dict[str, float] | None = 
         if v > 0:
             write_metrics(store, v, {"version": v, "reward": 0.25 * v, "stale": 0.5, "masked": 0.003})
     for wid, age in (heartbeats or {}).items():
-        hb = Heartbeat(worker_id=wid, version=versions - 1, updated_at=time.time() - age, groups=7,
-                       rollouts=56, rollouts_per_s=2.5, tokens_per_s=90.0, status="running")
+        hb = Heartbeat(
+            worker_id=wid,
+            version=versions - 1,
+            updated_at=time.time() - age,
+            groups=7,
+            rollouts=56,
+            rollouts_per_s=2.5,
+            tokens_per_s=90.0,
+            status="running",
+        )
         store.put(layout.worker_heartbeat(wid), encode_json(hb))
     return store
 
@@ -98,7 +108,10 @@ def test_status_command_prints_the_run(tmp_path):
     make_run(str(tmp_path / "run"), versions=2, heartbeats={"w7": 3.0})
     out = subprocess.run(
         [sys.executable, "-m", "pnyx", "status", "--store", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=60, env={**_env(), "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**_env(), "COLUMNS": "200"},
     )
     assert out.returncode == 0, out.stderr
     assert "demo" in out.stdout and "w7" in out.stdout and "running" in out.stdout
@@ -107,7 +120,10 @@ def test_status_command_prints_the_run(tmp_path):
 def test_status_command_on_a_missing_run_exits_cleanly(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "pnyx", "status", "--store", str(tmp_path / "nothing")],
-        capture_output=True, text=True, timeout=60, env={**_env(), "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**_env(), "COLUMNS": "200"},
     )
     assert out.returncode == 0, out.stderr
     assert "no run.json" in out.stdout
@@ -117,3 +133,89 @@ def _env():
     import os
 
     return dict(os.environ)
+
+
+def _heartbeat(store, wid: str, age_s: float, rollouts_per_s: float, status: str = "generating") -> None:
+    hb = Heartbeat(
+        worker_id=wid,
+        version=3,
+        updated_at=time.time() - age_s,
+        groups=10,
+        rollouts=80,
+        rollouts_per_s=rollouts_per_s,
+        tokens_per_s=50.0,
+        status=status,
+    )
+    store.put(layout.worker_heartbeat(wid), encode_json(hb))
+
+
+def test_a_fleet_of_hundreds_of_workers_is_summarised_lost_and_slowest_first(tmp_path):
+    from rich.console import Console
+
+    store = make_run(str(tmp_path / "run"))
+    for i in range(290):
+        _heartbeat(store, f"w{i:03d}", age_s=2.0, rollouts_per_s=1.0 + i / 100)
+    for i in range(7):
+        _heartbeat(store, f"gone{i}", age_s=600.0 + i, rollouts_per_s=3.0)
+    _heartbeat(store, "crashed", age_s=1.0, rollouts_per_s=0.0, status="error")
+    _heartbeat(store, "done1", age_s=900.0, rollouts_per_s=0.0, status="stopped")
+    _heartbeat(store, "done2", age_s=900.0, rollouts_per_s=0.0, status="stopped")
+    snap = RunWatcher(store).snapshot()
+    assert len(snap.workers) == 300
+    console = Console(width=200, record=True)
+    console.print(render(snap))
+    text = console.export_text()
+    assert "300 workers: 290 live, 8 lost, 2 stopped" in text
+    rows = [
+        line
+        for line in text.splitlines()
+        if line.strip().startswith(("│ w", "│ gone", "│ crashed", "│ done"))
+    ]
+    assert len(rows) <= FLEET_ROWS  # not one row per worker
+    shown = [line.split("│")[1].strip() for line in rows]
+    assert shown[:8] == [f"gone{i}" for i in range(6, -1, -1)] + [
+        "crashed"
+    ]  # the lost first, longest silent first
+    assert shown[8:] == ["w000", "w001", "w002", "w003"]  # then the slowest live workers
+    assert "and 288 more" in text
+    line = plain_line(snap)
+    assert "300 workers: 290 live, 8 lost, 2 stopped" in line and "w289" not in line
+
+
+def test_backlog_and_supply_against_consumption_are_shown(tmp_path):
+    from rich.console import Console
+
+    from pnyx.train.checkpoint import write_metrics
+    from pnyx.train.progress import STATUS_KEY
+
+    store = make_run(str(tmp_path / "run"), versions=1)
+    t0 = time.time() - 20
+    for v in range(1, 6):  # 8 groups every 4 s: 2 groups/s consumed
+        write_metrics(store, v, {"version": v, "time": t0 + 4 * v, "groups": 8, "reward": 0.5})
+    for wid in ("a", "b"):
+        _heartbeat(
+            store, wid, age_s=1.0, rollouts_per_s=10.0
+        )  # 2 x 10 rollouts/s / group size 4 = 5 groups/s
+    status = {
+        "phase": "waiting",
+        "phase_s": 12.0,
+        "have": 3,
+        "need": 8,
+        "updated_at": time.time(),
+        "backlog": {"waiting": 1200, "fetched": 16},
+        "drops": {"stale": 40, "zero_variance": 3},
+        "zero_variance": {"frac": 0.87, "kind": "hard"},
+    }
+    store.put(STATUS_KEY, json.dumps(status).encode())
+    snap = RunWatcher(store).snapshot()
+    assert snap.supply_groups_per_s == pytest.approx(5.0)
+    assert snap.consumption_groups_per_s == pytest.approx(2.0)
+    console = Console(width=250, record=True)
+    console.print(render(snap))
+    text = console.export_text()
+    assert "waiting 1200 · fetched 16 · dropped stale:40, zero_variance:3" in text
+    assert "supply 5.00 groups/s vs consumption 2.00 groups/s" in text
+    assert "waiting 12s (usable 3/8)" in text
+    assert "87% of groups had the same reward for every sample" in text and "too hard" in text
+    line = plain_line(snap)
+    assert "supply=5.00g/s consume=2.00g/s backlog=waiting:1200,fetched:16 trainer=waiting" in line

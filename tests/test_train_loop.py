@@ -29,6 +29,7 @@ from pnyx.weights import read_manifest, verify_chain
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
+STAMP0 = 1_700_000_000_000
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,8 @@ def write_groups(store, model_dir: Path, version: int, n: int, worker: str = "w"
             env="arith", task_id=task.id, prompt_tokens=prompt, samples=samples, temperature=1.0, top_p=1.0,
             top_k=0, created_at=0.0, gen_seconds=0.0, score_seconds=0.0,
         )
-        key = layout.rollout_key(version, worker, i)
+        # A fixed stamp, so two stores prepared alike hold the same keys (the kill tests compare them).
+        key = layout.rollout_key(version, worker, i, stamp_ms=STAMP0 + i)
         store.put(key, encode_group(g), mode="create")
         keys.append(key)
     return keys

@@ -14,7 +14,8 @@ FAST = RetryPolicy(deadline_s=0.05, base_s=0.01, cap_s=0.01)
 
 
 def _key(seq: int, worker: str = "w1", version: int = 0) -> str:
-    return layout.rollout_key(version, worker, seq)
+    # a fixed stamp: the tests build the same key more than once
+    return layout.rollout_key(version, worker, seq, stamp_ms=1_700_000_000_000 + seq)
 
 
 def _store(tmp_path):

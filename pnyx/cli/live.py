@@ -1,10 +1,13 @@
 """The run's live view, read from the store alone: shared by `pnyx run` (local fleet) and `pnyx status`.
 
 `RunWatcher(store)` reads what a run leaves in its store — run.json, the newest published weights
-version, the trainer's per-version metrics (`pnyx.train.read_metrics`, read incrementally), the worker
-heartbeats — plus held-out eval records, and condenses them into a `Snapshot`. `render(snapshot)` turns a
-snapshot into a rich renderable; `plain_line(snapshot)` into one dense greppable line (for `--no-live`,
-CI and logs).
+version, the trainer's per-version metrics (`pnyx.train.read_metrics`, read incrementally), the trainer's
+status (`trainer/status.json`: phase, backlog, drops), the worker heartbeats (read in parallel) — plus
+held-out eval records, and condenses them into a `Snapshot`: among others the supply rate (groups uploaded
+per second, from the heartbeats) against the consumption rate (groups trained per second, from the
+metrics). `render(snapshot)` turns a snapshot into a rich renderable; `plain_line(snapshot)` into one dense
+greppable line (for `--no-live`, CI and logs). A fleet larger than `FLEET_ROWS` workers is summarised:
+totals by state, then the lost workers and the slowest ones, never one row per worker.
 
 Knows nothing about processes: an operator on a laptop sees exactly what the orchestrator sees, given the
 store URL. Never writes to the store. A store that is missing pieces (a run still starting, a trainer
@@ -26,6 +29,10 @@ from pnyx.protocol import layout
 # A worker whose heartbeat is older than this many heartbeat intervals shows as "silent".
 SILENT_AFTER_S = 30.0
 EVALS_FILE = "evals.jsonl"
+FLEET_ROWS = 12
+"""Up to this many workers get one row each; a larger fleet is summarised (lost and slowest first)."""
+READ_THREADS = 16
+"""Heartbeats are read this many at a time (a fleet of hundreds is one GET each)."""
 
 
 @dataclass
@@ -56,6 +63,9 @@ class Snapshot:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     workers: list[WorkerRow] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
+    trainer: dict[str, Any] = field(default_factory=dict)
+    """The trainer's `trainer/status.json` (phase, backlog, drops), {} if it has written none."""
+    group_size: int | None = None
     taken_at: float = 0.0
     note: str = ""
 
@@ -66,7 +76,29 @@ class Snapshot:
     @property
     def rollouts_per_s(self) -> float:
         """Fleet throughput: the sum over workers whose heartbeat is fresh."""
-        return sum(w.rollouts_per_s for w in self.workers if w.age_s <= SILENT_AFTER_S and w.status != "stopped")
+        return sum(
+            w.rollouts_per_s for w in self.workers if w.age_s <= SILENT_AFTER_S and w.status != "stopped"
+        )
+
+    def live(self, w: WorkerRow) -> bool:
+        return w.age_s <= SILENT_AFTER_S and w.status not in ("stopped", "error")
+
+    def lost(self, w: WorkerRow) -> bool:
+        """Silent without saying goodbye, or failed."""
+        return w.status == "error" or (w.age_s > SILENT_AFTER_S and w.status != "stopped")
+
+    @property
+    def supply_groups_per_s(self) -> float | None:
+        """Groups uploaded per second by the live workers (their rollouts/s over the run's group size)."""
+        return self.rollouts_per_s / self.group_size if self.group_size else None
+
+    @property
+    def consumption_groups_per_s(self) -> float | None:
+        """Groups trained per second over the last (up to) 10 steps."""
+        rows = [m for m in self.metrics[-11:] if isinstance(m.get("time"), int | float) and m.get("groups")]
+        if len(rows) < 2 or rows[-1]["time"] <= rows[0]["time"]:
+            return None
+        return sum(m["groups"] for m in rows[1:]) / (rows[-1]["time"] - rows[0]["time"])
 
     @property
     def elapsed_s(self) -> float | None:
@@ -123,15 +155,33 @@ class RunWatcher:
         self._metrics.extend(r for r in rows if r.get("version") not in seen)
         self._metrics.sort(key=lambda r: (r.get("version") is None, r.get("version") or 0))
 
+    def _read_status(self) -> dict[str, Any]:
+        from pnyx.train.progress import STATUS_KEY
+
+        try:
+            status = json.loads(self.store.get(STATUS_KEY))
+        except (NotFoundError, json.JSONDecodeError):
+            return {}
+        return status if isinstance(status, dict) else {}
+
     def _read_workers(self, now: float) -> list[WorkerRow]:
+        from concurrent.futures import ThreadPoolExecutor
+
         from pnyx.protocol import Heartbeat, decode_json
 
-        rows = []
-        for meta in self.store.list(layout.WORKERS_PREFIX):
+        def read(key: str) -> Any:
             try:
-                hb = decode_json(self.store.get(meta.key), Heartbeat)
+                return decode_json(self.store.get(key), Heartbeat)
             except (NotFoundError, RecordRejected):
-                continue  # deleted or being replaced: the next refresh sees the new one
+                return None  # deleted or being replaced: the next refresh sees the new one
+
+        keys = [m.key for m in self.store.list(layout.WORKERS_PREFIX)]
+        with ThreadPoolExecutor(min(READ_THREADS, max(1, len(keys)))) as pool:
+            beats = list(pool.map(read, keys))
+        rows = []
+        for hb in beats:
+            if hb is None:
+                continue
             rows.append(
                 WorkerRow(
                     worker_id=hb.worker_id,
@@ -162,9 +212,11 @@ class RunWatcher:
         snap.started_at = manifest.get("created_at")
         snap.env = (cfg.get("env") or {}).get("name")
         snap.model = (manifest.get("model") or {}).get("name") or (cfg.get("model") or {}).get("path")
+        snap.group_size = (cfg.get("worker") or {}).get("group_size")
         snap.version = latest_version(self.store)
         self._read_metrics()
         snap.metrics = list(self._metrics)
+        snap.trainer = self._read_status()
         snap.workers = self._read_workers(now)
         if evals is not None:
             snap.evals = evals
@@ -196,6 +248,63 @@ def _age(s: float) -> str:
     return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m"
 
 
+def backlog_text(snap: Snapshot) -> str:
+    """`waiting 1200 · fetched 16 · dropped stale:40, zero_variance:3` from the trainer's newest report."""
+    source = snap.trainer if snap.trainer.get("backlog") else snap.last
+    b = source.get("backlog") or {}
+    drops = source.get("drops") or snap.last.get("drops") or {}
+    dropped = ", ".join(f"{k}:{v}" for k, v in sorted(drops.items()) if v) or "none"
+    if not b:
+        return f"dropped {dropped}"
+    return f"waiting {b.get('waiting', 0)} · fetched {b.get('fetched', 0)} · dropped {dropped}"
+
+
+def rates_text(snap: Snapshot) -> str:
+    """`supply 12.0 groups/s vs consumption 8.1 groups/s`."""
+    return (
+        f"supply {_fmt(snap.supply_groups_per_s, '.2f')} groups/s vs "
+        f"consumption {_fmt(snap.consumption_groups_per_s, '.2f')} groups/s"
+    )
+
+
+def trainer_text(snap: Snapshot) -> str | None:
+    """`waiting 23s (usable 3/8)`: what the trainer says it is doing, if it has said so recently."""
+    t = snap.trainer
+    if not t.get("phase"):
+        return None
+    age = max(0.0, snap.taken_at - float(t.get("updated_at") or 0.0))
+    text = f"{t['phase']} {float(t.get('phase_s') or 0):.0f}s"
+    if t.get("phase") in ("ingesting", "waiting"):
+        text += f" (usable {t.get('have', 0)}/{t.get('need', '?')})"
+    return text + (f", last report {_age(age)} ago" if age > 30 else "")
+
+
+def zero_variance_text(snap: Snapshot) -> str | None:
+    from pnyx.train.progress import zero_variance_note
+
+    zv = snap.trainer.get("zero_variance") or snap.last.get("zero_variance") or {}
+    return zero_variance_note(zv.get("frac"), zv.get("kind")) if isinstance(zv, dict) else None
+
+
+def fleet_rows(snap: Snapshot) -> tuple[list[WorkerRow], int]:
+    """The workers to show one row each (all of a small fleet; of a large one the lost, then the slowest
+    live ones) and how many are left out."""
+    if len(snap.workers) <= FLEET_ROWS:
+        return sorted(snap.workers, key=lambda w: w.worker_id), 0
+    lost = sorted((w for w in snap.workers if snap.lost(w)), key=lambda w: (-w.age_s, w.worker_id))
+    live = sorted((w for w in snap.workers if snap.live(w)), key=lambda w: (w.rollouts_per_s, w.worker_id))
+    shown = (lost + live)[:FLEET_ROWS]
+    return shown, len(snap.workers) - len(shown)
+
+
+def fleet_totals(snap: Snapshot) -> str:
+    """`300 workers: 287 live, 9 lost, 4 stopped`."""
+    live = sum(snap.live(w) for w in snap.workers)
+    lost = sum(snap.lost(w) for w in snap.workers)
+    stopped = len(snap.workers) - live - lost
+    return f"{len(snap.workers)} workers: {live} live, {lost} lost, {stopped} stopped"
+
+
 def eval_history(snap: Snapshot, limit: int = 6) -> str:
     """`v0 0.31 → v10 0.45 → ...`: the held-out pass@1 history, newest last."""
     items = [f"v{e.get('version', '?')} {_fmt(e.get('pass@1'), '.2f')}" for e in snap.evals[-limit:]]
@@ -208,15 +317,23 @@ def plain_line(snap: Snapshot) -> str:
         return f"store={snap.store_url} {snap.note}"
     last = snap.last
     masked = masked_of(last)
+    shown, hidden = fleet_rows(snap)
     workers = ",".join(
         f"{w.worker_id}:{w.status}@v{w.version if w.version is not None else '-'}({_age(w.age_s)})"
-        for w in snap.workers
+        for w in shown
     )
+    if hidden:  # a large fleet: its totals, then only the first few (lost, slowest) by name
+        workers = ",".join(workers.split(",")[:5])
+        workers = f"[{fleet_totals(snap)}] {workers},+{hidden + len(shown) - min(5, len(shown))} more"
+    b = snap.trainer.get("backlog") or last.get("backlog") or {}
     return (
         f"run={snap.run_id} t={_fmt(snap.elapsed_s, '.0f')}s v={snap.version if snap.version is not None else '-'} "
         f"rollouts/s={snap.rollouts_per_s:.2f} reward={_fmt(reward_of(last))} "
         f"pass@1=[{eval_history(snap, 4)}] stale={_fmt(staleness_of(last), '.2f')} "
-        f"masked={_fmt(None if masked is None else 100 * masked, '.2f')}% workers={workers or '-'}"
+        f"masked={_fmt(None if masked is None else 100 * masked, '.2f')}% "
+        f"supply={_fmt(snap.supply_groups_per_s, '.2f')}g/s consume={_fmt(snap.consumption_groups_per_s, '.2f')}g/s "
+        f"backlog=waiting:{b.get('waiting', '-')},fetched:{b.get('fetched', '-')} "
+        f"trainer={(snap.trainer.get('phase') or '-')} workers={workers or '-'}"
     )
 
 
@@ -232,7 +349,9 @@ def render(snap: Snapshot, title: str = "pnyx") -> Any:
         t.add_row("state", snap.note or "starting")
         return t
     last = snap.last
-    summary = Table(title=f"{title} — run {snap.run_id} ({snap.env}, {snap.model})", show_header=False, expand=False)
+    summary = Table(
+        title=f"{title} — run {snap.run_id} ({snap.env}, {snap.model})", show_header=False, expand=False
+    )
     summary.add_column(style="bold")
     summary.add_column()
     masked = masked_of(last)
@@ -244,15 +363,22 @@ def render(snap: Snapshot, title: str = "pnyx") -> Any:
     summary.add_row("held-out pass@1", eval_history(snap))
     summary.add_row("staleness (mean)", _fmt(staleness_of(last), ".2f"))
     summary.add_row("gate-masked", "-" if masked is None else f"{100 * masked:.2f}%")
-    drops = last.get("drops")
-    if isinstance(drops, dict) and drops:
-        summary.add_row("dropped groups", ", ".join(f"{k}:{v}" for k, v in sorted(drops.items()) if v) or "0")
+    summary.add_row("groups", rates_text(snap))
+    summary.add_row("backlog", backlog_text(snap))
+    doing = trainer_text(snap)
+    if doing:
+        summary.add_row("trainer", doing)
+    zero_variance = zero_variance_text(snap)
+    if zero_variance:
+        summary.add_row("warning", zero_variance)
     if snap.note:
         summary.add_row("note", snap.note)
-    workers = Table(title="workers", expand=False)
+    shown, hidden = fleet_rows(snap)
+    title = "workers" if not hidden else f"{fleet_totals(snap)} (lost first, then the slowest)"
+    workers = Table(title=title, expand=False, caption=f"... and {hidden} more" if hidden else None)
     for col in ("id", "status", "version", "heartbeat", "rollouts/s", "groups", "detail"):
         workers.add_column(col)
-    for w in sorted(snap.workers, key=lambda w: w.worker_id):
+    for w in shown:
         status = w.status if w.age_s <= SILENT_AFTER_S or w.status == "stopped" else f"silent ({w.status})"
         workers.add_row(
             w.worker_id,

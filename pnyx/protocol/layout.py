@@ -6,7 +6,9 @@ A store URL points at one run's root; keys are relative to it (DESIGN.md §3):
     weights/HEAD                            hint pointer {version, digest}
     weights/v{V:08d}/manifest.json          create-only weight manifest (written after its payload)
     weights/v{V:08d}/{name}                 payload objects (anchor shards, delta chunks)
-    rollouts/v{V:08d}/{worker}-{seq:010d}   create-only rollout groups, by producing policy version
+    rollouts/v{V:08d}/{ms:013d}~{worker}-{seq:010d}
+                                            create-only rollout groups, by producing policy version, then
+                                            by upload stamp (the uploader's clock, in ms)
     workers/{worker}.json                   worker heartbeat (overwritten)
     trainer/{name}                          trainer checkpoint objects and ingestion cursor
     swarm/{node}/{seq:010d}                 swarm-mode shared groups (decoded text)
@@ -14,12 +16,19 @@ A store URL points at one run's root; keys are relative to it (DESIGN.md §3):
     evals/v{V:08d}.json                     held-out evaluation of version V (written by `pnyx run`/`eval`)
 
 Zero-padded numbers make lexicographic order equal numeric order, so `list(start_after=...)` walks
-versions and sequence numbers in order. Knows nothing about torch or any backend.
+versions and sequence numbers in order. Inside a version's rollout prefix keys sort by their stamp, so a
+reader lists only what arrived since its last listing (`rollouts_start_after`); the stamp is an ordering
+hint and nothing else (a group's identity is version, worker and seq; a wrong clock delays its listing,
+it never hides or duplicates a group). Keys of the first layout, `rollouts/v{V:08d}/{worker}-{seq:010d}`
+without a stamp, still parse (a resumed run keeps its window): they sort by worker id among the stamped
+keys, so a reader finds them with its periodic full listing of the prefix rather than its incremental one.
+Knows nothing about torch or any backend.
 """
 
 from __future__ import annotations
 
 import re
+import time
 
 RUN_MANIFEST = "run.json"
 WEIGHTS_PREFIX = "weights/"
@@ -33,7 +42,10 @@ EVALS_PREFIX = "evals/"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _VERSION_DIR = re.compile(r"^v(\d{8})/$")
-_ROLLOUT = re.compile(r"^rollouts/v(\d{8})/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})-(\d{10})$")
+_ROLLOUT = re.compile(r"^rollouts/v(\d{8})/(?:(\d{13})~)?([A-Za-z0-9][A-Za-z0-9_.-]{0,63})-(\d{10})$")
+STAMP_SEP = "~"
+"""Ends the stamp of a rollout key; never part of a worker id, so both key forms parse unambiguously."""
+_MAX_STAMP = 10**13 - 1
 _SWARM = re.compile(r"^swarm/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/(\d{10})$")
 
 
@@ -80,16 +92,44 @@ def rollouts_dir(version: int) -> str:
     return f"{ROLLOUTS_PREFIX}{_v(version)}/"
 
 
-def rollout_key(version: int, worker: str, seq: int) -> str:
+def now_ms() -> int:
+    """The stamp a rollout key gets by default: this machine's wall clock in milliseconds."""
+    return time.time_ns() // 1_000_000
+
+
+def _stamp(stamp_ms: int) -> str:
+    if not isinstance(stamp_ms, int) or stamp_ms < 0 or stamp_ms > _MAX_STAMP:
+        raise ValueError(f"rollout stamp must be an int in [0, {_MAX_STAMP}] (ms), got {stamp_ms!r}")
+    return f"{stamp_ms:013d}"
+
+
+def rollout_key(version: int, worker: str, seq: int, stamp_ms: int | None = None) -> str:
+    """`rollouts/v{V:08d}/{stamp:013d}~{worker}-{seq:010d}`; the stamp defaults to now (`now_ms`).
+
+    Build the key once per group and keep it (the worker's spool does): the same group under two
+    stamps would be two objects.
+    """
     if not isinstance(seq, int) or seq < 0 or seq > 9_999_999_999:
         raise ValueError(f"seq must be an int in [0, 9999999999], got {seq!r}")
-    return f"{rollouts_dir(version)}{check_name(worker, 'worker id')}-{seq:010d}"
+    stamp = _stamp(now_ms() if stamp_ms is None else stamp_ms)
+    return f"{rollouts_dir(version)}{stamp}{STAMP_SEP}{check_name(worker, 'worker id')}-{seq:010d}"
 
 
 def parse_rollout_key(key: str) -> tuple[int, str, int] | None:
-    """(version, worker, seq) of a rollout key, or None if the key is not one (foreign junk)."""
+    """(version, worker, seq) of a rollout key of either form, or None if the key is not one (junk)."""
     m = _ROLLOUT.match(key)
-    return (int(m.group(1)), m.group(2), int(m.group(3))) if m else None
+    return (int(m.group(1)), m.group(3), int(m.group(4))) if m else None
+
+
+def rollout_stamp(key: str) -> int | None:
+    """The stamp (ms) of a rollout key, or None for a key of the first layout or not a rollout key."""
+    m = _ROLLOUT.match(key)
+    return int(m.group(2)) if m and m.group(2) is not None else None
+
+
+def rollouts_start_after(version: int, stamp_ms: int) -> str:
+    """A `start_after` bound that lists the keys of `version` stamped at or after `stamp_ms`."""
+    return f"{rollouts_dir(version)}{_stamp(max(0, min(stamp_ms, _MAX_STAMP)))}"
 
 
 # --- workers, trainer, swarm --------------------------------------------------------------------

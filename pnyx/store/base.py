@@ -253,6 +253,12 @@ class Store:
         """Whether `put(mode=IfMatch(...))` works here (False on the local folder backend)."""
         return self._backend.supports_cas
 
+    @property
+    def sorted_listing(self) -> bool:
+        """Whether the backend lists in key order from `start_after` itself (S3, GCS, memory), so a `list`
+        with `limit` costs one request per `limit` keys; the local folder walks its whole folder each time."""
+        return self._backend.sorted_listing
+
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
 

@@ -2,7 +2,7 @@
 
 Public surface (imported lazily, so `import pnyx.train` does not import torch):
 `Trainer` (loop), `read_metrics` (per-step metrics for `pnyx status` and the live view), `init_run` /
-`read_run` (run.json), `Ingestor` / `Cursor` / `IngestSettings`, `group_advantages`, `LossSettings`,
+`read_run` (run.json), `Ingestor` / `Cursor` / `IngestSettings` / `Prefetcher`, `group_advantages`, `LossSettings`,
 `policy_loss`, `train_step`. See docs/trainer.md. Knows nothing about generation internals.
 """
 
@@ -23,6 +23,7 @@ _EXPORTS = {
     "Cursor": "pnyx.train.ingest",
     "IngestSettings": "pnyx.train.ingest",
     "ScoredGroup": "pnyx.train.ingest",
+    "Prefetcher": "pnyx.train.prefetch",
     "group_advantages": "pnyx.train.advantages",
     "LossSettings": "pnyx.train.losses",
     "policy_loss": "pnyx.train.losses",

@@ -1,42 +1,65 @@
-"""Ingestion: from rollout objects in the store to scored, filtered groups ready for a training step.
+"""Ingestion: from rollout keys in the store to scored groups for one step, at a cost sized to the step.
 
-The trainer at version V lists only the prefixes `rollouts/v{v}/` for v in [V - max_staleness, V] (never
-the whole history), fetches groups it has not seen, decodes and validates them (protocol limits, key vs.
-record consistency, the prompt re-rendered from the task), **re-scores every sample with the trainer's own
-verifier** (the worker's reward is only compared, never used), computes advantages, and drops
-zero-variance groups. Selection then applies reuse (`max_reuse` uses per group) and the per-prompt cap
-(`max_groups_per_prompt` groups of one task per step). Every drop is counted by reason.
+The trainer at version V may train on groups of versions [V - max_staleness, V] (the window). It lists
+each version's prefix incrementally (`listing.py`, the listing half of the `Ingestor`: keys are stamped, so
+a listing starts just below the highest stamp seen), ranks the listed keys **from the listing alone** (fresh before replayed, newest
+version first, then workers take turns, each worker's oldest group first), and fetches only the top of
+that ranking, in parallel (`fetch`): decode, validate (limits, key vs record, run, weights digest, env,
+task, prompt), **re-score every sample with the trainer's own verifier**, compute advantages, and drop
+zero-variance groups. The per-prompt cap (`max_groups_per_prompt` per step) needs the task id, which is
+inside the record, so it is applied after fetching; a selection on the critical path fetches a few places
+below the top too, sized by the recent share of groups that survive (`_extra`). A group the window will never train on is
+never downloaded: when its version leaves the window the prefix is listed one last time and every key
+not consumed or rejected is counted `stale` (after `sweep_grace_s`, so uploads that land late are counted
+too). Junk keys (`bad_key`) and a second key for the same (worker, seq) (`duplicate`) are counted from
+the listing alone as well.
+
+`select` is deterministic given the listing and the records: it repeats "rank, fetch what the top needs"
+until the top `n` are all known, with listings held back while it runs, so which groups a step takes does
+not depend on what happened to be prefetched (the kill tests compare a resumed run with an uninterrupted one). `prefetch.py` runs the same
+ranking ahead, in a background thread, while the trainer steps.
 
 Knows nothing about torch or models: text comes from an injected `detokenize` callable and prompts from an
-optional `render` callable, so this module is testable with plain bytes.
+optional `render` callable, so this module is testable with plain bytes. Thread-safe: one lock guards the
+listings, the cursor and the fetched groups; store I/O and scoring run outside it.
 
 Invariants:
-- the `Cursor` (uses per group key, rejections, drop counters, the stale sweep mark) is the only state
-  that survives a restart; everything else here is a cache rebuilt from the store;
-- a group's use count changes only through `commit`, with the keys of a step's batch, so a group is used
-  at most once per step and at most `max_reuse` times overall;
-- a group whose version leaves the window unused is counted once as a `stale` drop (one listing of that
-  version's prefix when it leaves), then forgotten, so the cursor stays bounded by the window.
+- the `Cursor` (uses and rejections of keys in the window, counters, the sweep mark) is the only state that
+  survives a restart; it holds only keys of versions not yet swept, so it is bounded by what the window
+  consumes and rejects, never by the length of the run or by what workers upload;
+- a group's use count changes only through `commit`, so a group is used at most once per step and at most
+  `max_reuse` times overall; reward disagreements and re-scored samples are counted when a group is
+  consumed or rejected, so a restart never counts a group twice.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import math
+import threading
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from pnyx.errors import ConfigError, NotFoundError, RecordRejected
+from pnyx.errors import NotFoundError, RecordRejected, StoreUnavailableError
 from pnyx.protocol import layout
-from pnyx.train.advantages import AdvantageMode, group_advantages, is_zero_variance
+from pnyx.train.advantages import AdvantageMode, is_zero_variance
+from pnyx.train.listing import SWEEP_GRACE_S, VersionListing, WindowListings
+from pnyx.train.pool import DaemonPool
+from pnyx.train.ranking import Plan, ranked
+from pnyx.train.rescore import REWARD_TOL, ScoredGroup, rescore
 
 log = logging.getLogger("pnyx.train.ingest")
 
-REWARD_TOL = 1e-6
-"""A worker's reward 'agrees' with the re-score when they differ by at most this."""
+FETCH_WORKERS = 16
+"""Parallel GETs (and re-scores) of one trainer."""
+OUTCOMES = 256
+"""How many recent admissions the survival rate and the zero-variance share are measured over."""
 
 
 @dataclass(frozen=True)
@@ -50,42 +73,23 @@ class IngestSettings:
     adv_eps: float = 1e-6
 
 
-@dataclass
-class ScoredGroup:
-    """A validated group with the trainer's own rewards and advantages."""
-
-    key: str
-    version: int
-    worker_id: str
-    task_id: str
-    group: Any
-    """The decoded `RolloutGroup` record."""
-    rewards: list[float]
-    """Re-scored by the trainer's verifier, one per sample."""
-    advantages: list[float]
-    worker_rewards: list[float]
-    """What the worker claimed (for disagreement statistics only)."""
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.tokens) for s in self.group.samples)
-
-
 class Cursor(msgspec.Struct):
     """Ingestion state persisted with every checkpoint (JSON)."""
 
     uses: dict[str, int] = {}
-    """Group key -> times consumed, for keys still inside the window."""
+    """Group key -> times consumed, for keys of versions not yet swept."""
     rejected: dict[str, str] = {}
-    """Group key -> drop reason, for keys still inside the window (never fetched again)."""
+    """Group key -> drop reason, for keys of versions not yet swept (never fetched again)."""
     drops: dict[str, int] = {}
     """Cumulative drop counts by reason."""
     disagreements: dict[str, int] = {}
     """Cumulative per-worker count of samples whose claimed reward differed from the re-score."""
     scored: dict[str, int] = {}
-    """Cumulative per-worker count of re-scored samples."""
+    """Cumulative per-worker count of re-scored samples (of groups consumed or rejected after scoring)."""
     swept_below: int = 0
     """Versions below this have left the window and been swept for stale drops."""
+    consumed: int = 0
+    """Cumulative number of group uses committed by steps."""
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)
@@ -102,8 +106,8 @@ def _default_decode(data: bytes, vocab_size: int | None) -> Any:
 
 
 @dataclass
-class Ingestor:
-    """Window listing, validation, re-scoring and selection of rollout groups for one run.
+class Ingestor(WindowListings):
+    """Listing, ranking, fetching, validation and re-scoring of one run's rollout groups.
 
     `env` is the run's environment (`task`, `score`); `detokenize(ids) -> str` turns completion tokens into
     the text the verifier scores; `render(prompt) -> ids` (optional) re-renders a task's prompt so a group
@@ -121,178 +125,298 @@ class Ingestor:
     render: Callable[[Any], list[int]] | None = None
     expected_digest: Callable[[int], frozenset[str] | None] | None = None
     decode: Callable[[bytes, int | None], Any] = _default_decode
-    _cache: dict[str, ScoredGroup] = field(default_factory=dict, init=False, repr=False)
-    _rendered: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False)
+    fetch_workers: int = FETCH_WORKERS
+    sweep_grace_s: float = SWEEP_GRACE_S
 
-    # --- window -----------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        self._lock = threading.RLock()
+        self._versions: dict[int, VersionListing] = {}
+        self._ready: dict[str, ScoredGroup] = {}
+        self._futures: dict[str, Future] = {}
+        self._pool: DaemonPool | None = None
+        self._rendered: dict[str, list[int]] = {}
+        self._left_at: dict[int, float] = {}
+        self._outcomes: deque[str] = deque(maxlen=OUTCOMES)  # "ok", "zv_hard/easy/flat", or a reason
+        self._closed = False  # after close(), results of abandoned calls no longer touch the state
+        self._selecting = threading.RLock()  # held by `select`: listings merge before or after it
+        self.listed = 0
+        """Keys listed so far by this process (all versions)."""
+        self.fetched = 0
+        """Records fetched so far by this process."""
 
-    def window(self, version: int) -> range:
-        """Rollout versions the trainer at `version` may train on: [version - max_staleness, version]."""
-        return range(max(0, version - self.settings.max_staleness), version + 1)
-
-    def poll(self, version: int) -> int:
-        """Sweep versions that left the window, list the window, fetch and score new groups.
-
-        Returns the number of usable groups (see `available`).
-        """
-        self._sweep(version)
-        for v in self.window(version):
-            for meta in self.store.list(layout.rollouts_dir(v)):
-                key = meta.key
-                if key in self._cache or key in self.cursor.rejected:
-                    continue
-                if self.cursor.uses.get(key, 0) >= self.settings.max_reuse:
-                    continue
-                self._admit(key)
-        return self.available(version)
-
-    def _sweep(self, version: int) -> None:
-        """Count groups of versions that left the window unused as `stale`, then forget those versions."""
-        low = max(0, version - self.settings.max_staleness)
-        for v in range(self.cursor.swept_below, low):
-            prefix = layout.rollouts_dir(v)
-            for meta in self.store.list(prefix):
-                if layout.parse_rollout_key(meta.key) is None:
-                    continue
-                if self.cursor.uses.get(meta.key, 0) == 0 and meta.key not in self.cursor.rejected:
-                    self._drop("stale")
-            for d in (self.cursor.uses, self.cursor.rejected, self._cache):
-                for k in [k for k in d if k.startswith(prefix)]:
-                    del d[k]
-        self.cursor.swept_below = max(self.cursor.swept_below, low)
-
-    # --- admission: decode, validate, re-score --------------------------------------------------------
-
-    def _drop(self, reason: str) -> None:
-        self.cursor.drops[reason] = self.cursor.drops.get(reason, 0) + 1
-
-    def _reject(self, key: str, reason: str, detail: str = "") -> None:
-        self.cursor.rejected[key] = reason
-        self._drop(reason)
-        log.debug("rejected %s: %s %s", key, reason, detail)
+    def _count_scored(self, g: ScoredGroup) -> None:
+        w = g.worker_id
+        self.cursor.scored[w] = self.cursor.scored.get(w, 0) + len(g.rewards)
+        bad = sum(abs(a - b) > REWARD_TOL for a, b in zip(g.worker_rewards, g.rewards, strict=True))
+        if bad:
+            self.cursor.disagreements[w] = self.cursor.disagreements.get(w, 0) + bad
 
     def _admit(self, key: str) -> None:
+        """Fetch and score one listed key; file it as ready or rejected (runs in a pool thread)."""
         try:
-            scored = self.load(key, count=True)
+            scored = self.load(key)
         except RecordRejected as e:
-            self._reject(key, e.reason, str(e))
+            with self._lock:
+                if not self._closed and key not in self.cursor.rejected and key not in self.cursor.uses:
+                    self._reject(key, e.reason, str(e))
+                    self._outcomes.append(e.reason)
             return
-        except NotFoundError:  # listed then deleted (retention of a foreign run): nothing to count
+        except NotFoundError:  # listed, then deleted by someone else: nothing to train on or count
+            with self._lock:
+                parsed = layout.parse_rollout_key(key)
+                if parsed is not None and parsed[0] in self._versions:
+                    self._versions[parsed[0]].remove_pending(key)
             return
-        if is_zero_variance(scored.rewards):
-            self._reject(key, "zero_variance")
-            return
-        self._cache[key] = scored
+        finally:
+            with self._lock:
+                self.fetched += 1
+        with self._lock:
+            if (
+                self._closed
+                or key in self.cursor.rejected
+                or self.cursor.uses.get(key, 0) >= self.settings.max_reuse
+            ):
+                return
+            lst = self._versions.get(scored.version)
+            if lst is None or scored.version < self.cursor.swept_below:
+                return  # its version was swept meanwhile
+            if is_zero_variance(scored.rewards):
+                self._count_scored(scored)
+                self._reject(key, "zero_variance")
+                r = scored.rewards[0]
+                self._outcomes.append("zv_hard" if r <= 0 else "zv_easy" if r >= 1 else "zv_flat")
+                return
+            self._outcomes.append("ok")
+            self._ready[key] = scored
 
-    def load(self, key: str, count: bool = False) -> ScoredGroup:
-        """Fetch, validate and re-score one group (no filters). Raises RecordRejected(reason).
+    def cursor_json(self) -> bytes:
+        """The cursor as JSON, taken under the lock (background fetches keep filing results meanwhile)."""
+        with self._lock:
+            return self.cursor.to_json()
 
-        Used by `poll` (with `count`: reward disagreements enter the per-worker counters) and, on resume,
-        to rebuild exactly the batch a recorded step consumed.
+    def _pool_get(self) -> DaemonPool:
+        with self._lock:
+            if self._pool is None:
+                self._pool = DaemonPool(self.fetch_workers, "pnyx-ingest")
+            return self._pool
+
+    def fetch(
+        self,
+        keys: Iterable[str],
+        wait_for: Iterable[str] | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> int:
+        """Admit `keys` in parallel; wait for `wait_for` (default: all of them) unless `stop()` turns true.
+
+        Returns how many of the awaited keys could not be fetched because the store was unavailable (they
+        stay waiting). Any other failure of a fetch is a bug and re-raises here.
+        """
+        keys = list(dict.fromkeys(keys))
+        pool = self._pool_get()
+        futures: dict[str, Future] = {}
+        with self._lock:
+            for key in keys:
+                if key in self._ready or key in self.cursor.rejected:
+                    continue
+                fut = self._futures.get(key)
+                if fut is None:
+                    fut = self._futures[key] = pool.submit(self._admit, key)
+                    fut.add_done_callback(lambda _f, k=key: self._forget_future(k))
+                futures[key] = fut
+        awaited = [futures[k] for k in (keys if wait_for is None else wait_for) if k in futures]
+        pending = set(awaited)
+        while pending:
+            if stop is not None and stop():
+                return 0
+            _, pending = wait_futures(pending, timeout=0.1)
+        failed = 0
+        for fut in awaited:
+            if fut.cancelled():
+                continue
+            exc = fut.exception()
+            if isinstance(exc, StoreUnavailableError):
+                failed += 1
+                log.warning("ingest: fetch failed, will retry: %s", exc)
+            elif exc is not None:
+                raise exc
+        return failed
+
+    def _forget_future(self, key: str) -> None:
+        with self._lock:
+            self._futures.pop(key, None)
+
+    def close(self) -> None:
+        """Stop the fetch threads (queued fetches are cancelled; one in flight is abandoned and its result
+        ignored, so the cursor no longer changes behind a final checkpoint)."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown()
+
+    def load(self, key: str) -> ScoredGroup:
+        """Fetch, validate and re-score one group (no filters, no counters). Raises RecordRejected(reason).
+
+        Used by admission and, on resume, to rebuild exactly the batch a recorded step consumed.
         """
         parsed = layout.parse_rollout_key(key)
         if parsed is None:
             raise RecordRejected("bad_key", key)
-        version, worker, seq = parsed
-        group = self.decode(self.store.get(key), self.vocab_size)
-        if group.policy_version != version or group.worker_id != worker or group.seq != seq:
-            raise RecordRejected(
-                "key_mismatch",
-                f"{key} holds v={group.policy_version} worker={group.worker_id} seq={group.seq}",
-            )
-        if self.run_id is not None and group.run_id != self.run_id:
-            raise RecordRejected("run_mismatch", f"{group.run_id!r} != {self.run_id!r}")
-        if self.expected_digest is not None:
-            want = self.expected_digest(version)
-            if want is None:
-                raise RecordRejected("unknown_version", f"{key}: weights v{version} are not published")
-            if group.weights_digest not in want:
-                raise RecordRejected("weights_mismatch", f"{key}: generated from a forked or foreign history")
-        env_name = getattr(self.env, "name", None)
-        if env_name is not None and group.env != env_name:
-            raise RecordRejected("env_mismatch", f"{key} is from env {group.env!r}, the run's is {env_name!r}")
-        if len(group.samples) < 2:
-            raise RecordRejected("group_too_small", f"{len(group.samples)} samples")
-        try:
-            task = self.env.task(group.task_id)
-        except (ConfigError, KeyError, ValueError) as e:
-            raise RecordRejected("unknown_task", f"{group.task_id!r}: {e}") from None
-        if self.render is not None:
-            expected = self._rendered.get(task.id)
-            if expected is None:
-                expected = self._rendered[task.id] = list(self.render(task.prompt))
-            if list(group.prompt_tokens) != expected:
-                raise RecordRejected("prompt_mismatch", f"prompt tokens do not render task {task.id}")
-        rewards = []
-        for s in group.samples:
-            text = self.detokenize(list(s.tokens))
-            rewards.append(float(self.env.score(task, text).reward))
-        claimed = [float(s.reward) for s in group.samples]
-        bad = sum(abs(a - b) > REWARD_TOL for a, b in zip(claimed, rewards, strict=True))
-        w = group.worker_id
-        if count:
-            self.cursor.scored[w] = self.cursor.scored.get(w, 0) + len(rewards)
-            if bad:
-                self.cursor.disagreements[w] = self.cursor.disagreements.get(w, 0) + bad
-        adv = group_advantages(rewards, self.settings.advantage, self.settings.adv_eps)
-        return ScoredGroup(key, version, worker, group.task_id, group, rewards, adv, claimed)
+        return rescore(
+            key,
+            self.decode(self.store.get(key), self.vocab_size),
+            env=self.env,
+            detokenize=self.detokenize,
+            settings=self.settings,
+            run_id=self.run_id,
+            expected_digest=self.expected_digest,
+            render=self.render,
+            rendered=self._rendered,
+        )
 
-    # --- selection ----------------------------------------------------------------------------------
+    def load_many(self, keys: list[str]) -> list[ScoredGroup]:
+        """`load` of every key, in parallel, in order; the first failure (in key order) re-raises."""
+        pool = self._pool_get()
+        futures = [pool.submit(self.load, k) for k in keys]
+        return [f.result() for f in futures]
 
-    def _candidates(self, version: int) -> list[ScoredGroup]:
-        lo = version - self.settings.max_staleness
-        out = [
-            g
-            for g in self._cache.values()
-            if lo <= g.version <= version and self.cursor.uses.get(g.key, 0) < self.settings.max_reuse
-        ]
-        # Fresh groups before replayed ones; among equals the newest policy version first (least stale);
-        # within a version, workers take turns (each worker's oldest group first), so one worker whose id
-        # sorts first cannot crowd the others out of every batch.
-        rank: dict[str, int] = {}
-        by_worker: dict[tuple[int, str], list[ScoredGroup]] = {}
-        for g in out:
-            by_worker.setdefault((g.version, g.worker_id), []).append(g)
-        for groups in by_worker.values():
-            for i, g in enumerate(sorted(groups, key=lambda g: g.key)):
-                rank[g.key] = i
-        out.sort(key=lambda g: (self.cursor.uses.get(g.key, 0), -g.version, rank[g.key], g.key))
-        return out
+    # --- ranking and selection ------------------------------------------------------------------------
 
-    def select(self, version: int, n: int) -> list[ScoredGroup]:
-        """Up to `n` distinct groups for the step at `version`, honouring reuse and the per-prompt cap.
+    def _extra(self, n: int) -> int:
+        """Keys to fetch beyond the top `n`: what the recent survival rate says the top will lose."""
+        if not self._outcomes:
+            return 0
+        ok = max(0.05, sum(o == "ok" for o in self._outcomes) / len(self._outcomes))
+        return min(4 * n, math.ceil(n / ok) - n)
 
-        Does not change any state: the caller `commit`s the keys once the step is recorded.
-        """
-        per_prompt: Counter[str] = Counter()
+    def plan(self, version: int, n: int, exclude: Iterable[str] = (), extra: int | None = None) -> Plan:
+        """Walk the ranking until `n` groups are chosen or pending a fetch (see `Plan`)."""
+        exclude = frozenset(exclude)
+        cap = self.settings.max_groups_per_prompt
         chosen: list[ScoredGroup] = []
-        for g in self._candidates(version):
-            if per_prompt[g.task_id] >= self.settings.max_groups_per_prompt:
-                continue
-            per_prompt[g.task_id] += 1
-            chosen.append(g)
-            if len(chosen) == n:
-                break
-        return chosen
+        unknown: list[str] = []
+        more: list[str] = []
+        per_prompt: Counter[str] = Counter()
+        with self._lock:
+            below = self._extra(n) if extra is None else extra  # places below the top worth fetching
+            for item in ranked(
+                self._versions,
+                self.cursor.uses,
+                version,
+                self._low(version),
+                self.settings.max_reuse,
+                exclude,
+            ):
+                if isinstance(item, int):
+                    return Plan(chosen, unknown, more, item)
+                g = self._ready.get(item)
+                if len(chosen) + len(unknown) >= n:
+                    if below <= 0:
+                        break
+                    below -= 1
+                    if g is None:
+                        more.append(item)
+                    continue
+                if g is None:
+                    unknown.append(item)
+                elif per_prompt[g.task_id] < cap:
+                    per_prompt[g.task_id] += 1
+                    chosen.append(g)
+        return Plan(chosen, unknown, more, None)
+
+    def select(
+        self, version: int, n: int, stop: Callable[[], bool] | None = None
+    ) -> list[ScoredGroup] | None:
+        """Up to `n` distinct groups for the step at `version`: the top of the ranking over every listed key
+        whose record is valid, honouring reuse and the per-prompt cap. Lists never-listed versions and
+        fetches what the top needs (in parallel); None if `stop()` turned true. Changes no use count: the
+        caller `commit`s the keys once the step is recorded."""
+        with self._selecting:
+            while True:
+                if stop is not None and stop():
+                    return None
+                plan = self.plan(version, n)
+                if plan.unlisted is not None:
+                    self.list_version(plan.unlisted, full=True)
+                    continue
+                if not plan.unknown:
+                    return plan.chosen
+                failed = self.fetch(plan.unknown + plan.extra, wait_for=plan.unknown, stop=stop)
+                if failed:
+                    return plan.chosen  # the store is failing: the caller backs off and asks again
+
+    def poll(self, version: int) -> int:
+        """List the whole window and fetch every waiting key (exhaustive: for tests and tools, never the
+        trainer loop, whose cost must not follow the backlog). Returns `available(version)`."""
+        self.sweep(version)
+        self.refresh(version, full=True)
+        with self._lock:
+            keys = [
+                k
+                for v in self.window(version)
+                if v in self._versions
+                for ks in self._versions[v].pending.values()
+                for k in ks
+                if k not in self._ready
+            ]
+        self.fetch(keys)
+        return self.available(version)
 
     def available(self, version: int) -> int:
-        """How many groups `select` could return now (without a size limit)."""
-        return len(self.select(version, 1 << 30))
+        """How many fetched, valid groups a selection at `version` could take now (without a size limit)."""
+        return len(self.plan(version, 1 << 30, extra=0).chosen)
 
-    def commit(self, keys: Iterable[str]) -> None:
-        """Record that one step consumed these groups (each once)."""
+    def commit(self, keys: Iterable[str], groups: Iterable[ScoredGroup] = ()) -> None:
+        """Record that one step consumed these groups (each once). `groups` (the scored groups of those
+        keys, when the caller has them) feed the per-worker re-score counters."""
         keys = list(keys)
         if len(set(keys)) != len(keys):
             raise ValueError("a step's batch must not contain the same group twice")
-        for k in keys:
-            self.cursor.uses[k] = self.cursor.uses.get(k, 0) + 1
-            if self.cursor.uses[k] >= self.settings.max_reuse:
-                self._cache.pop(k, None)
+        by_key = {g.key: g for g in groups}
+        with self._lock:
+            for k in keys:
+                g = by_key.get(k) or self._ready.get(k)
+                if g is not None:
+                    self._count_scored(g)
+                self.cursor.uses[k] = self.cursor.uses.get(k, 0) + 1
+                self.cursor.consumed += 1
+                if self.cursor.uses[k] >= self.settings.max_reuse:
+                    self._ready.pop(k, None)
+                    parsed = layout.parse_rollout_key(k)
+                    if parsed is not None and parsed[0] in self._versions:
+                        self._versions[parsed[0]].remove_pending(k)
+
+    # --- what the trainer reports ---------------------------------------------------------------------
+
+    def backlog(self, version: int) -> dict[str, int]:
+        """Keys in the window by state: `waiting` (listed, not fetched), `fetched` (valid, in memory)."""
+        with self._lock:
+            fetched = sum(1 for g in self._ready.values() if g.version >= self._low(version))
+            waiting = self._waiting_from(version, self._low(version)) - fetched
+            return {
+                "waiting": max(0, waiting),
+                "fetched": fetched,
+                "listed": self.listed,
+                "gets": self.fetched,
+            }
+
+    def zero_variance(self) -> dict[str, Any]:
+        """Share of the recently scored groups whose samples all got the same reward (`frac`, None while
+        fewer than 16 were scored) and whether those mostly failed (`kind` "hard") or succeeded ("easy")."""
+        with self._lock:
+            scored = [o for o in self._outcomes if o == "ok" or o.startswith("zv_")]
+        if len(scored) < 16:
+            return {"frac": None, "kind": None}
+        flat = Counter(o for o in scored if o != "ok")
+        kind = max(flat, key=lambda k: flat[k])[3:] if flat else None
+        return {"frac": sum(flat.values()) / len(scored), "kind": kind if kind in ("hard", "easy") else None}
 
     def stats(self) -> dict[str, Any]:
         """Cumulative counters for the step log: drops by reason, reward disagreements per worker."""
-        return {
-            "drops": dict(self.cursor.drops),
-            "disagreements": dict(self.cursor.disagreements),
-            "scored": dict(self.cursor.scored),
-        }
+        with self._lock:
+            return {
+                "drops": dict(self.cursor.drops),
+                "disagreements": dict(self.cursor.disagreements),
+                "scored": dict(self.cursor.scored),
+                "consumed": self.cursor.consumed,
+            }

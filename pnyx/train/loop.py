@@ -12,9 +12,16 @@ On resume, the newest checkpoint C is loaded and every published version in (C, 
 batch record, so the in-memory state (weights, optimizer, cursor) is exactly the state that produced P;
 a replay whose bits differ from the published P (non-deterministic kernels) adopts the published bits.
 
+Ingestion overlaps the step: once a batch is recorded, the prefetcher (`prefetch.py`) lists, fetches and
+re-scores the next step's groups in the background while this step trains and publishes. Never silent:
+`progress.py` logs what the trainer is doing at least every 8 s and writes `trainer/status.json`. A stop
+request (SIGINT/SIGTERM) is a flag every wait checks at least every 0.1 s: a trainer waiting for or
+fetching groups stops at once; one that is stepping finishes the step (publish, commit), then checkpoints.
+
 Test hook: `PNYX_TEST_CRASH_AT=after_step:N` or `after_publish:N` SIGKILLs this process right after the
 optimizer step that produces version N, or right after publishing N (before its checkpoint). Used by the
-kill tests only. Knows nothing about generation internals.
+kill tests only. `PNYX_TEST_INGEST_DELAY_S=x` makes every group fetch sleep x seconds first (the liveness
+tests use it to hold the trainer in ingestion). Knows nothing about generation internals.
 """
 
 from __future__ import annotations
@@ -34,11 +41,14 @@ from pnyx.errors import ConfigError, FencedError, IntegrityError, NotFoundError,
 from pnyx.train import bootstrap, checkpoint
 from pnyx.train.ingest import Cursor, Ingestor, IngestSettings, ScoredGroup
 from pnyx.train.losses import LossSettings
+from pnyx.train.prefetch import Prefetcher
+from pnyx.train.progress import Progress, format_line, reward_parts
 from pnyx.train.step import StepStats, make_optimizer, train_step
 
 log = logging.getLogger("pnyx.train")
 
 CRASH_ENV = "PNYX_TEST_CRASH_AT"
+INGEST_DELAY_ENV = "PNYX_TEST_INGEST_DELAY_S"
 KEEP_CHECKPOINTS = 2
 
 
@@ -81,8 +91,24 @@ def published_digests(store: Any, version: int) -> frozenset[str] | None:
         m = read_manifest(store, version)
     except NotFoundError:
         return None
+    return manifest_digests(m)
+
+
+def manifest_digests(m: Any) -> frozenset[str]:
+    """The chain digests of a weight manifest's planes."""
     planes = [m.weights] + ([m.int8] if m.int8 is not None else [])
     return frozenset(p.chain_digest for p in planes)
+
+
+def _slow_decode(delay_s: float) -> Any:
+    """The decoder behind `PNYX_TEST_INGEST_DELAY_S`: sleep, then decode as usual."""
+    from pnyx.protocol.codec import decode_group
+
+    def decode(data: bytes, vocab_size: int | None) -> Any:
+        time.sleep(delay_s)
+        return decode_group(data, vocab_size=vocab_size)
+
+    return decode
 
 
 def merge_resume_config(run_config: dict[str, Any], given: PnyxConfig) -> PnyxConfig:
@@ -112,6 +138,10 @@ class Trainer:
         self.last_checkpoint: int | None = None
         self._stop = False  # set by the signal handler: a plain flag, no locks inside a handler
         self.trainer_id = f"trainer-{os.getpid()}"
+        self.ingestor: Ingestor | None = None
+        self._check_pending = True  # read a pending batch record before the first step of this process
+        self._ingest_wait_s = 0.0
+        self.progress = Progress(store, self._describe)
 
     # --- setup ---------------------------------------------------------------------------------------
 
@@ -140,7 +170,9 @@ class Trainer:
         self.optimizer = make_optimizer(
             self.model, cfg.trainer.lr, tuple(cfg.trainer.betas), cfg.trainer.weight_decay
         )
-        self.publisher = Publisher(self.store, anchor_every=cfg.trainer.anchor_every, int8_plane=cfg.worker.int8)
+        self.publisher = Publisher(
+            self.store, anchor_every=cfg.trainer.anchor_every, int8_plane=cfg.worker.int8
+        )
         vocab = int(self.model.config.vocab_size)
         self.model_info = {
             "name": source.name,
@@ -164,6 +196,9 @@ class Trainer:
             render=lambda prompt: render_prompt(tok, prompt),
             expected_digest=self._published_digest,
         )
+        if os.environ.get(INGEST_DELAY_ENV):
+            self.ingestor.decode = _slow_decode(float(os.environ[INGEST_DELAY_ENV]))
+        self.prefetcher = Prefetcher(self.ingestor, cfg.trainer.groups_per_step)
 
     def _published_digest(self, version: int) -> frozenset[str] | None:
         """`published_digests` of `version`, cached once known."""
@@ -180,6 +215,11 @@ class Trainer:
 
     def start(self) -> None:
         """Load the model and either create the run (publish v0) or resume it from the store."""
+        self.progress.phase("loading")
+        with self.progress.running(status=False):
+            self._start()
+
+    def _start(self) -> None:
         from pnyx.weights.manifest import latest_version
 
         existing = bootstrap.read_run(self.store)
@@ -208,7 +248,9 @@ class Trainer:
                     "Resume it with --resume (if its trainer is dead) or use another --store."
                 ) from None
             self.version = 0
-            log.info("trainer run=%s created: v0 published (%s)", self.manifest.run_id, self.model_info["name"])
+            log.info(
+                "trainer run=%s created: v0 published (%s)", self.manifest.run_id, self.model_info["name"]
+            )
             return
         self._restore(latest_version(self.store))
 
@@ -249,7 +291,7 @@ class Trainer:
             groups = self._load_recorded(rec)
             self.version = v - 1
             stats = self._train(groups)
-            self.ingestor.commit(rec.keys)
+            self.ingestor.commit(rec.keys, groups)
             kind = read_manifest(self.store, v).kind
             checkpoint.write_metrics(self.store, v, self.metrics(StepResult(v, stats, groups, 0.0, kind)))
             log.info("trainer resume: replayed step to v%d from its batch record (%d groups)", v, len(groups))
@@ -290,33 +332,26 @@ class Trainer:
         )
 
     def _wait_for_batch(self) -> list[ScoredGroup] | None:
-        """Poll the window with bounded backoff until a full batch is available (None: stop or timeout)."""
-        need = self.cfg.trainer.groups_per_step
-        deadline = time.monotonic() + self.cfg.trainer.max_wait_s
-        delay, last_note = 0.2, 0.0
-        while not self._stop:
-            have = self.ingestor.poll(self.version)
-            if have >= need:
-                return self.ingestor.select(self.version, need)
-            now = time.monotonic()
-            if now > deadline:
-                log.warning("trainer v=%d no usable rollouts for %.0fs: stopping", self.version, self.cfg.trainer.max_wait_s)
-                return None
-            if now - last_note > 10.0:
-                drops = self.ingestor.cursor.drops
-                log.info(
-                    "trainer v=%d waiting for rollouts: have %d/%d groups drops=%s",
-                    self.version, have, need, _fmt_counts(drops),
-                )
-                last_note = now
-            self._sleep(min(delay, max(0.0, deadline - now)))
-            delay = min(delay * 1.5, 5.0)
-        return None
+        """The top `groups_per_step` groups of the ranking (None: stop requested, or no full batch for
+        `trainer.max_wait_s`); see `Prefetcher.next_batch`."""
+        self.progress.phase("ingesting", have=0)
+        chosen = self.prefetcher.next_batch(
+            self.version,
+            self.cfg.trainer.groups_per_step,
+            stop=lambda: self._stop,
+            deadline_s=self.cfg.trainer.max_wait_s,
+            on_short=lambda have: self.progress.phase("waiting", have=have),
+        )
+        if chosen is None and not self._stop:
+            log.warning(
+                "trainer v=%d no full batch for %.0fs: stopping", self.version, self.cfg.trainer.max_wait_s
+            )
+        return chosen
 
     def _load_recorded(self, rec: checkpoint.BatchRecord) -> list[ScoredGroup]:
         """The groups a batch record names, validated and re-scored again (they are immutable)."""
         try:
-            return [self.ingestor.load(k) for k in rec.keys]
+            return self.ingestor.load_many(rec.keys)
         except (RecordRejected, NotFoundError) as e:
             raise IntegrityError(
                 f"{checkpoint.batch_key(rec.version)} names a group that is missing or no longer validates ({e}); "
@@ -332,24 +367,44 @@ class Trainer:
     def step(self) -> StepResult | None:
         """One step V → V+1 (None if stopped while waiting for data)."""
         target = self.version + 1
-        rec = checkpoint.read_batch_record(self.store, target)
+        rec = checkpoint.read_batch_record(self.store, target) if self._check_pending else None
+        self._check_pending = (
+            False  # later records can only come from a rival, which the create-only write sees
+        )
         if rec is None:
+            t0 = time.perf_counter()
             chosen = self._wait_for_batch()
             if chosen is None:
                 return None
+            self._ingest_wait_s = time.perf_counter() - t0
             rec = checkpoint.write_batch_record(self.store, target, [g.key for g in chosen], self.trainer_id)
             by_key = {g.key: g for g in chosen}
-            groups = [by_key[k] for k in rec.keys] if set(rec.keys) == set(by_key) else self._load_recorded(rec)
+            groups = (
+                [by_key[k] for k in rec.keys] if set(rec.keys) == set(by_key) else self._load_recorded(rec)
+            )
         else:
-            log.info("trainer v=%d: reusing the recorded batch of v%d (%d groups)", self.version, target, len(rec.keys))
+            log.info(
+                "trainer v=%d: reusing the recorded batch of v%d (%d groups)",
+                self.version,
+                target,
+                len(rec.keys),
+            )
+            self.progress.phase("ingesting", have=0)
             groups = self._load_recorded(rec)
+            self._ingest_wait_s = 0.0
+        self.prefetcher.ahead(target, rec.keys)  # the next step's groups, fetched while this one runs
+        self.progress.phase("training", have=len(groups))
         stats = self._train(groups)
         _crash_point("after_step", target)
+        self.progress.phase("publishing")
         t0 = time.perf_counter()
         m = self.publisher.publish(target, self.publish_tensors())
         publish_s = time.perf_counter() - t0
-        self.ingestor.commit(rec.keys)
+        self._digests[target] = manifest_digests(m)
+        self.ingestor.note_published(target)
+        self.ingestor.commit(rec.keys, groups)
         self.version = target
+        self.prefetcher.ahead(target)
         _crash_point("after_publish", target)
         return StepResult(target, stats, groups, publish_s, m.kind)
 
@@ -357,7 +412,11 @@ class Trainer:
         if self.last_checkpoint == self.version:
             return
         checkpoint.save_checkpoint(
-            self.store, self.version, self.model, self.optimizer, self.ingestor.cursor.to_json(),
+            self.store,
+            self.version,
+            self.model,
+            self.optimizer,
+            self.ingestor.cursor_json(),
             {"run_id": self.manifest.run_id},
         )
         self.last_checkpoint = self.version
@@ -366,7 +425,9 @@ class Trainer:
         # may name (its manifest holds the digest ingestion checks).
         from pnyx.weights import apply_retention
 
-        apply_retention(self.store, self.cfg.trainer.keep_anchors, window=self.cfg.algorithm.max_staleness + 1)
+        apply_retention(
+            self.store, self.cfg.trainer.keep_anchors, window=self.cfg.algorithm.max_staleness + 1
+        )
 
     def metrics(self, r: StepResult) -> dict[str, Any]:
         s = r.stats
@@ -400,20 +461,41 @@ class Trainer:
             "publish_kind": r.publish_kind,
             "micro_batches": s.micro_batches,
             "lp_gap": s.lp_gap,
+            "reward_parts": reward_parts(r.groups),
+            "backlog": self.ingestor.backlog(self.version),
+            "zero_variance": self.ingestor.zero_variance(),
+            "ingest_wait_s": self._ingest_wait_s,
+            "prefetch_busy_s": round(self.prefetcher.busy_s, 3),
             **self.ingestor.stats(),
         }
+
+    def _describe(self) -> dict[str, Any]:
+        """What the progress line and `trainer/status.json` report (callable from the progress thread)."""
+        d: dict[str, Any] = {"version": self.version, "need": self.cfg.trainer.groups_per_step, "have": 0}
+        if self.ingestor is not None:
+            d["backlog"] = self.ingestor.backlog(self.version)
+            d["zero_variance"] = self.ingestor.zero_variance()
+            d.update(self.ingestor.stats())
+            d.pop("scored", None)
+        return d
 
     # --- the loop ------------------------------------------------------------------------------------
 
     def request_stop(self, *_: Any) -> None:
-        """Finish the current step, publish, checkpoint, return (installed for SIGINT/SIGTERM)."""
-        if not self._stop:
-            log.info("trainer: stop requested; finishing the current step")
+        """Stop soon (installed for SIGINT/SIGTERM): a wait or a fetch ends within 0.1 s; a step under way
+        finishes and publishes; then the trainer checkpoints and returns. Only sets a flag."""
         self._stop = True
 
     def run(self, sinks: list[Any] | None = None) -> int:
         """Step until `steps` versions exist, a stop is requested, or data stops arriving. Returns V."""
         sinks = sinks or []
+        self.prefetcher.ahead(self.version)
+        self.prefetcher.start()
+        with self.progress.running(status=True):
+            self._loop(sinks)
+        return self.version
+
+    def _loop(self, sinks: list[Any]) -> None:
         try:
             while self.version < self.steps and not self._stop:
                 r = self.step()
@@ -424,25 +506,19 @@ class Trainer:
                 for sink in sinks:
                     sink.write(m)
                 log.info(format_line(m))
+                self.progress.noted()
+                zv = m["zero_variance"]
+                self.progress.warn_zero_variance(zv["frac"], zv["kind"])
                 if r.version % self.cfg.trainer.checkpoint_every == 0:
+                    self.progress.phase("checkpointing")
                     self.checkpoint()
         finally:
             for sink in sinks:
                 sink.close()
+            self.prefetcher.close()
+            self.ingestor.close()
+        if self._stop:
+            log.info("trainer v=%d: stop requested; checkpointing", self.version)
+        self.progress.phase("checkpointing")
         self.checkpoint()
-        return self.version
-
-
-def _fmt_counts(d: dict[str, int]) -> str:
-    return ",".join(f"{k}:{v}" for k, v in sorted(d.items()) if v) or "0"
-
-
-def format_line(m: dict[str, Any]) -> str:
-    """The dense greppable per-step line."""
-    return (
-        f"trainer v={m['version']} groups={m['groups']} reward={m['reward']:.3f} stale={m['stale_mean']:.2f} "
-        f"masked={100 * m['masked_frac']:.2f}% clip={100 * m['clip_frac']:.2f}% ess={m['ess']:.3f} "
-        f"ent={m['entropy']:.3f} gnorm={m['grad_norm']:.3f} loss={m['loss']:+.4f} tok/s={m['tok_s']:.0f} "
-        f"pub={m['publish_kind']}:{m['publish_s']:.2f}s drops={_fmt_counts(m['drops'])} "
-        f"disagree={_fmt_counts(m['disagreements'])}"
-    )
+        self.progress.phase("stopped")

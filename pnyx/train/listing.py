@@ -1,0 +1,326 @@
+"""What the trainer knows about the rollout keys of one version, from listings alone (no object is read).
+
+A `VersionListing` holds every key listed under `rollouts/v{V:08d}/` so far: the keys still waiting to be
+trained on (per worker, oldest first), the highest upload stamp seen (the incremental listing resumes just
+below it), and when the prefix was last listed. `list_keys` is the only I/O: one LIST request per 1,000
+keys, starting after `high_ms - STAMP_SLACK_MS` for an incremental listing, or at the start of the prefix
+for a full one.
+
+Why a slack: a key is stamped by its uploader before its upload lands, so a key can appear in a listing
+after keys with higher stamps; re-listing the last few seconds catches it (the `seen` set deduplicates).
+A key that lands later than that (a slow upload, a clock that runs behind) is found by the periodic full
+listing (`RESCAN_S`) or, at the latest, by the sweep when its version leaves the window. A clock that runs
+ahead cannot push the incremental bound past now (`now_ms` caps it), so it never hides other workers' keys.
+
+`WindowListings` is the listing half of the `Ingestor` (a base class it builds on): the listings of the
+versions in the window, merged as they come (`list_version`, `list_span`, `refresh`), and the sweep of
+versions that left it, which counts their unused keys as `stale` from one last listing. It reads the
+ingestor's cursor (uses and rejections) and files junk and duplicate keys as rejections; it never reads a
+record. Thread-safe through the ingestor's lock; the I/O runs without it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pnyx.protocol import layout
+
+log = logging.getLogger("pnyx.train.ingest")
+
+STAMP_SLACK_MS = 2_000
+"""An incremental listing re-reads keys stamped this long before the highest stamp seen (uploads in flight)."""
+PAGE = 1000
+"""Keys per LIST request on S3-compatible stores."""
+RESCAN_S = 60.0
+"""Each version in the window is listed from the start of its prefix this often (late keys, old layout)."""
+SWEEP_GRACE_S = 30.0
+"""A version is swept (its unused keys counted `stale`) this long after it left the window..."""
+SWEEP_MAX_LAG = 16
+"""...or once it is this many versions below the window, whichever comes first."""
+SWEEP_BATCH = 8
+"""On a store that lists in key order, versions are swept this many at a time (one paged listing)."""
+
+
+@dataclass
+class VersionListing:
+    """The listed keys of one version's rollout prefix."""
+
+    version: int
+    seen: set[str] = field(default_factory=set)
+    """Every key listed under this prefix (rollout keys and junk), so a re-listing adds nothing twice."""
+    pending: dict[str, list[str]] = field(default_factory=dict)
+    """Worker id -> keys that may still be trained on (not rejected, not used up), sorted (oldest first)."""
+    ids: dict[tuple[str, int], str] = field(default_factory=dict)
+    """(worker, seq) -> the key that holds that group: a second key for the same group is a duplicate."""
+    high_ms: int = -1
+    """The highest upload stamp listed so far (-1: none)."""
+    listed_at: float | None = None
+    """Monotonic time of the last listing (None: never listed)."""
+    full_at: float | None = None
+    """Monotonic time of the last listing from the start of the prefix."""
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(keys) for keys in self.pending.values())
+
+    def add_pending(self, key: str, worker: str) -> None:
+        keys = self.pending.setdefault(worker, [])
+        if not keys or key > keys[-1]:
+            keys.append(key)  # the common case: listings come in key order
+        else:
+            bisect.insort(keys, key)
+
+    def remove_pending(self, key: str) -> bool:
+        parsed = layout.parse_rollout_key(key)
+        keys = self.pending.get(parsed[1]) if parsed else None
+        if not keys:
+            return False
+        i = bisect.bisect_left(keys, key)
+        if i < len(keys) and keys[i] == key:
+            del keys[i]
+            if not keys:
+                del self.pending[parsed[1]]
+            return True
+        return False
+
+    def start_after(self, now_ms: int, full: bool) -> str | None:
+        """The `start_after` bound of the next listing (None: from the start of the prefix)."""
+        if full or self.listed_at is None or self.high_ms < 0:
+            return None
+        return layout.rollouts_start_after(self.version, min(self.high_ms, now_ms) - STAMP_SLACK_MS)
+
+
+def list_keys(store: Any, version: int, start_after: str | None) -> list[str]:
+    """Keys under `rollouts/v{version:08d}/` after `start_after`, sorted (the only I/O of this module)."""
+    return [m.key for m in store.list(layout.rollouts_dir(version), start_after=start_after)]
+
+
+def list_range(store: Any, first: int, end: int, start_after: str | None = None) -> dict[int, list[str]]:
+    """The keys of versions [first, end) after `start_after` (default: all), by version, from one paged
+    listing of `rollouts/` (for stores that list in key order and start after a key server-side: one
+    request per 1,000 keys)."""
+    out: dict[int, list[str]] = {v: [] for v in range(first, end)}
+    stop = layout.rollouts_dir(end)
+    after = start_after or layout.rollouts_dir(first)  # the bare prefix sorts before every key under it
+    while True:
+        page = store.list(layout.ROLLOUTS_PREFIX, start_after=after, limit=PAGE)
+        for m in page:
+            if m.key >= stop:
+                return out
+            parsed = layout.parse_rollout_key(m.key)
+            version = parsed[0] if parsed is not None else _version_of_dir(m.key)
+            if version is not None and first <= version < end:
+                out[version].append(m.key)
+        if len(page) < PAGE:
+            return out
+        after = page[-1].key
+
+
+def _version_of_dir(key: str) -> int | None:
+    """The version of a junk key under `rollouts/v{V:08d}/` (so the sweep counts it), else None."""
+    head = key[len(layout.ROLLOUTS_PREFIX) :].split("/", 1)[0]
+    return int(head[1:]) if len(head) == 9 and head[0] == "v" and head[1:].isdigit() else None
+
+
+class WindowListings:
+    """The listing half of the `Ingestor` (see the module docstring); the attributes below are its."""
+
+    store: Any
+    cursor: Any
+    settings: Any
+    sweep_grace_s: float
+    listed: int
+    _lock: threading.RLock
+    _selecting: threading.RLock
+    _closed: bool
+    _versions: dict[int, VersionListing]
+    _ready: dict[str, Any]
+    _left_at: dict[int, float]
+
+    def window(self, version: int) -> range:
+        """Rollout versions the trainer at `version` may train on: [version - max_staleness, version]."""
+        return range(self._low(version), version + 1)
+
+    def _low(self, version: int) -> int:
+        return max(0, version - self.settings.max_staleness)
+
+    def _listing(self, version: int) -> VersionListing:
+        lst = self._versions.get(version)
+        if lst is None:
+            lst = self._versions[version] = VersionListing(version)
+        return lst
+
+    def note_published(self, version: int) -> None:
+        """`version` is being or was just published: no group of it can exist yet (a worker generates from
+        verified weights only), so its prefix counts as listed, empty, now."""
+        with self._lock:
+            lst = self._listing(version)
+            if lst.listed_at is None:
+                lst.listed_at = lst.full_at = time.monotonic()
+
+    def list_version(self, version: int, full: bool = False) -> int:
+        """List one version's prefix (incrementally unless `full`); returns how many new keys it found."""
+        with self._lock:
+            start_after = self._listing(version).start_after(layout.now_ms(), full)
+        return self._file(
+            {version: list_keys(self.store, version, start_after)}, {version: start_after is None}
+        )
+
+    def list_span(self, first: int, last: int) -> int:
+        """List versions first..last with one paged listing (stores that list in key order): `first`
+        incrementally, the newer ones from their start (they are young: few keys). Returns new keys."""
+        with self._lock:
+            start_after = self._listing(first).start_after(layout.now_ms(), False)
+        listings = list_range(self.store, first, last + 1, start_after=start_after)
+        return self._file(listings, {v: v > first or start_after is None for v in listings})
+
+    def _file(self, listings: dict[int, list[str]], complete: dict[int, bool]) -> int:
+        """Merge listed keys into the versions' listings; `complete[v]`: v was listed from its start.
+        Waits while a selection runs, so a selection ranks one listing, not one that changes under it."""
+        now = time.monotonic()
+        new = 0
+        with self._selecting, self._lock:
+            for version, keys in listings.items():
+                if self._closed or version < self.cursor.swept_below:
+                    continue  # closed, or swept while we listed (counted there)
+                lst = self._listing(version)
+                for key in keys:
+                    if key not in lst.seen:
+                        new += 1
+                        self._merge(lst, key)
+                lst.listed_at = now
+                if complete.get(version):
+                    lst.full_at = now
+            self.listed += new
+        return new
+
+    def _merge(self, lst: VersionListing, key: str) -> None:
+        lst.seen.add(key)
+        parsed = layout.parse_rollout_key(key)
+        if parsed is None or parsed[0] != lst.version:
+            if key not in self.cursor.rejected:
+                self._reject(key, "bad_key")
+            return
+        stamp = layout.rollout_stamp(key)
+        if stamp is not None:
+            lst.high_ms = max(lst.high_ms, stamp)
+        ident = (parsed[1], parsed[2])
+        other = lst.ids.get(ident)
+        if other is not None:
+            # Two keys for one group: the first listed stays unless the other was consumed already.
+            keep, dup = (key, other) if self.cursor.uses.get(key, 0) > 0 else (other, key)
+            lst.ids[ident] = keep
+            if dup not in self.cursor.rejected:
+                lst.remove_pending(dup)
+                self._ready.pop(dup, None)
+                self._reject(dup, "duplicate")
+            if keep is other:
+                return
+        lst.ids[ident] = key
+        if key in self.cursor.rejected or self.cursor.uses.get(key, 0) >= self.settings.max_reuse:
+            return
+        lst.add_pending(key, parsed[1])
+
+    def refresh(
+        self, version: int, full: bool = False, min_waiting: int | None = None, depth: int | None = None
+    ) -> int:
+        """List the window newest version first (each fully every `RESCAN_S`); with `min_waiting`, stop
+        once the versions listed hold that many waiting keys; with `depth`, list at most that many
+        versions. On a store that lists in key order the two newest versions (where uploads land) share
+        one listing. Returns how many new keys were found. (The sweep is separate: `sweep`.)"""
+        new = 0
+        now = time.monotonic()
+        versions = list(range(version, self._low(version) - 1, -1))[:depth]
+        with self._lock:
+            rescan = {v: full or self._rescan_due(v, now) for v in versions}
+        if (
+            len(versions) >= 2
+            and getattr(self.store, "sorted_listing", False)
+            and not any(rescan[v] for v in versions[:2])
+        ):
+            new += self.list_span(versions[1], versions[0])
+            if min_waiting is not None and self._waiting_from(version, versions[1]) >= min_waiting:
+                return new
+            versions = versions[2:]
+        for v in versions:
+            new += self.list_version(v, full=rescan[v])
+            if min_waiting is not None and self._waiting_from(version, v) >= min_waiting:
+                break
+        return new
+
+    def _rescan_due(self, version: int, now: float) -> bool:
+        lst = self._versions.get(version)
+        return lst is None or lst.full_at is None or now - lst.full_at >= RESCAN_S
+
+    def _waiting_from(self, version: int, low: int) -> int:
+        with self._lock:
+            return sum(self._versions[v].waiting for v in range(low, version + 1) if v in self._versions)
+
+    # --- sweep: versions that left the window ---------------------------------------------------------
+
+    def sweep(self, version: int) -> None:
+        """Count the unused keys of versions that left the window as `stale`, from one last listing of them,
+        then forget those versions. A version is due `sweep_grace_s` after it left the window (uploads that
+        land late are still counted) or once `SWEEP_MAX_LAG` versions below it. On a store that lists in key
+        order (S3, GCS, memory) due versions are swept `SWEEP_BATCH` at a time with one paged listing across
+        their prefixes (1 request per 1,000 keys, not one per version)."""
+        low = self._low(version)
+        now = time.monotonic()
+        with self._lock:
+            for key in [k for k, g in self._ready.items() if g.version < low]:
+                del self._ready[key]  # never trained on again; the sweep counts it
+            due = []
+            for v in range(self.cursor.swept_below, low):
+                left = self._left_at.setdefault(v, now)
+                if now - left < self.sweep_grace_s and v >= low - SWEEP_MAX_LAG:
+                    break
+                due.append(v)
+            oldest = self._left_at.get(due[0], now) if due else now
+        if not due:
+            return
+        if not getattr(self.store, "sorted_listing", False):
+            listings = {v: list_keys(self.store, v, None) for v in due}
+        elif (
+            len(due) >= SWEEP_BATCH or now - oldest >= 4 * self.sweep_grace_s or due[0] < low - SWEEP_MAX_LAG
+        ):
+            listings = list_range(self.store, due[0], due[-1] + 1)
+        else:
+            return  # wait for a fuller batch
+        with self._lock:
+            for v in due:
+                if not self._closed and v >= self.cursor.swept_below:
+                    self._account(v, listings.get(v, []))
+
+    def _account(self, version: int, keys: list[str]) -> None:
+        lst = self._versions.pop(version, None) or VersionListing(version)
+        for key in keys:
+            if key not in lst.seen:
+                self._merge(lst, key)  # counts junk and duplicates first seen now
+        for key in lst.seen:
+            if self.cursor.uses.get(key, 0) == 0 and key not in self.cursor.rejected:
+                self._drop("stale")
+        prefix = layout.rollouts_dir(version)
+        for d in (self.cursor.uses, self.cursor.rejected, self._ready):
+            for k in [k for k in d if k.startswith(prefix)]:
+                del d[k]
+        self._left_at.pop(version, None)
+        self.cursor.swept_below = version + 1
+
+    # --- admission: fetch, decode, validate, re-score ------------------------------------------------
+
+    def _drop(self, reason: str) -> None:
+        self.cursor.drops[reason] = self.cursor.drops.get(reason, 0) + 1
+
+    def _reject(self, key: str, reason: str, detail: str = "") -> None:
+        self.cursor.rejected[key] = reason
+        self._drop(reason)
+        parsed = layout.parse_rollout_key(key)
+        if parsed is not None and parsed[0] in self._versions:
+            self._versions[parsed[0]].remove_pending(key)
+        self._ready.pop(key, None)
+        log.debug("rejected %s: %s %s", key, reason, detail)

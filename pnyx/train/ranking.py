@@ -1,0 +1,65 @@
+"""The order in which the trainer wants rollout groups, computed from the listing alone.
+
+`ranked` walks the keys of the window best first: fresh (never used) before replayed; the newest policy
+version first (least stale); within a version, workers take turns (each worker's oldest waiting group
+first, ties by key), so one worker whose id sorts first, or that uploads faster, cannot crowd the others
+out of a batch. It is lazy: taking the top `n` of a window holding thousands of keys touches one key per
+worker of the newest versions, not the backlog.
+
+Knows nothing about records, scoring or the store. Pure: the caller holds whatever lock guards the
+listings and use counts while it iterates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pnyx.train.listing import VersionListing
+
+
+@dataclass
+class Plan:
+    """One pass of the ranking: the groups chosen so far and what must be fetched before it is final."""
+
+    chosen: list[Any]
+    unknown: list[str]
+    """Keys inside the top `n` whose records have not been fetched yet (the choice waits for them)."""
+    extra: list[str]
+    """Keys just below the top, fetched along (sized by the recent survival rate), waited for by no one."""
+    unlisted: int | None
+    """A version in the window never listed yet: list it before trusting this plan."""
+
+
+def ranked(
+    versions: dict[int, VersionListing],
+    uses: dict[str, int],
+    version: int,
+    low: int,
+    max_reuse: int,
+    exclude: frozenset[str],
+) -> Iterator[str | int]:
+    """Candidate keys for the step at `version`, best first (caller holds the lock). Fresh before
+    replayed; newest version first; within a version workers take turns, each worker's oldest first
+    (ties by key). Yields a version number instead when that version was never listed."""
+    for level in range(max_reuse):
+        for v in range(version, low - 1, -1):
+            lst = versions.get(v)
+            if lst is None or lst.listed_at is None:
+                yield v
+                return
+            streams = [
+                (k for k in keys if uses.get(k, 0) + (k in exclude) == level)
+                for _, keys in sorted(lst.pending.items())
+            ]
+            while streams:
+                heads, alive = [], []
+                for s in streams:
+                    k = next(s, None)
+                    if k is not None:
+                        heads.append(k)
+                        alive.append(s)
+                heads.sort()
+                yield from heads
+                streams = alive
