@@ -8,7 +8,8 @@ A store URL points at one run's root; keys are relative to it (DESIGN.md §3):
     weights/v{V:08d}/{name}                 payload objects (anchor shards, delta chunks)
     rollouts/v{V:08d}/{worker}-{seq:010d}   create-only rollout groups, by producing policy version
     workers/{worker}.json                   worker heartbeat (overwritten)
-    trainer/{name}                          trainer checkpoint objects and ingestion cursor
+    trainer/{name}                          trainer batch records, metrics, legacy checkpoints
+    trainer/ckpt-{V:08d}/{name}             sharded (DCP) checkpoint objects, COMMIT.json last
     swarm/{node}/{seq:010d}                 swarm-mode shared groups (decoded text)
     swarm/nodes/{node}.json                 swarm-mode node heartbeat
     evals/v{V:08d}.json                     held-out evaluation of version V (written by `pnyx run`/`eval`)
@@ -101,6 +102,11 @@ def worker_heartbeat(worker: str) -> str:
 
 def trainer_key(name: str) -> str:
     return f"{TRAINER_PREFIX}{check_name(name, 'trainer object name')}"
+
+
+def trainer_folder_key(folder: str, name: str) -> str:
+    """`trainer/{folder}/{name}`: one object of a multi-object trainer record (a sharded checkpoint)."""
+    return f"{TRAINER_PREFIX}{check_name(folder, 'trainer folder')}/{check_name(name, 'trainer object name')}"
 
 
 def swarm_dir(node: str) -> str:

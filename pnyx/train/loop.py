@@ -6,15 +6,23 @@ Per step at version V (DESIGN.md §5, docs/trainer.md):
 2. `train_step` (fp32 master, micro-batched, AdamW, clip);
 3. publish V+1 (bf16 by default) through the PULSE publisher — the fence: FencedError if another trainer
    owns the run;
-4. commit the batch to the ingestion cursor; write metrics; checkpoint every `checkpoint_every` steps.
+4. commit the batch to the ingestion cursor; write metrics; checkpoint (sharded, asynchronous) every
+   `checkpoint_every` steps.
 
-On resume, the newest checkpoint C is loaded and every published version in (C, P] is replayed from its
-batch record, so the in-memory state (weights, optimizer, cursor) is exactly the state that produced P;
-a replay whose bits differ from the published P (non-deterministic kernels) adopts the published bits.
+On resume, the newest committed checkpoint C is loaded and every published version in (C, P] is replayed
+from its batch record, so the in-memory state (weights, optimizer, cursor) is exactly the state that
+produced P; a replay whose bits differ from the published P (non-deterministic kernels, another number of
+ranks) adopts the published bits.
 
-Test hook: `PNYX_TEST_CRASH_AT=after_step:N` or `after_publish:N` SIGKILLs this process right after the
-optimizer step that produces version N, or right after publishing N (before its checkpoint). Used by the
-kill tests only. Knows nothing about generation internals.
+Under torchrun every rank runs this loop together (`distributed.py`): rank 0 alone chooses and records the
+batch, commits the manifest, writes metrics and checkpoint commits; every rank receives the batch, trains
+on its share, publishes its share of the payload and writes its checkpoint shards.
+
+Test hook: `PNYX_TEST_CRASH_AT=<point>:N[@R]` SIGKILLs this process (only rank R when given) at a named
+point of the step that produces version N: `after_step` (optimizer step done), `before_manifest` (payload
+uploaded, manifest not written), `after_publish` (published, before metrics and checkpoint) or
+`during_checkpoint` (this rank's checkpoint shards uploaded, not committed). Used by the kill tests only.
+Knows nothing about generation internals.
 """
 
 from __future__ import annotations
@@ -30,22 +38,25 @@ from typing import Any
 import torch
 
 from pnyx.config import PnyxConfig, overlay_changed, resolve_model_path
-from pnyx.errors import ConfigError, FencedError, IntegrityError, NotFoundError, RecordRejected
-from pnyx.train import bootstrap, checkpoint
-from pnyx.train.ingest import Cursor, Ingestor, IngestSettings, ScoredGroup
+from pnyx.errors import ConfigError, FencedError, IntegrityError, NotFoundError, PnyxError, RecordRejected
+from pnyx.train import bootstrap, checkpoint, checkpointer
+from pnyx.train.ingest import Ingestor, IngestSettings, ScoredGroup
 from pnyx.train.losses import LossSettings
 from pnyx.train.step import StepStats, make_optimizer, train_step
 
 log = logging.getLogger("pnyx.train")
 
 CRASH_ENV = "PNYX_TEST_CRASH_AT"
-KEEP_CHECKPOINTS = 2
 
 
 def _crash_point(name: str, version: int) -> None:
     """The kill-test hook (see module docstring): SIGKILL ourselves at a named point."""
-    if os.environ.get(CRASH_ENV) == f"{name}:{version}":
-        log.warning("test hook %s=%s: SIGKILL", CRASH_ENV, os.environ[CRASH_ENV])
+    want = os.environ.get(CRASH_ENV)
+    if want is None:
+        return
+    point, _, rank = want.partition("@")
+    if point == f"{name}:{version}" and (not rank or rank == os.environ.get("RANK", "0")):
+        log.warning("test hook %s=%s: SIGKILL", CRASH_ENV, want)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -97,6 +108,17 @@ class StepResult:
     groups: list[ScoredGroup]
     publish_s: float
     publish_kind: str
+    lr: float = 0.0
+
+
+@dataclass
+class Batch:
+    """What rank 0 sends every rank for one step: the groups, their reference logprobs, the rate."""
+
+    keys: list[str]
+    groups: list[ScoredGroup]
+    lr: float
+    ref: dict[tuple[str, int], list[float]] | None = None
 
 
 class Trainer:
@@ -112,6 +134,8 @@ class Trainer:
         self.last_checkpoint: int | None = None
         self._stop = False  # set by the signal handler: a plain flag, no locks inside a handler
         self.trainer_id = f"trainer-{os.getpid()}"
+        self.reference: Any = None
+        self.last_checkpoint_block_s = 0.0
 
     # --- setup ---------------------------------------------------------------------------------------
 
@@ -119,23 +143,33 @@ class Trainer:
         from pnyx.config import resolve_device
         from pnyx.envs import get_env
         from pnyx.models import load_model, load_tokenizer, render_prompt, tokenizer_digest
+        from pnyx.train.distributed import init_distributed, prepare_model, resolve_compute_dtype
+        from pnyx.train.reference import Reference
+        from pnyx.train.schedule import Schedule
         from pnyx.weights.publisher import Publisher
 
-        cfg = self.cfg
+        cfg, t = self.cfg, self.cfg.trainer
         torch.manual_seed(cfg.run.seed)  # nothing in a step samples today; keeps any future use seeded
         model_dir = resolve_model_path(cfg)
-        self.device = resolve_device(cfg.trainer.device)
-        self.model = load_model(model_dir, dtype="float32", device=self.device)
+        self.dist = init_distributed(resolve_device(t.device))
+        self.device = self.dist.device
+        self.compute_dtype = resolve_compute_dtype(t.compute_dtype, self.device)
+        model = load_model(model_dir, dtype="float32", device=self.device)
+        self.model = prepare_model(model, self.dist, self.compute_dtype, t.activation_checkpointing)
         self.tokenizer = load_tokenizer(model_dir)
         self.env = get_env(cfg.env.name, **cfg.env.kwargs)
-        self.ref_model = None
-        if cfg.algorithm.kl_coef > 0:
-            self.ref_model = load_model(model_dir, dtype="float32", device=self.device)
-            self.ref_model.requires_grad_(False)
-        self.optimizer = make_optimizer(
-            self.model, cfg.trainer.lr, tuple(cfg.trainer.betas), cfg.trainer.weight_decay
-        )
-        self.publisher = Publisher(self.store, anchor_every=cfg.trainer.anchor_every, int8_plane=cfg.worker.int8)
+        if cfg.algorithm.kl_coef > 0 and self.dist.is_main:
+            self.reference = Reference(model_dir, t.reference_device or self.device, self.compute_dtype)
+        self.optimizer = make_optimizer(self.model, t.lr, tuple(t.betas), t.weight_decay)
+        self.schedule = Schedule(t.lr, t.lr_schedule, t.warmup_steps, self.steps, t.min_lr_ratio)
+        self.publisher = Publisher(
+            self.store, anchor_every=t.anchor_every, int8_plane=cfg.worker.int8,
+            chunk_bytes=t.publish_chunk_bytes, comm=self.dist, hook=_crash_point,
+        )  # fmt: skip
+        self.checkpointer = checkpointer.Checkpointer(
+            self.store, self.dist, checkpointer.local_folder(t.checkpoint_dir, self.store.url), t.keep_checkpoints,
+            t.async_checkpoint, hook=_crash_point,
+        )  # fmt: skip
         vocab = int(self.model.config.vocab_size)
         self.model_info = {
             "name": model_dir.name,
@@ -168,9 +202,34 @@ class Trainer:
             self._digests[version] = digests
         return self._digests[version]
 
+    def publish_layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        from pnyx.train.distributed import state_layout
+
+        return state_layout(self.model, getattr(torch, self.cfg.trainer.publish_dtype))
+
     def publish_tensors(self) -> dict[str, torch.Tensor]:
-        dtype = getattr(torch, self.cfg.trainer.publish_dtype)
-        return {k: v.detach().to("cpu", dtype) for k, v in self.model.state_dict().items()}
+        """The published cast of the tensors this rank publishes (all of them in one process); on CPU."""
+        from pnyx.train.distributed import gather_published
+
+        keep = self.publisher.needs(self.publish_layout())
+        return gather_published(self.model, getattr(torch, self.cfg.trainer.publish_dtype), keep)
+
+    def _publish(self, version: int, force_anchor: bool = False) -> Any:
+        """Publish the current weights as `version` (every rank takes part; rank 0 commits)."""
+        return self.publisher.publish(version, self.publish_tensors(), force_anchor, self.publish_layout())
+
+    def _on_main(self, fn: Any) -> Any:
+        """Run `fn()` on rank 0 only and hand its result (or its error) to every rank."""
+        out: tuple[str, Any] = ("ok", None)
+        if self.dist.is_main:
+            try:
+                out = ("ok", fn())
+            except PnyxError as e:  # the same error on every rank, so every rank exits the same way
+                out = ("error", e)
+        out = self.dist.broadcast(out)
+        if out[0] == "error":
+            raise out[1]
+        return out[1]
 
     def start(self) -> None:
         """Load the model and either create the run (publish v0) or resume it from the store."""
@@ -191,11 +250,11 @@ class Trainer:
             bootstrap.check_compatible(existing, config_json, self.model_info, self.store.url)
             self.manifest = existing
         else:
-            self.manifest = bootstrap.init_run(self.store, config_json, self.model_info)
+            self.manifest = self._on_main(lambda: bootstrap.init_run(self.store, config_json, self.model_info))
         self.ingestor.run_id = self.manifest.run_id
         if not self.resume:
             try:
-                self.publisher.publish(0, self.publish_tensors(), force_anchor=True)
+                self._publish(0, force_anchor=True)
             except FencedError:
                 raise FencedError(
                     f"the run at {self.store.url} already has published weights: another trainer owns it. "
@@ -204,83 +263,36 @@ class Trainer:
             self.version = 0
             log.info("trainer run=%s created: v0 published (%s)", self.manifest.run_id, self.model_info["name"])
             return
-        self._restore(latest_version(self.store))
+        self._restore(self.dist.broadcast(latest_version(self.store) if self.dist.is_main else None))
 
     def _restore(self, published: int | None) -> None:
         """Load the newest checkpoint and roll forward through every version published after it."""
-        from pnyx.weights.manifest import read_manifest
+        from pnyx.train.resume import restore
 
-        versions = checkpoint.checkpoint_versions(self.store)
-        base = versions[-1] if versions else 0
-        if versions:
-            state = checkpoint.load_checkpoint(self.store, base)
-            owner = state["extra"].get("run_id")
-            if owner != self.manifest.run_id:
-                raise IntegrityError(
-                    f"{checkpoint.ckpt_key(base)} belongs to run {owner!r}, not to this run "
-                    f"({self.manifest.run_id!r}): the trainer/ folder was copied from another run"
-                )
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            checkpoint.restore_rng(state["rng"])
-            self.ingestor.cursor = Cursor.from_json(state["cursor"].encode())
-            self.last_checkpoint = base
-        if published is None:  # killed before v0 was published: publish it now
-            self.publisher.publish(0, self.publish_tensors(), force_anchor=True)
-            published = 0
-        if published < base:
-            raise IntegrityError(
-                f"checkpoint v{base} is newer than the newest published weights v{published}: the weights "
-                "of this run were deleted or the checkpoint belongs to another run"
-            )
-        for v in range(base + 1, published + 1):
-            rec = checkpoint.read_batch_record(self.store, v)
-            if rec is None:
-                raise IntegrityError(
-                    f"cannot roll forward from checkpoint v{base} to published v{published}: "
-                    f"{checkpoint.batch_key(v)} is missing"
-                )
-            groups = self._load_recorded(rec)
-            self.version = v - 1
-            stats = self._train(groups)
-            self.ingestor.commit(rec.keys)
-            kind = read_manifest(self.store, v).kind
-            checkpoint.write_metrics(self.store, v, self.metrics(StepResult(v, stats, groups, 0.0, kind)))
-            log.info("trainer resume: replayed step to v%d from its batch record (%d groups)", v, len(groups))
-        self.version = published
-        if published > base:
-            self._verify_or_adopt(published)
-        log.info("trainer run=%s resumed at v%d (checkpoint v%d)", self.manifest.run_id, published, base)
+        restore(self, published)
 
-    def _verify_or_adopt(self, version: int) -> None:
-        """After a replay, the cast of our master weights must be the published bits; else adopt those."""
-        from pnyx.weights.bits import from_torch, state_digest
-        from pnyx.weights.manifest import read_manifest
-
-        want = read_manifest(self.store, version).weights.state_digest
-        if state_digest(from_torch(self.publish_tensors())) == want:
-            return
-        from pnyx.weights import Syncer
-
-        log.warning("trainer resume: replayed v%d differs from the published bits; adopting them", version)
-        _, tensors = Syncer(self.store).sync(to_version=version)
-        with torch.no_grad():
-            for k, p in self.model.state_dict().items():
-                p.copy_(tensors[k].to(p.dtype))
+    def _batch(self, rec: checkpoint.BatchRecord, groups: list[ScoredGroup]) -> Batch:
+        """Rank 0: what every rank needs for the step of `rec` (its rate, the reference logprobs)."""
+        lr = rec.lr if rec.lr is not None else self.cfg.trainer.lr
+        ref = self.reference.logprobs(groups) if self.reference is not None else None
+        return Batch(list(rec.keys), groups, lr, ref)
 
     # --- one step ------------------------------------------------------------------------------------
 
-    def _train(self, groups: list[ScoredGroup]) -> StepStats:
+    def _train(self, batch: Batch) -> StepStats:
         return train_step(
             self.model,
             self.optimizer,
-            groups,
+            batch.groups,
             loss_settings(self.cfg),
             micro_batch_tokens=self.cfg.trainer.micro_batch_tokens,
             grad_clip=self.cfg.trainer.grad_clip,
             max_len=self.cfg.worker.max_new_tokens,
-            ref_model=self.ref_model,
+            ref_logprobs=batch.ref,
             policy_version=self.version,
+            lr=batch.lr,
+            dist=self.dist,
+            compute_dtype=self.compute_dtype,
         )
 
     def _wait_for_batch(self) -> list[ScoredGroup] | None:
@@ -290,6 +302,8 @@ class Trainer:
         delay, last_note = 0.2, 0.0
         while not self._stop:
             have = self.ingestor.poll(self.version)
+            if self.reference is not None:  # score the likely batch's reference logprobs while waiting
+                self.reference.prefetch(self.ingestor.select(self.version, need))
             if have >= need:
                 return self.ingestor.select(self.version, need)
             now = time.monotonic()
@@ -324,38 +338,53 @@ class Trainer:
             time.sleep(min(left, 0.1))
 
     def step(self) -> StepResult | None:
-        """One step V → V+1 (None if stopped while waiting for data)."""
+        """One step V → V+1 (None if stopped while waiting for data). Every rank calls it together."""
         target = self.version + 1
+        batch = self._on_main(lambda: self._choose_batch(target))
+        if batch is None:
+            return None
+        stats = self._train(batch)
+        _crash_point("after_step", target)
+        t0 = time.perf_counter()
+        m = self._publish(target)
+        publish_s = time.perf_counter() - t0
+        if self.dist.is_main:
+            self.ingestor.commit(batch.keys)
+        self.version = target
+        _crash_point("after_publish", target)
+        return StepResult(target, stats, batch.groups, publish_s, m.kind, batch.lr)
+
+    def _choose_batch(self, target: int) -> Batch | None:
+        """Rank 0: the batch of the step producing `target`: its record if one exists, else a new one."""
         rec = checkpoint.read_batch_record(self.store, target)
         if rec is None:
             chosen = self._wait_for_batch()
             if chosen is None:
                 return None
-            rec = checkpoint.write_batch_record(self.store, target, [g.key for g in chosen], self.trainer_id)
+            rec = checkpoint.write_batch_record(
+                self.store, target, [g.key for g in chosen], self.trainer_id, self.schedule.at(target)
+            )
             by_key = {g.key: g for g in chosen}
             groups = [by_key[k] for k in rec.keys] if set(rec.keys) == set(by_key) else self._load_recorded(rec)
         else:
             log.info("trainer v=%d: reusing the recorded batch of v%d (%d groups)", self.version, target, len(rec.keys))
             groups = self._load_recorded(rec)
-        stats = self._train(groups)
-        _crash_point("after_step", target)
-        t0 = time.perf_counter()
-        m = self.publisher.publish(target, self.publish_tensors())
-        publish_s = time.perf_counter() - t0
-        self.ingestor.commit(rec.keys)
-        self.version = target
-        _crash_point("after_publish", target)
-        return StepResult(target, stats, groups, publish_s, m.kind)
+        return self._batch(rec, groups)
 
     def checkpoint(self) -> None:
+        """Start a sharded checkpoint of the current version (every rank together); it uploads and commits
+        in the background. Then weights retention (rank 0)."""
         if self.last_checkpoint == self.version:
             return
-        checkpoint.save_checkpoint(
-            self.store, self.version, self.model, self.optimizer, self.ingestor.cursor.to_json(),
-            {"run_id": self.manifest.run_id},
+        blocked = self.checkpointer.save(
+            self.version, self.model, self.optimizer, self.ingestor.cursor.to_json().decode(), self.manifest.run_id
         )
         self.last_checkpoint = self.version
-        checkpoint.prune_checkpoints(self.store, KEEP_CHECKPOINTS)
+        self.last_checkpoint_block_s = blocked
+        if not self.dist.is_main:
+            return
+        mode = "async: shards upload in the background" if self.cfg.trainer.async_checkpoint else "sync"
+        log.info("trainer checkpoint v=%d started: the loop waited %.2fs (%s)", self.version, blocked, mode)
         # Weights retention: keep the newest anchors, and every version a group in the staleness window
         # may name (its manifest holds the digest ingestion checks).
         from pnyx.weights import apply_retention
@@ -392,6 +421,8 @@ class Trainer:
             "step_s": s.seconds,
             "publish_s": r.publish_s,
             "publish_kind": r.publish_kind,
+            "lr": r.lr,
+            "ranks": self.dist.world,
             "micro_batches": s.micro_batches,
             "lp_gap": s.lp_gap,
             **self.ingestor.stats(),
@@ -409,21 +440,26 @@ class Trainer:
         """Step until `steps` versions exist, a stop is requested, or data stops arriving. Returns V."""
         sinks = sinks or []
         try:
-            while self.version < self.steps and not self._stop:
+            # Rank 0 decides whether to go on (its stop flag, its budget); the others follow its word.
+            while self.dist.broadcast(self.version < self.steps and not self._stop):
                 r = self.step()
                 if r is None:
                     break
-                m = self.metrics(r)
-                checkpoint.write_metrics(self.store, r.version, m)
-                for sink in sinks:
-                    sink.write(m)
-                log.info(format_line(m))
+                if self.dist.is_main:
+                    m = self.metrics(r)
+                    checkpoint.write_metrics(self.store, r.version, m)
+                    for sink in sinks:
+                        sink.write(m)
+                    log.info(format_line(m))
                 if r.version % self.cfg.trainer.checkpoint_every == 0:
                     self.checkpoint()
         finally:
             for sink in sinks:
                 sink.close()
         self.checkpoint()
+        self.checkpointer.wait()
+        if self.reference is not None:
+            self.reference.close()
         return self.version
 
 
@@ -437,6 +473,7 @@ def format_line(m: dict[str, Any]) -> str:
         f"trainer v={m['version']} groups={m['groups']} reward={m['reward']:.3f} stale={m['stale_mean']:.2f} "
         f"masked={100 * m['masked_frac']:.2f}% clip={100 * m['clip_frac']:.2f}% ess={m['ess']:.3f} "
         f"ent={m['entropy']:.3f} gnorm={m['grad_norm']:.3f} loss={m['loss']:+.4f} tok/s={m['tok_s']:.0f} "
-        f"pub={m['publish_kind']}:{m['publish_s']:.2f}s drops={_fmt_counts(m['drops'])} "
+        f"lr={m.get('lr', 0.0):.2e} pub={m['publish_kind']}:{m['publish_s']:.2f}s drops={_fmt_counts(m['drops'])} "
         f"disagree={_fmt_counts(m['disagreements'])}"
     )
+
