@@ -189,8 +189,8 @@ class Checkpointer:
 
     d: the trainer's `distributed.Dist`; local_root: a local folder for DCP files (node-local disk);
     keep: committed checkpoints retained; asynchronous: `dcp.async_save` (else `dcp.save`, then upload,
-    before returning); hook: called as `hook("during_checkpoint", version)` after this rank's upload, before
-    the commit (the kill-test hook).
+    before returning); hook: called as `hook("during_checkpoint", version)` after this rank's shards are
+    uploaded, before its record (so before any commit: the kill-test hook).
     """
 
     def __init__(
@@ -257,11 +257,11 @@ class Checkpointer:
                 fut.result()
             v, rank = commit.version, self.d.rank
             files = self._upload(v, local)
+            if self.hook is not None:
+                self.hook("during_checkpoint", v)
             self.store.put(_key(v, f"rank-{rank:05d}.json"), msgspec.json.encode(RankRecord(rank, files)))
             for f in files:  # ranks of one node share the folder: each removes only its own files
                 (local / f.path).unlink(missing_ok=True)
-            if self.hook is not None:
-                self.hook("during_checkpoint", v)
             if self.d.is_main:
                 commit.files = self._collect(v)
                 self.store.put(_key(v, COMMIT), msgspec.json.encode(commit))
