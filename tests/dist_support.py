@@ -39,7 +39,9 @@ def spawn(fn: Any, world: int, *args: Any) -> None:
     """Run fn(rank, *args) in `world` new processes joined as one gloo job; raise if any fails."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(
+        _entry, args=(fn, world, free_port(), args), nprocs=world, join=True, start_method="spawn"
+    )
 
 
 def torchrun_cmd(nproc: int, *args: str) -> list[str]:
@@ -92,8 +94,8 @@ def publish_ranks(rank: int, url: str, fenced_url: str, failing_url: str, out: s
     from pnyx.errors import FencedError, PeerFailedError, StoreUnavailableError
     from pnyx.store import open_store
     from pnyx.train.distributed import init_distributed
-    from pnyx.weights.parallel import layout_of
     from pnyx.weights.bits import from_torch
+    from pnyx.weights.parallel import layout_of
     from pnyx.weights.publisher import Publisher
 
     d = init_distributed("cpu")
@@ -140,11 +142,13 @@ def publish_ranks(rank: int, url: str, fenced_url: str, failing_url: str, out: s
 
 def full_state(model: Any, optimizer: Any) -> dict[str, Any]:
     """Model and optimizer state, whole and on the CPU, keyed by parameter name (any number of ranks)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
     import copy
 
-    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     return copy.deepcopy({"model": msd, "optim": osd})  # one process: these are the live tensors
 
 
@@ -191,5 +195,8 @@ def checkpoint_ranks(rank: int, model_dir: str, url: str, out: str) -> None:
     commit = ck.load(1, fresh, fresh_opt)
     loaded = full_state(fresh, fresh_opt)
     if rank == 0:
-        torch.save({"ref": ref, "loaded": loaded, "cursor": commit.cursor, "world": commit.world}, Path(out) / "dcp.pt")
+        torch.save(
+            {"ref": ref, "loaded": loaded, "cursor": commit.cursor, "world": commit.world},
+            Path(out) / "dcp.pt",
+        )
     d.close()

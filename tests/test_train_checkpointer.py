@@ -10,10 +10,10 @@ from __future__ import annotations
 import types
 from pathlib import Path
 
+import dist_support as ds
 import pytest
 import torch
 
-import dist_support as ds
 from pnyx.errors import ConfigError, IntegrityError
 from pnyx.store import open_store
 from pnyx.train import checkpoint, checkpointer

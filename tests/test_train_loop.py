@@ -347,10 +347,11 @@ def reference(tmp_path_factory, model_dir):
 @pytest.mark.parametrize(
     ("crash", "every", "published"),
     [
-        ("after_step:2", 20, 1),  # default checkpointing: nothing checkpointed before the kill
-        ("after_publish:2", 20, 2),
-        ("before_manifest:2", 20, 1),  # v2's payload uploaded, its manifest never written
-        ("during_checkpoint:2", 1, 2),  # v1 committed; v2's shards uploaded, never committed
+        ("after_step:2", 20, {1}),  # default checkpointing: nothing checkpointed before the kill
+        ("after_publish:2", 20, {2}),
+        ("before_manifest:2", 20, {1}),  # v2's payload uploaded, its manifest never written
+        # v1 committed; v2's shards uploaded, never committed (training went on meanwhile: v3 may be out)
+        ("during_checkpoint:2", 1, {2, 3}),
     ],
 )
 def test_sigkilled_trainer_resumes_without_losing_or_duplicating_a_group(
@@ -366,7 +367,7 @@ def test_sigkilled_trainer_resumes_without_losing_or_duplicating_a_group(
     store = open_store(url)
     from pnyx.weights import latest_version
 
-    assert latest_version(store) == published
+    assert latest_version(store) in published
     assert checkpoint.checkpoint_versions(store) == ([1] if every == 1 else [])
 
     resumed = _subprocess(url, cfg, None)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 
+import dist_support as ds
 import pytest
 
-import dist_support as ds
 from pnyx.store import open_store
 from pnyx.weights import Syncer, read_manifest, verify_chain
 from pnyx.weights.bits import from_torch
@@ -55,8 +55,14 @@ def test_two_ranks_publish_the_objects_and_chain_one_process_publishes(tmp_path)
     store = open_store(par)
     for v in range(3):
         a, b = read_manifest(solo_store, v), read_manifest(store, v)
-        assert (a.kind, a.weights.chain_digest, a.int8.chain_digest) == (b.kind, b.weights.chain_digest, b.int8.chain_digest)
-        assert [o.digest for o in a.weights.delta + a.weights.anchor] == [o.digest for o in b.weights.delta + b.weights.anchor]
+        assert (a.kind, a.weights.chain_digest, a.int8.chain_digest) == (
+            b.kind,
+            b.weights.chain_digest,
+            b.int8.chain_digest,
+        )
+        assert [o.digest for o in a.weights.delta + a.weights.anchor] == [
+            o.digest for o in b.weights.delta + b.weights.anchor
+        ]
     assert read_manifest(store, 2).kind == "anchor" and read_manifest(store, 1).kind == "delta"
     version, tensors = Syncer(store).sync()
     assert version == 2 and all((tensors[k].view(-1) == t.view(-1)).all() for k, t in ds.state(2).items())
@@ -65,4 +71,6 @@ def test_two_ranks_publish_the_objects_and_chain_one_process_publishes(tmp_path)
     assert set(reports[0]["needs"]) | set(reports[1]["needs"]) == set(ds.SHAPES)
     assert all(r["fenced"] and "another trainer" in r["fenced"] for r in reports)
     assert [r["failure"] for r in reports] == ["PeerFailedError", "StoreUnavailableError"]
-    assert not any(m.key.endswith("manifest.json") for m in open_store(str(tmp_path / "failing")).list("weights/"))
+    assert not any(
+        m.key.endswith("manifest.json") for m in open_store(str(tmp_path / "failing")).list("weights/")
+    )

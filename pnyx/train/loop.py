@@ -374,8 +374,8 @@ class Trainer:
     def checkpoint(self) -> None:
         """Start a sharded checkpoint of the current version (every rank together); it uploads and commits
         in the background. Then weights retention (rank 0)."""
-        if self.last_checkpoint == self.version:
-            return
+        if self.last_checkpoint == self.version or self.version == 0:
+            return  # v0 is the published initial weights: resuming without a checkpoint is the same state
         blocked = self.checkpointer.save(
             self.version, self.model, self.optimizer, self.ingestor.cursor.to_json().decode(), self.manifest.run_id
         )

@@ -22,7 +22,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pnyx.errors import AlreadyExistsError, FencedError, NotFoundError, PeerFailedError, PreconditionError
+from pnyx.errors import (
+    AlreadyExistsError,
+    FencedError,
+    NotFoundError,
+    PeerFailedError,
+    PnyxError,
+    PreconditionError,
+)
 from pnyx.protocol import layout
 from pnyx.store import IfMatch, Store
 from pnyx.weights import int8 as q8
@@ -202,11 +209,17 @@ class Publisher:
             self.hook("before_manifest", version)
         parts = self.comm.gather(part)
         outcome: tuple[str, Any] = ("", None)
+        commit_error: PnyxError | None = None
         if parts is not None:
-            outcome = self._commit(version, parent, anchor, plan, parts)
+            try:
+                outcome = self._commit(version, parent, anchor, plan, parts)
+            except PnyxError as e:  # e.g. the store is down: tell the peers before raising it here
+                outcome, commit_error = ("failed", f"rank 0 could not commit v{version}: {e}"), e
         outcome = self.comm.broadcast(outcome)
         if failure is not None:
             raise failure
+        if commit_error is not None:
+            raise commit_error
         if outcome[0] == "fenced":
             raise FencedError(outcome[1])
         if outcome[0] == "failed":
@@ -251,6 +264,7 @@ class Publisher:
         """(parent version, anchor?), decided by rank 0 (fence check) and shared with every rank, together
         with the nonce and the parent's chain digests (a restarted trainer learns them from the store)."""
         decision: tuple[str, Any] = ("", None)
+        error: Exception | None = None
         if self.comm.rank == 0:
             try:
                 parent = self._check_fence(version)
@@ -260,15 +274,14 @@ class Publisher:
                     or version - (self.anchor_version or 0) >= self.anchor_every
                 )
                 decision = ("ok", (parent, anchor, self.nonce, self._digest, self._int8_digest))
-            except FencedError as e:
-                decision = ("fenced", str(e))
-            except ValueError as e:
-                decision = ("invalid", str(e))
+            except (PnyxError, ValueError) as e:  # fenced, a bad version, the store down: every rank stops
+                decision, error = ("error", (type(e).__name__, str(e))), e
         decision = self.comm.broadcast(decision)
-        if decision[0] == "fenced":
-            raise FencedError(decision[1])
-        if decision[0] == "invalid":
-            raise ValueError(decision[1])
+        if error is not None:
+            raise error
+        if decision[0] == "error":
+            kind, msg = decision[1]
+            raise {"FencedError": FencedError, "ValueError": ValueError}.get(kind, PeerFailedError)(msg)
         parent, anchor, self.nonce, self._digest, self._int8_digest = decision[1]
         return parent, anchor
 
