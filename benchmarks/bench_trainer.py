@@ -284,7 +284,9 @@ def gpu(args: argparse.Namespace, work: Path) -> None:
 
     model = make_model(QWEN2_05B, "cuda")
     if args.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from pnyx.train.distributed import Dist, prepare_model
+
+        prepare_model(model, Dist.single("cuda"), torch.bfloat16, activation_checkpointing=True)
     n = sum(p.numel() for p in model.parameters())
     n_layer = sum(p.numel() for layer in decoder_layers(model) for p in layer.parameters())
     groups = make_groups(args.groups, args.group_size, args.prompt, args.completion, QWEN2_05B["vocab"])

@@ -200,3 +200,31 @@ def checkpoint_ranks(rank: int, model_dir: str, url: str, out: str) -> None:
             Path(out) / "dcp.pt",
         )
     d.close()
+
+
+# --- a sharded step -------------------------------------------------------------------------------------
+
+
+def sharded_step_ranks(rank: int, model_dir: str, out: str) -> None:
+    """One `train_step` of the same batch on 2 FSDP2 ranks (SGD, lr 1: the update is the gradient), with a
+    micro-batch budget that makes 3 micro-batches (one rank runs a filler); rank 0 reports the result."""
+    import torch
+    from test_train_step import scored_groups
+
+    from pnyx.models import load_model, load_tokenizer
+    from pnyx.train.distributed import init_distributed, prepare_model
+    from pnyx.train.losses import LossSettings
+    from pnyx.train.step import train_step
+
+    d = init_distributed("cpu")
+    model = load_model(model_dir, dtype="float32")
+    groups = scored_groups(model, load_tokenizer(model_dir), n_groups=3, g=3)
+    model = prepare_model(model, d, torch.float32, False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    stats = train_step(
+        model, opt, groups, LossSettings(dppo_delta=None), micro_batch_tokens=64, grad_clip=1e9, dist=d
+    )
+    state = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save({"state": state, "stats": stats.__dict__}, Path(out) / "sharded.pt")
+    d.close()

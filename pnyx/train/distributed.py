@@ -155,10 +155,14 @@ def prepare_model(
     parameters in `compute_dtype` and reduce-scatters gradients in fp32, summed rather than averaged.
     """
     if activation_checkpointing:
-        enable = getattr(model, "gradient_checkpointing_enable", None)
-        if enable is None:
-            raise ValueError(f"{type(model).__name__} has no gradient_checkpointing_enable()")
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers >= 5 names it activation_checkpointing_enable; older ones gradient_checkpointing_enable
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        elif hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            raise ValueError(f"{type(model).__name__} cannot checkpoint activations (not a transformers model)")
     if not d.sharded:
         return model
     from torch.distributed.device_mesh import init_device_mesh
