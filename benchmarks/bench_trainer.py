@@ -111,8 +111,8 @@ def step_flops(shape: dict[str, int], n_layer_params: int, groups: list[Any]) ->
     return total
 
 
-def time_steps(model: Any, groups: list[Any], args: argparse.Namespace, dtype: Any) -> float:
-    """Median seconds of one `train_step` over the timed steps (after warm-up)."""
+def time_steps(model: Any, groups: list[Any], args: argparse.Namespace, dtype: Any, warmup: int = 2) -> float:
+    """Median seconds of one `train_step` over the timed steps (after `warmup` untimed ones)."""
     import torch
 
     from pnyx.train.losses import LossSettings
@@ -120,7 +120,7 @@ def time_steps(model: Any, groups: list[Any], args: argparse.Namespace, dtype: A
 
     opt = make_optimizer(model, 1e-6, (0.9, 0.99), 0.0)
     times = []
-    for i in range(2 + args.steps):
+    for i in range(warmup + args.steps):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -130,7 +130,7 @@ def time_steps(model: Any, groups: list[Any], args: argparse.Namespace, dtype: A
         )  # fmt: skip
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        if i >= 2:
+        if i >= warmup:
             times.append(time.perf_counter() - t)
     model._bench_opt = opt  # the checkpoints below hold a real AdamW state
     return statistics.median(times)
@@ -254,7 +254,7 @@ def cpu_ratios(args: argparse.Namespace, work: Path) -> None:
     n = sum(p.numel() for p in model.parameters())
     groups = make_groups(2, 4, 32, 64, SMALL["vocab"])
     args.steps = 1
-    step_s = time_steps(model, groups, args, torch.float32)
+    step_s = time_steps(model, groups, args, torch.float32, warmup=0)  # for a real AdamW state, not a speed
     print(
         f"model: Qwen2-shaped {n / 1e6:.1f}M params {SMALL}; fp32 on CPU, {torch.get_num_threads()} threads"
     )

@@ -135,7 +135,6 @@ class Trainer:
         self._stop = False  # set by the signal handler: a plain flag, no locks inside a handler
         self.trainer_id = f"trainer-{os.getpid()}"
         self.reference: Any = None
-        self.last_checkpoint_block_s = 0.0
 
     # --- setup ---------------------------------------------------------------------------------------
 
@@ -380,7 +379,6 @@ class Trainer:
             self.version, self.model, self.optimizer, self.ingestor.cursor.to_json().decode(), self.manifest.run_id
         )
         self.last_checkpoint = self.version
-        self.last_checkpoint_block_s = blocked
         if not self.dist.is_main:
             return
         mode = "async: shards upload in the background" if self.cfg.trainer.async_checkpoint else "sync"
