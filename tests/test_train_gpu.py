@@ -9,11 +9,11 @@
 
 from __future__ import annotations
 
+import dist_support as ds
 import pytest
 import torch
 from test_train_loop import _prepared_run, _toml, batches, make_trainer, write_groups
 
-import dist_support as ds
 from pnyx.store import open_store
 from pnyx.train import checkpoint
 from pnyx.train.bootstrap import read_run

@@ -162,7 +162,9 @@ def prepare_model(
         elif hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
-            raise ValueError(f"{type(model).__name__} cannot checkpoint activations (not a transformers model)")
+            raise ValueError(
+                f"{type(model).__name__} cannot checkpoint activations (not a transformers model)"
+            )
     if not d.sharded:
         return model
     from torch.distributed.device_mesh import init_device_mesh

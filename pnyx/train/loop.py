@@ -249,7 +249,9 @@ class Trainer:
             bootstrap.check_compatible(existing, config_json, self.model_info, self.store.url)
             self.manifest = existing
         else:
-            self.manifest = self._on_main(lambda: bootstrap.init_run(self.store, config_json, self.model_info))
+            self.manifest = self._on_main(
+                lambda: bootstrap.init_run(self.store, config_json, self.model_info)
+            )
         self.ingestor.run_id = self.manifest.run_id
         if not self.resume:
             try:
@@ -375,9 +377,8 @@ class Trainer:
         in the background. Then weights retention (rank 0)."""
         if self.last_checkpoint == self.version or self.version == 0:
             return  # v0 is the published initial weights: resuming without a checkpoint is the same state
-        blocked = self.checkpointer.save(
-            self.version, self.model, self.optimizer, self.ingestor.cursor.to_json().decode(), self.manifest.run_id
-        )
+        cursor = self.ingestor.cursor.to_json().decode()
+        blocked = self.checkpointer.save(self.version, self.model, self.optimizer, cursor, self.manifest.run_id)
         self.last_checkpoint = self.version
         if not self.dist.is_main:
             return
@@ -474,4 +475,3 @@ def format_line(m: dict[str, Any]) -> str:
         f"lr={m.get('lr', 0.0):.2e} pub={m['publish_kind']}:{m['publish_s']:.2f}s drops={_fmt_counts(m['drops'])} "
         f"disagree={_fmt_counts(m['disagreements'])}"
     )
-
