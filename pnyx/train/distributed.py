@@ -111,11 +111,12 @@ def launched_world() -> int:
         return 1
 
 
-def init_distributed(device: str) -> Dist:
+def init_distributed(device: str, wait_s: float = 0.0) -> Dist:
     """Join torchrun's process group if this process was launched with WORLD_SIZE > 1, else `single`.
 
     `device` is the configured trainer device (after 'auto' is resolved): `cuda` ranks use
-    `cuda:LOCAL_RANK` and NCCL; anything else uses gloo on the CPU.
+    `cuda:LOCAL_RANK` and NCCL; anything else uses gloo on the CPU. `wait_s`: the longest rank 0 may wait
+    for data while the others wait for its batch (their object collectives get at least that, plus margin).
     """
     world = launched_world()
     if world <= 1:
@@ -131,7 +132,7 @@ def init_distributed(device: str) -> Dist:
         dev, backend = torch.device(device), "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=TIMEOUT)
-    objects = dist.new_group(backend="gloo", timeout=TIMEOUT)
+    objects = dist.new_group(backend="gloo", timeout=max(TIMEOUT, timedelta(seconds=wait_s + 600)))
     checkpoints = dist.new_group(backend="gloo", timeout=TIMEOUT)
     log.info("trainer rank %d/%d on %s (%s)", rank, world, dev, backend)
     return Dist(rank, world, local_rank, dev, objects, checkpoints)

@@ -150,7 +150,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.trainer
         torch.manual_seed(cfg.run.seed)  # nothing in a step samples today; keeps any future use seeded
         model_dir = resolve_model_path(cfg)
-        self.dist = init_distributed(resolve_device(t.device))
+        self.dist = init_distributed(resolve_device(t.device), wait_s=t.max_wait_s)
         self.device = self.dist.device
         self.compute_dtype = resolve_compute_dtype(t.compute_dtype, self.device)
         model = load_model(model_dir, dtype="float32", device=self.device)
