@@ -222,8 +222,9 @@ class Checkpointer:
         self.wait()
         quiet_dcp_warnings()
         local = self.local_root / folder(version)
-        if self.d.local_rank == 0:
-            shutil.rmtree(local, ignore_errors=True)  # a leftover of a killed process
+        if self.d.local_rank == 0 and self.local_root.is_dir():
+            for stale in self.local_root.glob("ckpt-*"):  # leftovers of a killed process (none is in flight)
+                shutil.rmtree(stale, ignore_errors=True)
         self.d.barrier()  # ... gone before any rank of this node writes into it
         msd, osd = get_state_dict(model, optimizer)
         commit = Commit(FORMAT, version, self.d.world, run_id, [], cursor_json, capture_rng(), time.time())
