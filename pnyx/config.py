@@ -100,7 +100,13 @@ class WorkerConfig(_Section):
 
 class TrainerConfig(_Section):
     lr: Annotated[float, Field(gt=0, le=1)] = 2e-4
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak of the schedule)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after the warm-up: constant, linear or cosine decay to lr·min_lr_ratio at run.steps."""
+    warmup_steps: Annotated[int, Field(ge=0, le=10_000_000)] = 0
+    """Linear warm-up: step v ≤ warmup_steps uses lr·v/(warmup_steps+1) (0 = none)."""
+    min_lr_ratio: Prob = 0.0
+    """Where linear and cosine decay end, as a fraction of lr."""
     weight_decay: Annotated[float, Field(ge=0, le=1)] = 0.0
     """AdamW decoupled weight decay."""
     betas: tuple[Prob, Prob] = (0.9, 0.99)
@@ -108,17 +114,35 @@ class TrainerConfig(_Section):
     grad_clip: Annotated[float, Field(gt=0)] = 1.0
     """Global gradient-norm clip."""
     groups_per_step: Annotated[int, Field(ge=1, le=4096)] = 8
-    """Rollout groups per optimizer step."""
+    """Rollout groups per optimizer step: the gradient is accumulated over micro-batches (and summed over
+    ranks) until the whole batch is in it, whatever the memory per micro-batch or the number of ranks."""
     micro_batch_tokens: Annotated[int, Field(ge=64, le=10_000_000)] = 8192
     """Token budget of one forward/backward micro-batch (bounds memory)."""
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Forward/backward precision; master weights and optimizer state stay fp32. auto: bfloat16 on CUDA
+    (autocast on one process, FSDP2 parameter dtype when sharded), float32 on CPU."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (less memory)."""
     anchor_every: Annotated[int, Field(ge=1, le=100_000)] = 20
     """Publish a full anchor every this many versions; deltas in between."""
     keep_anchors: Annotated[int, Field(ge=1, le=100_000)] = 3
     """Retention: keep the newest this many anchors and every delta reachable from them."""
     publish_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Dtype of the published weights that workers run."""
-    checkpoint_every: Annotated[int, Field(ge=1, le=100_000)] = 1
-    """Write a resumable checkpoint every this many steps."""
+    publish_chunk_bytes: Annotated[int, Field(ge=4096, le=1 << 31)] = 64 << 20
+    """Raw state bytes per published payload object; also the unit of work split between ranks."""
+    checkpoint_every: Annotated[int, Field(ge=1, le=100_000)] = 20
+    """Write a sharded checkpoint every this many steps (and at the end); steps in between are replayed
+    from their batch records on resume."""
+    keep_checkpoints: Annotated[int, Field(ge=1, le=1000)] = 2
+    """Committed checkpoints kept in the store (older ones are deleted)."""
+    async_checkpoint: bool = True
+    """Write checkpoints from a background thread while training continues (else the loop waits)."""
+    checkpoint_dir: str | None = None
+    """Local folder where checkpoint shards are written before upload (None: a folder in the system temp
+    directory, one per run)."""
+    reference_device: str | None = None
+    """Device of the KL reference model (kl_coef > 0), held by rank 0 only (None: the trainer's device)."""
     max_wait_s: Annotated[float, Field(gt=0)] = 600.0
     """Give up (clean stop) if no usable rollouts arrive for this long."""
     device: str = "cpu"

@@ -75,3 +75,8 @@ class EnvironmentNotFound(PnyxError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
+
+
+class PeerFailedError(PnyxError):
+    """Another process of a distributed trainer failed during a collective step: its log names the cause.
+    Stop this one too and resume the run (`--resume`)."""

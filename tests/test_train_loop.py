@@ -45,7 +45,7 @@ def overrides(model_dir: Path, **extra) -> dict:
         "env": {"name": "arith"},
         "run": {"steps": 3},
         "worker": {"max_new_tokens": 16, "group_size": 2},
-        "trainer": {"groups_per_step": 2, "max_wait_s": 20.0, "lr": 1e-3, "checkpoint_every": 1},
+        "trainer": {"groups_per_step": 2, "max_wait_s": 20.0, "lr": 1e-3},
         "algorithm": {"max_staleness": 10, "max_groups_per_prompt": 2},
     }
     for dotted, value in extra.items():
@@ -236,17 +236,86 @@ def test_trainer_stops_cleanly_when_no_rollouts_arrive(tmp_path, model_dir):
     assert t.run() == 0
 
 
+def test_default_config_checkpoints_every_20_steps_and_at_the_end_only(tmp_path, model_dir):
+    t = make_trainer(str(tmp_path / "run"), model_dir)
+    assert t.cfg.trainer.checkpoint_every == 20
+    t.start()
+    write_groups(t.store, model_dir, 0, 6)
+    assert t.run() == 3
+    assert checkpoint.checkpoint_versions(t.store) == [3]
+    assert not t.store.list("trainer/ckpt-00000001") and not t.store.list("trainer/ckpt-00000002")
+
+
+def test_steps_follow_the_schedule_and_record_their_rate(tmp_path, model_dir):
+    from pnyx.train.schedule import Schedule
+
+    t = make_trainer(
+        str(tmp_path / "run"), model_dir, trainer__lr_schedule="cosine", trainer__warmup_steps=1,
+        trainer__min_lr_ratio=0.1,
+    )
+    t.start()
+    write_groups(t.store, model_dir, 0, 6)
+    t.run()
+    want = [Schedule(1e-3, "cosine", 1, 3, 0.1).at(v) for v in (1, 2, 3)]
+    assert [m["lr"] for m in checkpoint.read_metrics(t.store)] == want
+    assert [checkpoint.read_batch_record(t.store, v).lr for v in (1, 2, 3)] == want
+    assert want[0] < want[1] and want[2] == pytest.approx(1e-4)
+
+
+def test_replay_uses_the_recorded_rate_even_when_the_step_budget_changes(tmp_path, model_dir):
+    url = str(tmp_path / "run")
+    t = make_trainer(url, model_dir, trainer__lr_schedule="linear", trainer__min_lr_ratio=0.0)
+    t.start()
+    write_groups(t.store, model_dir, 0, 6)
+    t.step()
+    t.step()  # v1, v2 published under a 3-step decay; no checkpoint
+    again = make_trainer(url, model_dir, resume=True, run__steps=50)  # a 50-step decay from now on
+    again.start()
+    for k, v in t.model.state_dict().items():  # replayed with the recorded rates: exact, nothing adopted
+        assert torch.equal(again.model.state_dict()[k], v), k
+
+
+def test_a_legacy_single_object_checkpoint_resumes_in_one_process(tmp_path, model_dir):
+    url = str(tmp_path / "run")
+    t = make_trainer(url, model_dir)
+    t.start()
+    write_groups(t.store, model_dir, 0, 6)
+    t.step()
+    checkpoint.save_checkpoint(
+        t.store, 1, t.model, t.optimizer, t.ingestor.cursor.to_json(), {"run_id": t.manifest.run_id}
+    )
+    t.step()
+    t.store.delete(checkpoint.batch_key(1))  # only the legacy checkpoint can bring back v1 now
+    again = make_trainer(url, model_dir, resume=True)
+    again.start()
+    assert again.version == 2 and again.last_checkpoint == 1
+    assert again.ingestor.cursor.uses == t.ingestor.cursor.uses
+    for k, v in t.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[k], v), k
+
+
+def test_kl_to_the_reference_is_reported_and_its_logprobs_are_prefetched(tmp_path, model_dir):
+    t = make_trainer(str(tmp_path / "run"), model_dir, algorithm__kl_coef=0.5, run__steps=2)
+    t.start()
+    keys = write_groups(t.store, model_dir, 0, 4)
+    assert t.run() == 2
+    first, second = checkpoint.read_metrics(t.store)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # v0 is the reference
+    assert second["kl"] > 0
+    assert set(keys) <= set(t.reference._cache)
+
+
 # --- real processes, SIGKILL ---------------------------------------------------------------------------
 
 
-def _subprocess(url: str, cfg_path: Path, crash: str | None) -> subprocess.CompletedProcess:
+def _subprocess(url: str, cfg_path: Path, crash: str | None, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("PNYX_TEST_CRASH_AT", None)
     if crash:
         env["PNYX_TEST_CRASH_AT"] = crash
     return subprocess.run(
-        [sys.executable, "-m", "pnyx.train", "--store", url, "--config", str(cfg_path), "--resume"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=240,
+        [sys.executable, "-m", "pnyx.train", "--store", url, "--config", str(cfg_path), "--resume", *extra],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=400,
     )
 
 
@@ -277,19 +346,31 @@ def reference(tmp_path_factory, model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("crash", ["after_step:2", "after_publish:2"])
-def test_sigkilled_trainer_resumes_without_losing_or_duplicating_a_group(tmp_path, model_dir, reference, crash):
+@pytest.mark.parametrize(
+    ("crash", "every", "published"),
+    [
+        ("after_step:2", 20, {1}),  # default checkpointing: nothing checkpointed before the kill
+        ("after_publish:2", 20, {2}),
+        ("before_manifest:2", 20, {1}),  # v2's payload uploaded, its manifest never written
+        # v1 committed; v2's shards uploaded, never committed (training went on meanwhile: v3 may be out)
+        ("during_checkpoint:2", 1, {2, 3}),
+    ],
+)
+def test_sigkilled_trainer_resumes_without_losing_or_duplicating_a_group(
+    tmp_path, model_dir, reference, crash, every, published
+):
     ref_batches, ref_digest = reference
     url, keys = _prepared_run(tmp_path / "run", model_dir)
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(_toml(model_dir))
 
-    killed = _subprocess(url, cfg, crash)
+    killed = _subprocess(url, cfg, crash, f"--trainer.checkpoint_every={every}")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     store = open_store(url)
     from pnyx.weights import latest_version
 
-    assert latest_version(store) == (1 if crash.startswith("after_step") else 2)
+    assert latest_version(store) in published
+    assert checkpoint.checkpoint_versions(store) == ([1] if every == 1 else [])
 
     resumed = _subprocess(url, cfg, None)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -10,7 +10,8 @@ A store URL points at one run's root; keys are relative to it (DESIGN.md §3):
                                             create-only rollout groups, by producing policy version, then
                                             by upload stamp (the uploader's clock, in ms)
     workers/{worker}.json                   worker heartbeat (overwritten)
-    trainer/{name}                          trainer checkpoint objects and ingestion cursor
+    trainer/{name}                          trainer batch records, metrics, legacy checkpoints
+    trainer/ckpt-{V:08d}/{name}             sharded (DCP) checkpoint objects, COMMIT.json last
     swarm/{node}/{seq:010d}                 swarm-mode shared groups (decoded text)
     swarm/nodes/{node}.json                 swarm-mode node heartbeat
     evals/v{V:08d}.json                     held-out evaluation of version V (written by `pnyx run`/`eval`)
@@ -141,6 +142,11 @@ def worker_heartbeat(worker: str) -> str:
 
 def trainer_key(name: str) -> str:
     return f"{TRAINER_PREFIX}{check_name(name, 'trainer object name')}"
+
+
+def trainer_folder_key(folder: str, name: str) -> str:
+    """`trainer/{folder}/{name}`: one object of a multi-object trainer record (a sharded checkpoint)."""
+    return f"{TRAINER_PREFIX}{check_name(folder, 'trainer folder')}/{check_name(name, 'trainer object name')}"
 
 
 def swarm_dir(node: str) -> str:

@@ -1,14 +1,17 @@
-"""Trainer state in the run: checkpoints, step intents (batch records), per-step metrics.
+"""Trainer state in the run: step intents (batch records), per-step metrics, and legacy checkpoints.
 
-Three kinds of objects under `<run>/trainer/` (keys from `pnyx.protocol.layout.trainer_key`):
+Objects under `<run>/trainer/` (keys from `pnyx.protocol.layout`):
 
-    trainer/ckpt-{V:08d}.pt        one object: fp32 model, AdamW state, RNG, ingestion cursor, at version V
-    trainer/batch-{V:08d}.json     create-only: the group keys the step that produces version V consumes
+    trainer/batch-{V:08d}.json     create-only: the group keys (and learning rate) of the step producing V
     trainer/metrics-{V:08d}.json   the metrics of the step that produced version V
+    trainer/ckpt-{V:08d}/...       sharded DCP checkpoints (`checkpointer.py`)
+    trainer/ckpt-{V:08d}.pt        legacy: one torch.save object (fp32 model, AdamW state, RNG, cursor),
+                                   written by pnyx before sharded checkpoints; still read on resume
 
-A checkpoint is a single put, so it is atomic on every backend (no reader sees half of one). A batch
-record is written create-only *before* the step's publish: the weights of version V were trained on
-exactly `batch-V`, whichever process computed them (see docs/trainer.md for the crash argument).
+A batch record is written create-only *before* the step's publish: the weights of version V were trained
+on exactly `batch-V`, whichever process computed them (see docs/trainer.md for the crash argument); with
+the learning rate it records, a replay does not depend on the schedule or step budget of the process
+that replays it.
 
 Knows nothing about the training loop's policy; imports torch only inside the functions that need it.
 """
@@ -62,11 +65,15 @@ class BatchRecord(msgspec.Struct):
     keys: list[str]
     trainer_id: str
     created_at: float
+    lr: float | None = None
+    """The learning rate of the step (None in records written before schedules: the configured lr)."""
 
 
-def write_batch_record(store: Any, version: int, keys: list[str], trainer_id: str) -> BatchRecord:
+def write_batch_record(
+    store: Any, version: int, keys: list[str], trainer_id: str, lr: float | None = None
+) -> BatchRecord:
     """Record the step's batch create-only; if a record already exists, return it (it wins, use it)."""
-    rec = BatchRecord(version=version, keys=list(keys), trainer_id=trainer_id, created_at=time.time())
+    rec = BatchRecord(version=version, keys=list(keys), trainer_id=trainer_id, created_at=time.time(), lr=lr)
     try:
         store.put(batch_key(version), msgspec.json.encode(rec), mode="create")
         return rec
@@ -88,13 +95,14 @@ def read_batch_record(store: Any, version: int) -> BatchRecord | None:
         raise IntegrityError(f"{batch_key(version)} is not a batch record: {e}") from e
 
 
-# --- checkpoints ----------------------------------------------------------------------------------------
+# --- legacy checkpoints (one object) ---------------------------------------------------------------------
 
 
 def save_checkpoint(
     store: Any, version: int, model: Any, optimizer: Any, cursor_json: bytes, extra: dict | None = None
 ) -> str:
-    """Write the whole trainer state at `version` as one object (atomic). Returns its key."""
+    """Write the whole trainer state at `version` as one object, in the legacy format (pnyx now writes
+    sharded checkpoints; this stays so runs and tests can hold one). Returns its key."""
     import torch
 
     rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": repr(random.getstate())}
@@ -118,17 +126,14 @@ def save_checkpoint(
 
 
 def checkpoint_versions(store: Any) -> list[int]:
-    """Versions with a checkpoint, ascending."""
-    out = []
-    for meta in store.list(layout.trainer_key(_CKPT_PREFIX.rstrip("-") + "-")):
-        v = _version_of(meta.key, _CKPT_PREFIX, ".pt")
-        if v is not None:
-            out.append(v)
-    return sorted(out)
+    """Versions with a complete checkpoint (sharded and committed, or legacy), ascending."""
+    from pnyx.train.checkpointer import committed
+
+    return sorted({s.version for s in committed(store)})
 
 
 def load_checkpoint(store: Any, version: int) -> dict[str, Any]:
-    """Read a checkpoint (tensors on CPU). Restores nothing by itself: see `restore_rng`."""
+    """Read a legacy checkpoint (tensors on CPU). Restores nothing by itself: see `restore_rng`."""
     import torch
 
     data = store.get(ckpt_key(version))
@@ -143,6 +148,7 @@ def load_checkpoint(store: Any, version: int) -> dict[str, Any]:
 
 
 def restore_rng(rng: dict[str, Any]) -> None:
+    """Restore the RNG state of a legacy checkpoint."""
     import ast
 
     import torch
@@ -151,15 +157,6 @@ def restore_rng(rng: dict[str, Any]) -> None:
     random.setstate(ast.literal_eval(rng["python"]))
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-
-
-def prune_checkpoints(store: Any, keep: int = 2) -> list[int]:
-    """Delete all but the newest `keep` checkpoints. Returns the versions deleted."""
-    versions = checkpoint_versions(store)
-    doomed = versions[:-keep] if keep > 0 else versions
-    for v in doomed:
-        store.delete(ckpt_key(v))
-    return doomed
 
 
 # --- metrics --------------------------------------------------------------------------------------------

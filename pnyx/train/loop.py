@@ -6,11 +6,13 @@ Per step at version V (DESIGN.md §5, docs/trainer.md):
 2. `train_step` (fp32 master, micro-batched, AdamW, clip);
 3. publish V+1 (bf16 by default) through the PULSE publisher — the fence: FencedError if another trainer
    owns the run;
-4. commit the batch to the ingestion cursor; write metrics; checkpoint every `checkpoint_every` steps.
+4. commit the batch to the ingestion cursor; write metrics; checkpoint (sharded, asynchronous) every
+   `checkpoint_every` steps.
 
-On resume, the newest checkpoint C is loaded and every published version in (C, P] is replayed from its
-batch record, so the in-memory state (weights, optimizer, cursor) is exactly the state that produced P;
-a replay whose bits differ from the published P (non-deterministic kernels) adopts the published bits.
+On resume, the newest committed checkpoint C is loaded and every published version in (C, P] is replayed
+from its batch record, so the in-memory state (weights, optimizer, cursor) is exactly the state that
+produced P; a replay whose bits differ from the published P (non-deterministic kernels, another number of
+ranks) adopts the published bits.
 
 Ingestion overlaps the step: once a batch is recorded, the prefetcher (`prefetch.py`) lists, fetches and
 re-scores the next step's groups in the background while this step trains and publishes. Never silent:
@@ -18,10 +20,17 @@ re-scores the next step's groups in the background while this step trains and pu
 request (SIGINT/SIGTERM) is a flag every wait checks at least every 0.1 s: a trainer waiting for or
 fetching groups stops at once; one that is stepping finishes the step (publish, commit), then checkpoints.
 
-Test hook: `PNYX_TEST_CRASH_AT=after_step:N` or `after_publish:N` SIGKILLs this process right after the
-optimizer step that produces version N, or right after publishing N (before its checkpoint). Used by the
-kill tests only. `PNYX_TEST_INGEST_DELAY_S=x` makes every group fetch sleep x seconds first (the liveness
-tests use it to hold the trainer in ingestion). Knows nothing about generation internals.
+Under torchrun every rank runs this loop together (`distributed.py`): rank 0 alone chooses and records the
+batch (ingestion runs on rank 0 only), commits the manifest, writes metrics and checkpoint commits; every
+rank receives the batch, trains on its share, publishes its share of the payload and writes its
+checkpoint shards.
+
+Test hooks: `PNYX_TEST_CRASH_AT=<point>:N[@R]` SIGKILLs this process (only rank R when given) at a named
+point of the step that produces version N: `after_step` (optimizer step done), `before_manifest` (payload
+uploaded, manifest not written), `after_publish` (published, before metrics and checkpoint) or
+`during_checkpoint` (this rank's checkpoint shards uploaded, not committed). `PNYX_TEST_INGEST_DELAY_S=x`
+makes every group fetch sleep x seconds first (the liveness tests use it to hold the trainer in
+ingestion). Used by tests only. Knows nothing about generation internals.
 """
 
 from __future__ import annotations
@@ -37,9 +46,9 @@ from typing import Any
 import torch
 
 from pnyx.config import PnyxConfig, overlay_changed, resolve_model_source
-from pnyx.errors import ConfigError, FencedError, IntegrityError, NotFoundError, RecordRejected
-from pnyx.train import bootstrap, checkpoint
-from pnyx.train.ingest import Cursor, Ingestor, IngestSettings, ScoredGroup
+from pnyx.errors import ConfigError, FencedError, IntegrityError, NotFoundError, PnyxError, RecordRejected
+from pnyx.train import bootstrap, checkpoint, checkpointer
+from pnyx.train.ingest import Ingestor, IngestSettings, ScoredGroup
 from pnyx.train.losses import LossSettings
 from pnyx.train.prefetch import Prefetcher
 from pnyx.train.progress import Progress, format_line, reward_parts
@@ -49,13 +58,16 @@ log = logging.getLogger("pnyx.train")
 
 CRASH_ENV = "PNYX_TEST_CRASH_AT"
 INGEST_DELAY_ENV = "PNYX_TEST_INGEST_DELAY_S"
-KEEP_CHECKPOINTS = 2
 
 
 def _crash_point(name: str, version: int) -> None:
     """The kill-test hook (see module docstring): SIGKILL ourselves at a named point."""
-    if os.environ.get(CRASH_ENV) == f"{name}:{version}":
-        log.warning("test hook %s=%s: SIGKILL", CRASH_ENV, os.environ[CRASH_ENV])
+    want = os.environ.get(CRASH_ENV)
+    if want is None:
+        return
+    point, _, rank = want.partition("@")
+    if point == f"{name}:{version}" and (not rank or rank == os.environ.get("RANK", "0")):
+        log.warning("test hook %s=%s: SIGKILL", CRASH_ENV, want)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -123,6 +135,17 @@ class StepResult:
     groups: list[ScoredGroup]
     publish_s: float
     publish_kind: str
+    lr: float = 0.0
+
+
+@dataclass
+class Batch:
+    """What rank 0 sends every rank for one step: the groups, their reference logprobs, the rate."""
+
+    keys: list[str]
+    groups: list[ScoredGroup]
+    lr: float
+    ref: dict[tuple[str, int], list[float]] | None = None
 
 
 class Trainer:
@@ -142,6 +165,7 @@ class Trainer:
         self._check_pending = True  # read a pending batch record before the first step of this process
         self._ingest_wait_s = 0.0
         self.progress = Progress(store, self._describe)
+        self.reference: Any = None
 
     # --- setup ---------------------------------------------------------------------------------------
 
@@ -150,29 +174,37 @@ class Trainer:
         from pnyx.config import resolve_device
         from pnyx.envs import get_env
         from pnyx.models import load_model, load_tokenizer, render_prompt, resolve_run_model, tokenizer_digest
+        from pnyx.train.distributed import init_distributed, prepare_model, resolve_compute_dtype
+        from pnyx.train.reference import Reference
+        from pnyx.train.schedule import Schedule
         from pnyx.weights.publisher import Publisher
 
-        cfg = self.cfg
+        cfg, t = self.cfg, self.cfg.trainer
         torch.manual_seed(cfg.run.seed)  # nothing in a step samples today; keeps any future use seeded
         if run is not None:  # resuming: exactly the run's recorded model (a hub id pinned to its commit)
             source = resolve_run_model(run.model, cfg.model.path, cfg.model.revision)
         else:
             source = resolve_model_source(cfg)
         model_dir = source.folder
-        self.device = resolve_device(cfg.trainer.device)
-        self.model = load_model(model_dir, dtype="float32", device=self.device)
+        self.dist = init_distributed(resolve_device(t.device), wait_s=t.max_wait_s)
+        self.device = self.dist.device
+        self.compute_dtype = resolve_compute_dtype(t.compute_dtype, self.device)
+        model = load_model(model_dir, dtype="float32", device=self.device)
+        self.model = prepare_model(model, self.dist, self.compute_dtype, t.activation_checkpointing)
         self.tokenizer = load_tokenizer(model_dir)
         self.env = get_env(cfg.env.name, **cfg.env.kwargs)
-        self.ref_model = None
-        if cfg.algorithm.kl_coef > 0:
-            self.ref_model = load_model(model_dir, dtype="float32", device=self.device)
-            self.ref_model.requires_grad_(False)
-        self.optimizer = make_optimizer(
-            self.model, cfg.trainer.lr, tuple(cfg.trainer.betas), cfg.trainer.weight_decay
-        )
+        if cfg.algorithm.kl_coef > 0 and self.dist.is_main:
+            self.reference = Reference(model_dir, t.reference_device or self.device, self.compute_dtype)
+        self.optimizer = make_optimizer(self.model, t.lr, tuple(t.betas), t.weight_decay)
+        self.schedule = Schedule(t.lr, t.lr_schedule, t.warmup_steps, self.steps, t.min_lr_ratio)
         self.publisher = Publisher(
-            self.store, anchor_every=cfg.trainer.anchor_every, int8_plane=cfg.worker.int8
-        )
+            self.store, anchor_every=t.anchor_every, int8_plane=cfg.worker.int8,
+            chunk_bytes=t.publish_chunk_bytes, comm=self.dist, hook=_crash_point,
+        )  # fmt: skip
+        self.checkpointer = checkpointer.Checkpointer(
+            self.store, self.dist, checkpointer.local_folder(t.checkpoint_dir, self.store.url), t.keep_checkpoints,
+            t.async_checkpoint, hook=_crash_point,
+        )  # fmt: skip
         vocab = int(self.model.config.vocab_size)
         self.model_info = {
             "name": source.name,
@@ -209,9 +241,34 @@ class Trainer:
             self._digests[version] = digests
         return self._digests[version]
 
+    def publish_layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        from pnyx.train.distributed import state_layout
+
+        return state_layout(self.model, getattr(torch, self.cfg.trainer.publish_dtype))
+
     def publish_tensors(self) -> dict[str, torch.Tensor]:
-        dtype = getattr(torch, self.cfg.trainer.publish_dtype)
-        return {k: v.detach().to("cpu", dtype) for k, v in self.model.state_dict().items()}
+        """The published cast of the tensors this rank publishes (all of them in one process); on CPU."""
+        from pnyx.train.distributed import gather_published
+
+        keep = self.publisher.needs(self.publish_layout())
+        return gather_published(self.model, getattr(torch, self.cfg.trainer.publish_dtype), keep)
+
+    def _publish(self, version: int, force_anchor: bool = False) -> Any:
+        """Publish the current weights as `version` (every rank takes part; rank 0 commits)."""
+        return self.publisher.publish(version, self.publish_tensors(), force_anchor, self.publish_layout())
+
+    def _on_main(self, fn: Any) -> Any:
+        """Run `fn()` on rank 0 only and hand its result (or its error) to every rank."""
+        out: tuple[str, Any] = ("ok", None)
+        if self.dist.is_main:
+            try:
+                out = ("ok", fn())
+            except PnyxError as e:  # the same error on every rank, so every rank exits the same way
+                out = ("error", e)
+        out = self.dist.broadcast(out)
+        if out[0] == "error":
+            raise out[1]
+        return out[1]
 
     def start(self) -> None:
         """Load the model and either create the run (publish v0) or resume it from the store."""
@@ -237,11 +294,13 @@ class Trainer:
             bootstrap.check_compatible(existing, config_json, self.model_info, self.store.url)
             self.manifest = existing
         else:
-            self.manifest = bootstrap.init_run(self.store, config_json, self.model_info)
+            self.manifest = self._on_main(
+                lambda: bootstrap.init_run(self.store, config_json, self.model_info)
+            )
         self.ingestor.run_id = self.manifest.run_id
         if not self.resume:
             try:
-                self.publisher.publish(0, self.publish_tensors(), force_anchor=True)
+                self._publish(0, force_anchor=True)
             except FencedError:
                 raise FencedError(
                     f"the run at {self.store.url} already has published weights: another trainer owns it. "
@@ -252,83 +311,36 @@ class Trainer:
                 "trainer run=%s created: v0 published (%s)", self.manifest.run_id, self.model_info["name"]
             )
             return
-        self._restore(latest_version(self.store))
+        self._restore(self.dist.broadcast(latest_version(self.store) if self.dist.is_main else None))
 
     def _restore(self, published: int | None) -> None:
         """Load the newest checkpoint and roll forward through every version published after it."""
-        from pnyx.weights.manifest import read_manifest
+        from pnyx.train.resume import restore
 
-        versions = checkpoint.checkpoint_versions(self.store)
-        base = versions[-1] if versions else 0
-        if versions:
-            state = checkpoint.load_checkpoint(self.store, base)
-            owner = state["extra"].get("run_id")
-            if owner != self.manifest.run_id:
-                raise IntegrityError(
-                    f"{checkpoint.ckpt_key(base)} belongs to run {owner!r}, not to this run "
-                    f"({self.manifest.run_id!r}): the trainer/ folder was copied from another run"
-                )
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            checkpoint.restore_rng(state["rng"])
-            self.ingestor.cursor = Cursor.from_json(state["cursor"].encode())
-            self.last_checkpoint = base
-        if published is None:  # killed before v0 was published: publish it now
-            self.publisher.publish(0, self.publish_tensors(), force_anchor=True)
-            published = 0
-        if published < base:
-            raise IntegrityError(
-                f"checkpoint v{base} is newer than the newest published weights v{published}: the weights "
-                "of this run were deleted or the checkpoint belongs to another run"
-            )
-        for v in range(base + 1, published + 1):
-            rec = checkpoint.read_batch_record(self.store, v)
-            if rec is None:
-                raise IntegrityError(
-                    f"cannot roll forward from checkpoint v{base} to published v{published}: "
-                    f"{checkpoint.batch_key(v)} is missing"
-                )
-            groups = self._load_recorded(rec)
-            self.version = v - 1
-            stats = self._train(groups)
-            self.ingestor.commit(rec.keys, groups)
-            kind = read_manifest(self.store, v).kind
-            checkpoint.write_metrics(self.store, v, self.metrics(StepResult(v, stats, groups, 0.0, kind)))
-            log.info("trainer resume: replayed step to v%d from its batch record (%d groups)", v, len(groups))
-        self.version = published
-        if published > base:
-            self._verify_or_adopt(published)
-        log.info("trainer run=%s resumed at v%d (checkpoint v%d)", self.manifest.run_id, published, base)
+        restore(self, published)
 
-    def _verify_or_adopt(self, version: int) -> None:
-        """After a replay, the cast of our master weights must be the published bits; else adopt those."""
-        from pnyx.weights.bits import from_torch, state_digest
-        from pnyx.weights.manifest import read_manifest
-
-        want = read_manifest(self.store, version).weights.state_digest
-        if state_digest(from_torch(self.publish_tensors())) == want:
-            return
-        from pnyx.weights import Syncer
-
-        log.warning("trainer resume: replayed v%d differs from the published bits; adopting them", version)
-        _, tensors = Syncer(self.store).sync(to_version=version)
-        with torch.no_grad():
-            for k, p in self.model.state_dict().items():
-                p.copy_(tensors[k].to(p.dtype))
+    def _batch(self, rec: checkpoint.BatchRecord, groups: list[ScoredGroup]) -> Batch:
+        """Rank 0: what every rank needs for the step of `rec` (its rate, the reference logprobs)."""
+        lr = rec.lr if rec.lr is not None else self.cfg.trainer.lr
+        ref = self.reference.logprobs(groups) if self.reference is not None else None
+        return Batch(list(rec.keys), groups, lr, ref)
 
     # --- one step ------------------------------------------------------------------------------------
 
-    def _train(self, groups: list[ScoredGroup]) -> StepStats:
+    def _train(self, batch: Batch) -> StepStats:
         return train_step(
             self.model,
             self.optimizer,
-            groups,
+            batch.groups,
             loss_settings(self.cfg),
             micro_batch_tokens=self.cfg.trainer.micro_batch_tokens,
             grad_clip=self.cfg.trainer.grad_clip,
             max_len=self.cfg.worker.max_new_tokens,
-            ref_model=self.ref_model,
+            ref_logprobs=batch.ref,
             policy_version=self.version,
+            lr=batch.lr,
+            dist=self.dist,
+            compute_dtype=self.compute_dtype,
         )
 
     def _wait_for_batch(self) -> list[ScoredGroup] | None:
@@ -365,19 +377,41 @@ class Trainer:
             time.sleep(min(left, 0.1))
 
     def step(self) -> StepResult | None:
-        """One step V → V+1 (None if stopped while waiting for data)."""
+        """One step V → V+1 (None if stopped while waiting for data). Every rank calls it together."""
         target = self.version + 1
+        batch = self._on_main(lambda: self._choose_batch(target))
+        if batch is None:
+            return None
+        self.progress.phase("training", have=len(batch.groups))
+        stats = self._train(batch)
+        _crash_point("after_step", target)
+        self.progress.phase("publishing")
+        t0 = time.perf_counter()
+        m = self._publish(target)
+        publish_s = time.perf_counter() - t0
+        if self.dist.is_main:
+            self._digests[target] = manifest_digests(m)
+            self.ingestor.note_published(target)
+            self.ingestor.commit(batch.keys, batch.groups)
+            self.prefetcher.ahead(target)
+        self.version = target
+        _crash_point("after_publish", target)
+        return StepResult(target, stats, batch.groups, publish_s, m.kind, batch.lr)
+
+    def _choose_batch(self, target: int) -> Batch | None:
+        """Rank 0: the batch of the step producing `target`: its record if one exists, else a new one."""
         rec = checkpoint.read_batch_record(self.store, target) if self._check_pending else None
-        self._check_pending = (
-            False  # later records can only come from a rival, which the create-only write sees
-        )
+        # Later records can only come from a rival trainer, which the create-only write below detects.
+        self._check_pending = False
         if rec is None:
             t0 = time.perf_counter()
             chosen = self._wait_for_batch()
             if chosen is None:
                 return None
             self._ingest_wait_s = time.perf_counter() - t0
-            rec = checkpoint.write_batch_record(self.store, target, [g.key for g in chosen], self.trainer_id)
+            rec = checkpoint.write_batch_record(
+                self.store, target, [g.key for g in chosen], self.trainer_id, self.schedule.at(target)
+            )
             by_key = {g.key: g for g in chosen}
             groups = (
                 [by_key[k] for k in rec.keys] if set(rec.keys) == set(by_key) else self._load_recorded(rec)
@@ -393,34 +427,20 @@ class Trainer:
             groups = self._load_recorded(rec)
             self._ingest_wait_s = 0.0
         self.prefetcher.ahead(target, rec.keys)  # the next step's groups, fetched while this one runs
-        self.progress.phase("training", have=len(groups))
-        stats = self._train(groups)
-        _crash_point("after_step", target)
-        self.progress.phase("publishing")
-        t0 = time.perf_counter()
-        m = self.publisher.publish(target, self.publish_tensors())
-        publish_s = time.perf_counter() - t0
-        self._digests[target] = manifest_digests(m)
-        self.ingestor.note_published(target)
-        self.ingestor.commit(rec.keys, groups)
-        self.version = target
-        self.prefetcher.ahead(target)
-        _crash_point("after_publish", target)
-        return StepResult(target, stats, groups, publish_s, m.kind)
+        return self._batch(rec, groups)
 
     def checkpoint(self) -> None:
-        if self.last_checkpoint == self.version:
-            return
-        checkpoint.save_checkpoint(
-            self.store,
-            self.version,
-            self.model,
-            self.optimizer,
-            self.ingestor.cursor_json(),
-            {"run_id": self.manifest.run_id},
-        )
+        """Start a sharded checkpoint of the current version (every rank together); it uploads and commits
+        in the background. Then weights retention (rank 0)."""
+        if self.last_checkpoint == self.version or self.version == 0:
+            return  # v0 is the published initial weights: resuming without a checkpoint is the same state
+        cursor = self.ingestor.cursor_json().decode()
+        blocked = self.checkpointer.save(self.version, self.model, self.optimizer, cursor, self.manifest.run_id)
         self.last_checkpoint = self.version
-        checkpoint.prune_checkpoints(self.store, KEEP_CHECKPOINTS)
+        if not self.dist.is_main:
+            return
+        mode = "async: shards upload in the background" if self.cfg.trainer.async_checkpoint else "sync"
+        log.info("trainer checkpoint v=%d started: the loop waited %.2fs (%s)", self.version, blocked, mode)
         # Weights retention: keep the newest anchors, and every version a group in the staleness window
         # may name (its manifest holds the digest ingestion checks).
         from pnyx.weights import apply_retention
@@ -459,6 +479,8 @@ class Trainer:
             "step_s": s.seconds,
             "publish_s": r.publish_s,
             "publish_kind": r.publish_kind,
+            "lr": r.lr,
+            "ranks": self.dist.world,
             "micro_batches": s.micro_batches,
             "lp_gap": s.lp_gap,
             "reward_parts": reward_parts(r.groups),
@@ -489,26 +511,29 @@ class Trainer:
     def run(self, sinks: list[Any] | None = None) -> int:
         """Step until `steps` versions exist, a stop is requested, or data stops arriving. Returns V."""
         sinks = sinks or []
-        self.prefetcher.ahead(self.version)
-        self.prefetcher.start()
-        with self.progress.running(status=True):
+        if self.dist.is_main:  # ingestion runs on rank 0 only; the others receive each batch
+            self.prefetcher.ahead(self.version)
+            self.prefetcher.start()
+        with self.progress.running(status=self.dist.is_main):
             self._loop(sinks)
         return self.version
 
     def _loop(self, sinks: list[Any]) -> None:
         try:
-            while self.version < self.steps and not self._stop:
+            # Rank 0 decides whether to go on (its stop flag, its budget); the others follow its word.
+            while self.dist.broadcast(self.version < self.steps and not self._stop):
                 r = self.step()
                 if r is None:
                     break
-                m = self.metrics(r)
-                checkpoint.write_metrics(self.store, r.version, m)
-                for sink in sinks:
-                    sink.write(m)
-                log.info(format_line(m))
-                self.progress.noted()
-                zv = m["zero_variance"]
-                self.progress.warn_zero_variance(zv["frac"], zv["kind"])
+                if self.dist.is_main:
+                    m = self.metrics(r)
+                    checkpoint.write_metrics(self.store, r.version, m)
+                    for sink in sinks:
+                        sink.write(m)
+                    log.info(format_line(m))
+                    self.progress.noted()
+                    zv = m["zero_variance"]
+                    self.progress.warn_zero_variance(zv["frac"], zv["kind"])
                 if r.version % self.cfg.trainer.checkpoint_every == 0:
                     self.progress.phase("checkpointing")
                     self.checkpoint()
@@ -521,4 +546,7 @@ class Trainer:
             log.info("trainer v=%d: stop requested; checkpointing", self.version)
         self.progress.phase("checkpointing")
         self.checkpoint()
+        self.checkpointer.wait()
+        if self.reference is not None:
+            self.reference.close()
         self.progress.phase("stopped")

@@ -78,7 +78,7 @@ def format_line(m: dict[str, Any]) -> str:
         f"trainer v={m['version']} groups={m['groups']} reward={m['reward']:.3f} parts={parts} "
         f"stale={m['stale_mean']:.2f} masked={100 * m['masked_frac']:.2f}% clip={100 * m['clip_frac']:.2f}% "
         f"ess={m['ess']:.3f} ent={m['entropy']:.3f} gnorm={m['grad_norm']:.3f} loss={m['loss']:+.4f} "
-        f"tok/s={m['tok_s']:.0f} pub={m['publish_kind']}:{m['publish_s']:.2f}s "
+        f"tok/s={m['tok_s']:.0f} lr={m.get('lr', 0.0):.2e} pub={m['publish_kind']}:{m['publish_s']:.2f}s "
         f"ingest={m.get('ingest_wait_s', 0.0):.2f}s backlog=waiting:{b.get('waiting', 0)},fetched:{b.get('fetched', 0)} "
         f"drops={fmt_counts(m['drops'])} disagree={fmt_counts(m['disagreements'])}"
     )

@@ -9,9 +9,14 @@ Invariants:
   never exceeds it, except a single row longer than the budget, which goes alone;
 - the accumulated gradient equals the full-batch gradient: aggregation weights use batch-global counts
   (`losses.token_weights`), so micro-batching changes memory, not the update;
-- master weights stay fp32; on CUDA the forward runs under bf16 autocast;
-- given the same model, optimizer state and batch (same order) on the same device and thread count, the
-  step is deterministic (resume relies on this to replay a step; it verifies against the published bits).
+- master weights stay fp32; on CUDA the forward runs in bf16 (autocast on one process, the FSDP2
+  mixed-precision policy when sharded);
+- across N ranks (`distributed.py`) the same batch gives the same update up to fp32 summation order: the
+  micro-batch plan and its assignment to ranks are pure functions of the batch, the loss weights are
+  batch-global, the gradients are summed, and every statistic is merged from all ranks;
+- given the same model, optimizer state and batch (same order) on the same device, thread count and
+  number of ranks, the step is deterministic (resume relies on this to replay a step; it verifies against
+  the published bits).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +49,10 @@ class Row:
     """Who produced it (for the per-worker behaviour-logprob check)."""
     version: int = -1
     """The policy version that produced it."""
+    key: str = ""
+    """The group's key, with `index`: where the reference logprobs of this completion are found."""
+    index: int = 0
+    """The sample's index in its group."""
 
     @property
     def length(self) -> int:
@@ -55,13 +65,21 @@ def build_rows(groups: list[ScoredGroup]) -> list[Row]:
     for g in groups:
         rec = g.group
         sampling = (float(rec.temperature), int(rec.top_k), float(rec.top_p))
-        for s, adv in zip(rec.samples, g.advantages, strict=True):
+        for i, (s, adv) in enumerate(zip(rec.samples, g.advantages, strict=True)):
             if not s.tokens:
                 continue
             rows.append(
                 Row(
-                    list(rec.prompt_tokens), list(s.tokens), list(s.logprobs), list(s.loss_mask), adv, sampling,
-                    g.worker_id, g.version,
+                    list(rec.prompt_tokens),
+                    list(s.tokens),
+                    list(s.logprobs),
+                    list(s.loss_mask),
+                    adv,
+                    sampling,
+                    g.worker_id,
+                    g.version,
+                    g.key,
+                    i,
                 )
             )
     return rows
@@ -132,8 +150,48 @@ class StepStats:
 def make_optimizer(
     model: torch.nn.Module, lr: float, betas: tuple[float, float], weight_decay: float
 ) -> torch.optim.Optimizer:
-    """AdamW over the fp32 master parameters."""
+    """AdamW over the fp32 master parameters (sharded ones too: each rank steps its own shard)."""
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+def assign_micro_batches(rows: list[Row], plan: list[list[int]], world: int) -> list[list[list[int]]]:
+    """Micro-batches per rank: each, in plan order, to the rank with the fewest padded tokens so far.
+
+    A pure function of the plan, so every rank computes the same assignment without talking."""
+    out: list[list[list[int]]] = [[] for _ in range(world)]
+    load = [0] * world
+    for mb in plan:
+        r = min(range(world), key=lambda k: (load[k], k))
+        out[r].append(mb)
+        load[r] += len(mb) * max(rows[i].length for i in mb)
+    return out
+
+
+@dataclass
+class _Partial:
+    """One rank's sums over its micro-batches; merged across ranks into `StepStats`."""
+
+    loss: float = 0.0
+    counts: Counter[str] = field(default_factory=Counter)
+    iw_sum: float = 0.0
+    iw_sq: float = 0.0
+    iw_max: float = -math.inf
+    iw_min: float = math.inf
+    ent_sum: float = 0.0
+    kl_sum: float = 0.0
+    gap_sum: Counter[str] = field(default_factory=Counter)
+    gap_n: Counter[str] = field(default_factory=Counter)
+
+    def merge(self, o: _Partial) -> None:
+        self.loss += o.loss
+        self.counts.update(o.counts)
+        self.iw_sum += o.iw_sum
+        self.iw_sq += o.iw_sq
+        self.iw_max, self.iw_min = max(self.iw_max, o.iw_max), min(self.iw_min, o.iw_min)
+        self.ent_sum += o.ent_sum
+        self.kl_sum += o.kl_sum
+        self.gap_sum.update(o.gap_sum)
+        self.gap_n.update(o.gap_n)
 
 
 def train_step(
@@ -145,41 +203,62 @@ def train_step(
     micro_batch_tokens: int,
     grad_clip: float,
     max_len: int | None = None,
-    ref_model: torch.nn.Module | None = None,
+    ref_logprobs: Mapping[tuple[str, int], Sequence[float]] | None = None,
     policy_version: int | None = None,
+    lr: float | None = None,
+    dist: Any = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> StepStats:
     """Accumulate the loss of `groups` over micro-batches, clip, and take one AdamW step.
 
     `policy_version` (the version being stepped from) enables the per-worker `lp_gap` statistic.
+    `ref_logprobs` maps (group key, sample index) to the reference policy's logprobs of that completion
+    (needed when `settings.kl_coef > 0`); `lr`, when given, is set on every parameter group first.
+
+    `dist` (a `distributed.Dist`; default one process): every rank passes the same groups, trains on its
+    share of the micro-batches and the sharded model sums the gradients, so the update and the returned
+    statistics are those of the whole batch on every rank. Ranks with fewer micro-batches run a zero-weight
+    one so all ranks take part in the same number of forward/backward collectives.
+    `compute_dtype`: bf16 runs the forward under autocast on a one-process model (the sharded model casts
+    its own parameters); default: bf16 autocast on CUDA, fp32 elsewhere.
     """
     from pnyx.models.logprobs import completion_logprobs
+    from pnyx.train.distributed import forward_view
 
     t0 = time.perf_counter()
     device = next(model.parameters()).device
+    rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
     rows = build_rows(groups)
     if not rows:
         raise ValueError("train_step: the batch has no completion tokens")
+    if settings.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("train_step: kl_coef > 0 needs the reference logprobs of the batch")
     n_seq = len(rows)
     n_tok = sum(sum(r.loss_mask) for r in rows)
     plan = plan_micro_batches(rows, micro_batch_tokens)
-    autocast = device.type == "cuda"
+    shares = assign_micro_batches(rows, plan, world)
+    mine, rounds = shares[rank], max(len(x) for x in shares)
+    filler = [min(range(len(rows)), key=lambda i: (rows[i].length, i))]
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    autocast = world == 1 and compute_dtype != torch.float32
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
     model.train()
     optimizer.zero_grad(set_to_none=True)
+    view = forward_view(model)
 
-    loss_total = 0.0
-    counts: Counter[str] = Counter()
-    iw_sum = iw_sq = ent_sum = kl_sum = 0.0
-    gap_sum: Counter[str] = Counter()
-    gap_n: Counter[str] = Counter()
-    iw_max, iw_min = -math.inf, math.inf
-    for idx in plan:
+    part = _Partial()
+    for j in range(rounds):
+        idx, scale = (mine[j], 1.0) if j < len(mine) else (filler, 0.0)
         mb = [rows[i] for i in idx]
         temp, top_k, top_p = mb[0].sampling
         prompts = [r.prompt for r in mb]
         comps = [r.completion for r in mb]
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
             logp, pad_mask, entropy = completion_logprobs(
-                model, prompts, comps, temperature=temp, top_k=top_k, top_p=top_p, with_entropy=True
+                view, prompts, comps, temperature=temp, top_k=top_k, top_p=top_p, with_entropy=True
             )
         width = logp.shape[1]
         mu = _pad([r.behaviour_logp for r in mb], width, torch.float32, device)
@@ -188,57 +267,74 @@ def train_step(
         mu = mu.masked_fill(~lmask, 0.0)
         adv = torch.tensor([r.advantage for r in mb], dtype=torch.float32, device=device)
         ref_logp = None
-        if ref_model is not None and settings.kl_coef > 0:
-            with torch.no_grad():
-                ref_logp, _, _ = completion_logprobs(
-                    ref_model, prompts, comps, temperature=temp, top_k=top_k, top_p=top_p
-                )
-            ref_logp = ref_logp.float().masked_fill(~lmask, 0.0)
+        if ref_logprobs is not None and settings.kl_coef > 0:
+            ref = _pad([list(ref_logprobs[(r.key, r.index)]) for r in mb], width, torch.float32, device)
+            ref_logp = ref.masked_fill(~lmask, 0.0)
         terms = policy_terms(logp, mu, adv, lmask, settings, ref_logp)
         w = token_weights(lmask, settings.aggregation, n_seq, n_tok, max_len)
-        loss = (terms.loss * w).sum()
+        loss = (terms.loss * w).sum() * scale
         loss.backward()
-        loss_total += float(loss.detach())
-
-        counted = terms.counted
-        iw = terms.iw[counted].double()
-        counts["counted"] += int(counted.sum())
-        counts["gated"] += int(terms.gate_masked.sum())
-        counts["clipped"] += int(terms.clipped.sum())
-        if iw.numel():
-            iw_sum += float(iw.sum())
-            iw_sq += float((iw * iw).sum())
-            iw_max = max(iw_max, float(iw.max()))
-            iw_min = min(iw_min, float(iw.min()))
-        if entropy is not None:
-            ent_sum += float(entropy.detach().float()[counted].sum())
-        if terms.kl is not None:
-            kl_sum += float(terms.kl[counted].sum())
-        if policy_version is not None:
-            gap = (logp.detach() - mu).abs()
-            for j, r in enumerate(mb):
-                if r.version == policy_version:
-                    gap_sum[r.worker] += float(gap[j][counted[j]].sum())
-                    gap_n[r.worker] += int(counted[j].sum())
+        if scale == 0.0:
+            continue  # the filler only keeps this rank in step with the others' collectives
+        part.loss += float(loss.detach())
+        _accumulate(part, terms, logp, mu, entropy, mb, policy_version)
 
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
-    n = max(counts["counted"], 1)
+    total = _Partial()
+    for p in dist.all_gather(part) if dist is not None else [part]:
+        total.merge(p)
+    c = total.counts
+    n = max(c["counted"], 1)
     return StepStats(
-        loss=loss_total,
+        loss=total.loss,
         grad_norm=float(grad_norm),
-        tokens=counts["counted"],
-        masked_frac=counts["gated"] / n,
-        clip_frac=counts["clipped"] / n,
-        iw_mean=iw_sum / n,
-        iw_max=iw_max if counts["counted"] else 0.0,
-        iw_min=iw_min if counts["counted"] else 0.0,
-        ess=(iw_sum * iw_sum) / (n * iw_sq) if iw_sq > 0 else 0.0,
-        entropy=ent_sum / n,
-        kl=kl_sum / n,
+        tokens=c["counted"],
+        masked_frac=c["gated"] / n,
+        clip_frac=c["clipped"] / n,
+        iw_mean=total.iw_sum / n,
+        iw_max=total.iw_max if c["counted"] else 0.0,
+        iw_min=total.iw_min if c["counted"] else 0.0,
+        ess=(total.iw_sum * total.iw_sum) / (n * total.iw_sq) if total.iw_sq > 0 else 0.0,
+        entropy=total.ent_sum / n,
+        kl=total.kl_sum / n,
         seconds=time.perf_counter() - t0,
         micro_batches=len(plan),
-        lp_gap={w: gap_sum[w] / gap_n[w] for w in sorted(gap_n) if gap_n[w]},
+        lp_gap={w: total.gap_sum[w] / total.gap_n[w] for w in sorted(total.gap_n) if total.gap_n[w]},
     )
+
+
+def _accumulate(
+    part: _Partial,
+    terms: Any,
+    logp: torch.Tensor,
+    mu: torch.Tensor,
+    entropy: torch.Tensor | None,
+    mb: list[Row],
+    policy_version: int | None,
+) -> None:
+    """Add one micro-batch's counts and sums (tool and padding tokens never count)."""
+    counted = terms.counted
+    iw = terms.iw[counted].double()
+    part.counts["counted"] += int(counted.sum())
+    part.counts["gated"] += int(terms.gate_masked.sum())
+    part.counts["clipped"] += int(terms.clipped.sum())
+    if iw.numel():
+        part.iw_sum += float(iw.sum())
+        part.iw_sq += float((iw * iw).sum())
+        part.iw_max = max(part.iw_max, float(iw.max()))
+        part.iw_min = min(part.iw_min, float(iw.min()))
+    if entropy is not None:
+        part.ent_sum += float(entropy.detach().float()[counted].sum())
+    if terms.kl is not None:
+        part.kl_sum += float(terms.kl[counted].sum())
+    if policy_version is not None:
+        gap = (logp.detach() - mu).abs()
+        for j, r in enumerate(mb):
+            if r.version == policy_version:
+                part.gap_sum[r.worker] += float(gap[j][counted[j]].sum())
+                part.gap_n[r.worker] += int(counted[j].sum())

@@ -58,15 +58,20 @@ __all__ = [
     "DeltaApplier",
     "DeltaMode",
     "DeltaStats",
+    "Layout",
     "Op",
     "Record",
+    "Segment",
     "apply_delta",
     "changed_positions",
     "changes",
     "default_threads",
     "encode_delta",
+    "encode_window",
+    "encode_windows",
     "entropy_bound_bytes",
     "expected_of",
+    "plan_windows",
     "read_header",
     "unzigzag",
     "zigzag",
@@ -167,6 +172,130 @@ def _dctx() -> zstandard.ZstdDecompressor:
     return d
 
 
+Segment = tuple[str, int, int]
+"""(tensor name, first element, element count): one record's range of one tensor."""
+Layout = Mapping[str, tuple[str, tuple[int, ...]]]
+"""Tensor name -> (dtype, shape): what a state looks like, without its bits."""
+
+
+def plan_windows(
+    layout: Layout, chunk_bytes: int = CHUNK_BYTES, segment_elems: int = SEGMENT_ELEMS
+) -> list[list[Segment]]:
+    """The segments of each chunk of a delta into a state shaped like `layout`, in order.
+
+    A pure function of names, dtypes and shapes (never of values): tensors sorted by name, each cut into
+    segments of `segment_elems`, a window closed once it covers `chunk_bytes` of state. Every publisher of
+    the same layout cuts the same windows, so a window encodes to the same bytes whichever process
+    encodes it (parallel publishing relies on this); a window whose segments did not change yields no
+    chunk.
+    """
+    windows: list[list[Segment]] = []
+    pending: list[Segment] = []
+    covered = 0
+    for name in sorted(layout):
+        dtype, shape = layout[name]
+        size = 1
+        for d in shape:
+            size *= int(d)
+        itemsize = unsigned_dtype(dtype).itemsize
+        for start in range(0, max(size, 1), segment_elems):
+            count = min(segment_elems, size - start)
+            pending.append((name, start, count))
+            covered += count * itemsize
+            if covered >= chunk_bytes:
+                windows.append(pending)
+                pending, covered = [], 0
+    if pending:
+        windows.append(pending)
+    return windows
+
+
+def encode_window(
+    old: Mapping[str, TensorBits],
+    new: Mapping[str, TensorBits],
+    window: list[Segment],
+    mode: DeltaMode = "diff",
+    level: int = 1,
+    stats: DeltaStats | None = None,
+    pool: ThreadPoolExecutor | None = None,
+) -> bytes | None:
+    """The chunk of one window (`plan_windows`), or None if none of its segments changed.
+
+    Only the tensors the window names are read from `old` and `new`; the segments are encoded on `pool`'s
+    threads when given (the output does not depend on it).
+    """
+    stats = stats if stats is not None else DeltaStats()
+    items: list[tuple[TensorBits, np.ndarray | None, int, int]] = []
+    for name, start, count in window:
+        tb = new[name]
+        base = old.get(name)
+        same = base is not None and base.dtype == tb.dtype and base.shape == tb.shape
+        if not same:
+            stats.whole_tensors.add(name)
+        fa = base.data.reshape(-1) if same and base is not None else None
+        items.append((tb, fa, start, count))
+
+    def encode(item: tuple[TensorBits, np.ndarray | None, int, int]):
+        tb, fa, start, count = item
+        a = fa[start : start + count] if fa is not None else None
+        return _encode_segment(a, tb.data.reshape(-1)[start : start + count], mode, _cctx(level))
+
+    results = pool.map(encode, items) if pool is not None else map(encode, items)
+    records: list[Record] = []
+    frames: list[bytes] = []
+    offset = 0
+    for (name, start, count), (tb, _, _, _), enc in zip(window, items, results, strict=True):
+        stats.elements += count
+        stats.raw_bytes += count * tb.data.dtype.itemsize
+        if enc is None:
+            continue
+        op, n, gw, bits, esc_n, esc_w, gframe, cframe = enc
+        stats.changed += n
+        records.append(
+            Record(
+                name,
+                op,
+                tb.dtype,
+                list(tb.shape),
+                start,
+                count,
+                n,
+                gw,
+                bits,
+                esc_n,
+                esc_w,
+                offset,
+                len(gframe),
+                len(cframe),
+            )
+        )
+        frames += [gframe, cframe]
+        offset += len(gframe) + len(cframe)
+    return _assemble(records, frames) if records else None
+
+
+def encode_windows(
+    old: Mapping[str, TensorBits],
+    new: Mapping[str, TensorBits],
+    windows: list[tuple[int, list[Segment]]],
+    mode: DeltaMode = "diff",
+    level: int = 1,
+    stats: DeltaStats | None = None,
+    threads: int | None = None,
+) -> Iterator[tuple[int, bytes]]:
+    """(window index, chunk) for each given window that changed, lazily, in the order given."""
+    threads = threads or default_threads()
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    try:
+        for i, window in windows:
+            chunk = encode_window(old, new, window, mode, level, stats, pool)
+            if chunk is not None:
+                yield i, chunk
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
 def encode_delta(
     old: Mapping[str, TensorBits],
     new: Mapping[str, TensorBits],
@@ -183,60 +312,9 @@ def encode_delta(
     segments produce no record; a delta with no change at all yields no chunk. The segments of one chunk
     are encoded on `threads` threads (default `default_threads()`); the output does not depend on it.
     """
-    stats = stats if stats is not None else DeltaStats()
-    threads = threads or default_threads()
-    pending: list[tuple[str, TensorBits, np.ndarray | None, int, int]] = []
-    covered = 0
-
-    def encode(item: tuple[str, TensorBits, np.ndarray | None, int, int]):
-        _, tb, fa, start, count = item
-        a = fa[start : start + count] if fa is not None else None
-        return _encode_segment(a, tb.data.reshape(-1)[start : start + count], mode, _cctx(level))
-
-    def flush(pool: ThreadPoolExecutor | None) -> bytes | None:
-        results = pool.map(encode, pending) if pool is not None else map(encode, pending)
-        records: list[Record] = []
-        frames: list[bytes] = []
-        offset = 0
-        for (name, tb, _, start, count), enc in zip(pending, results, strict=True):
-            stats.elements += count
-            stats.raw_bytes += count * tb.data.dtype.itemsize
-            if enc is None:
-                continue
-            op, n, gw, bits, esc_n, esc_w, gframe, cframe = enc
-            stats.changed += n
-            records.append(
-                Record(name, op, tb.dtype, list(tb.shape), start, count, n, gw, bits, esc_n, esc_w, offset,
-                       len(gframe), len(cframe))
-            )
-            frames += [gframe, cframe]
-            offset += len(gframe) + len(cframe)
-        return _assemble(records, frames) if records else None
-
-    pool = ThreadPoolExecutor(threads) if threads > 1 else None
-    try:
-        for name in sorted(new):
-            tb = new[name]
-            base = old.get(name)
-            same = base is not None and base.dtype == tb.dtype and base.shape == tb.shape
-            if not same:
-                stats.whole_tensors.add(name)
-            fa = base.data.reshape(-1) if same and base is not None else None
-            for start, count in _segments(tb, segment_elems):
-                pending.append((name, tb, fa, start, count))
-                covered += count * tb.data.dtype.itemsize
-                if covered >= chunk_bytes:
-                    chunk = flush(pool)
-                    pending, covered = [], 0
-                    if chunk is not None:
-                        yield chunk
-        if pending:
-            chunk = flush(pool)
-            if chunk is not None:
-                yield chunk
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True)
+    windows = plan_windows(expected_of(new), chunk_bytes, segment_elems)
+    for _, chunk in encode_windows(old, new, list(enumerate(windows)), mode, level, stats, threads):
+        yield chunk
 
 
 def _assemble(records: list[Record], frames: list[bytes]) -> bytes:
@@ -314,14 +392,18 @@ class DeltaApplier:
     def _target(self, r: Record) -> np.ndarray:
         exp = self.expected.get(r.name)
         if exp is None or exp[0] != r.dtype or tuple(exp[1]) != tuple(r.shape):
-            raise IntegrityError(f"delta record for {r.name!r} ({r.dtype}{r.shape}) is not in the manifest as such")
+            raise IntegrityError(
+                f"delta record for {r.name!r} ({r.dtype}{r.shape}) is not in the manifest as such"
+            )
         arr = self.work.get(r.name)
         if arr is not None:
             return arr
         u = unsigned_dtype(r.dtype)
         base = self._base_of(r)
         if r.op != "whole" and base is None:
-            raise IntegrityError(f"delta record for {r.name!r} needs a base tensor {r.dtype}{r.shape} we do not hold")
+            raise IntegrityError(
+                f"delta record for {r.name!r} needs a base tensor {r.dtype}{r.shape} we do not hold"
+            )
         arr = self.reuse.get(r.name)
         if (
             arr is None
@@ -347,7 +429,9 @@ class DeltaApplier:
         except zstandard.ZstdError as e:
             raise IntegrityError(f"delta frame for {r.name!r} does not decompress: {e}") from None
         if len(raw) != size:
-            raise IntegrityError(f"delta frame for {r.name!r} decompressed to {len(raw)} bytes, expected {size}")
+            raise IntegrityError(
+                f"delta frame for {r.name!r} decompressed to {len(raw)} bytes, expected {size}"
+            )
         return raw
 
     def _check(self, r: Record, flat: np.ndarray) -> tuple[int, int, int]:
@@ -363,8 +447,10 @@ class DeltaApplier:
             raise IntegrityError(f"delta record for {r.name!r} has gap width {gw}")
         if bits not in CODE_BITS or bits > 8 * w or (r.op != "diff" and bits != 8 * w):
             raise IntegrityError(f"delta record for {r.name!r} has code width {bits}")
-        if not 0 <= r.esc_n <= n or (r.esc_width not in UINT if r.esc_n else r.esc_width != 0) or (
-            r.esc_n and r.op != "diff"
+        if (
+            not 0 <= r.esc_n <= n
+            or (r.esc_width not in UINT if r.esc_n else r.esc_width != 0)
+            or (r.esc_n and r.op != "diff")
         ):
             raise IntegrityError(f"delta record for {r.name!r} has bad escapes")
         return n, bits, gw
@@ -397,7 +483,9 @@ class DeltaApplier:
             top = flat.dtype.type((1 << bits) - 1)
             at = np.flatnonzero(codes == top)
             if len(at) != r.esc_n:
-                raise IntegrityError(f"delta record for {r.name!r} has {len(at)} escapes, header says {r.esc_n}")
+                raise IntegrityError(
+                    f"delta record for {r.name!r} has {len(at)} escapes, header says {r.esc_n}"
+                )
             exc = unplanes(memoryview(codes_raw)[packed_len(n, bits) :], r.esc_n, r.esc_width)
             codes[at] = top + exc.astype(flat.dtype)
         if r.op == "diff":
@@ -426,7 +514,11 @@ class DeltaApplier:
                 arr = self.work[name]
                 flat = arr.reshape(-1)
                 base = self.base.get(name)
-                src = base.data.reshape(-1) if base is not None and base.dtype == dtype and base.shape == arr.shape else None
+                src = (
+                    base.data.reshape(-1)
+                    if base is not None and base.dtype == dtype and base.shape == arr.shape
+                    else None
+                )
                 at = 0
                 for start, end in [*sorted(self.covered[name]), (flat.size, flat.size)]:
                     if start > at:
@@ -439,7 +531,9 @@ class DeltaApplier:
             elif name in self.base:
                 out[name] = self.base[name]
             else:
-                raise IntegrityError(f"tensor {name!r} is in the manifest but neither in the base nor the delta")
+                raise IntegrityError(
+                    f"tensor {name!r} is in the manifest but neither in the base nor the delta"
+                )
         return out
 
 

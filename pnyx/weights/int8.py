@@ -44,8 +44,13 @@ def to_float32(tb: TensorBits) -> np.ndarray:
     raise ValueError(f"{tb.dtype} is not a floating dtype")
 
 
+def quantizable_shape(dtype: str, shape: tuple[int, ...], group: int = GROUP) -> bool:
+    """Whether a tensor of this dtype and shape gets int8 codes (else it travels as its bits)."""
+    return dtype in _FLOAT and len(shape) >= 2 and shape[-1] % group == 0 and shape[-1] > 0
+
+
 def quantizable(tb: TensorBits, group: int = GROUP) -> bool:
-    return tb.dtype in _FLOAT and len(tb.shape) >= 2 and tb.shape[-1] % group == 0 and tb.shape[-1] > 0
+    return quantizable_shape(tb.dtype, tb.shape, group)
 
 
 def _grouped(w: np.ndarray, group: int) -> np.ndarray:

@@ -27,6 +27,7 @@ from pnyx.weights.bits import (
     h,
     payload_digest_of,
     state_digest_of,
+    unsigned_dtype,
 )
 
 SCHEMA = 1
@@ -114,10 +115,36 @@ def make_plane(
 ) -> PlaneManifest:
     """The plane manifest of `state` (tensor digests computed here unless given)."""
     digests = digests or {n: tb.digest() for n, tb in state.items()}
-    tensors = [TensorEntry(n, state[n].dtype, list(state[n].shape), digests[n]) for n in sorted(state)]
+    layout = {n: (tb.dtype, tb.shape) for n, tb in state.items()}
+    return plane_of(layout, digests, parent_digest, delta, anchor, changed, elements)
+
+
+def plane_of(
+    layout: Mapping[str, tuple[str, tuple[int, ...]]],
+    digests: Mapping[str, str],
+    parent_digest: str,
+    delta: list[PayloadObject] | None,
+    anchor: list[PayloadObject],
+    changed: int = 0,
+    elements: int = 0,
+) -> PlaneManifest:
+    """The plane manifest of a state known by its layout (name -> dtype, shape) and tensor digests only:
+    what a parallel publisher's rank 0 has, since no process holds the whole state."""
+    missing = sorted(set(layout) - set(digests))
+    if missing:
+        raise ValueError(f"no digest for tensors {missing[:3]} ({len(missing)} in all)")
+    tensors = [
+        TensorEntry(n, layout[n][0], [int(x) for x in layout[n][1]], digests[n]) for n in sorted(layout)
+    ]
     sd = state_digest_of((t.name, t.dtype, t.shape, t.digest) for t in tensors)
     objs = list(delta or []) + list(anchor)
     pd = payload_digest_of(o.digest for o in objs)
+    full = 0
+    for t in tensors:
+        n = unsigned_dtype(t.dtype).itemsize
+        for d in t.shape:
+            n *= d
+        full += n
     return PlaneManifest(
         tensors=tensors,
         state_digest=sd,
@@ -127,7 +154,7 @@ def make_plane(
         has_delta=delta is not None,
         delta=list(delta or []),
         anchor=list(anchor),
-        full_bytes=sum(tb.nbytes for tb in state.values()),
+        full_bytes=full,
         changed=changed,
         elements=elements,
     )
@@ -143,11 +170,15 @@ def verify_plane(
     exp = {t.name: t for t in plane.tensors}
     if set(exp) != set(state):
         missing, extra = sorted(set(exp) - set(state)), sorted(set(state) - set(exp))
-        raise IntegrityError(f"{what}: tensor set differs from the manifest (missing {missing[:3]}, extra {extra[:3]})")
+        raise IntegrityError(
+            f"{what}: tensor set differs from the manifest (missing {missing[:3]}, extra {extra[:3]})"
+        )
     for name, t in exp.items():
         tb = state[name]
         if tb.dtype != t.dtype or list(tb.shape) != list(t.shape):
-            raise IntegrityError(f"{what}: {name!r} is {tb.dtype}{list(tb.shape)}, manifest says {t.dtype}{t.shape}")
+            raise IntegrityError(
+                f"{what}: {name!r} is {tb.dtype}{list(tb.shape)}, manifest says {t.dtype}{t.shape}"
+            )
         if (digests.get(name) or tb.digest()) != t.digest:
             raise IntegrityError(f"{what}: tensor {name!r} digest mismatch (the payload is corrupt or stale)")
     sd = state_digest_of((t.name, t.dtype, t.shape, t.digest) for t in plane.tensors)
@@ -222,7 +253,8 @@ def latest_version(store: Store) -> int | None:
     head = read_head(store)
     if head is not None and 0 <= head.version <= 99_999_999:
         newer = manifest_versions(
-            m.key for m in store.list(layout.WEIGHTS_PREFIX, start_after=layout.weights_dir(head.version)[:-1])
+            m.key
+            for m in store.list(layout.WEIGHTS_PREFIX, start_after=layout.weights_dir(head.version)[:-1])
         )
         if newer:
             return newer[-1]
@@ -245,6 +277,7 @@ __all__ = [
     "latest_version",
     "list_versions",
     "make_plane",
+    "plane_of",
     "read_head",
     "read_manifest",
     "verify_plane",

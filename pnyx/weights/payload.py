@@ -18,7 +18,7 @@ from pnyx.errors import IntegrityError
 from pnyx.protocol import layout
 from pnyx.store import Store
 from pnyx.weights.bits import BitState, TensorBits, h, read_safetensors, write_safetensors
-from pnyx.weights.codec import CHUNK_BYTES, DeltaApplier, DeltaStats, encode_delta
+from pnyx.weights.codec import DeltaApplier, DeltaStats, Segment, encode_windows
 from pnyx.weights.manifest import PayloadObject, PlaneManifest
 
 LOOKAHEAD = 2  # objects in flight while the current one is encoded or decoded
@@ -38,45 +38,44 @@ def _upload_all(store: Store, version: int, named: Iterable[tuple[str, bytes]]) 
     return out
 
 
-def shard_state(state: Mapping[str, TensorBits], shard_bytes: int) -> Iterator[BitState]:
-    """Group tensors (sorted by name) into shards of about `shard_bytes` (a tensor is never split)."""
-    shard: BitState = {}
-    size = 0
-    for name in sorted(state):
-        tb = state[name]
-        if shard and size + tb.nbytes > shard_bytes:
-            yield shard
-            shard, size = {}, 0
-        shard[name] = tb
-        size += tb.nbytes
-    if shard or not state:
-        yield shard
-
-
-def write_anchor(
-    store: Store, version: int, prefix: str, state: Mapping[str, TensorBits], shard_bytes: int = CHUNK_BYTES
-) -> list[PayloadObject]:
-    """Upload the full state as safetensors shards named `{prefix}-{i:05d}.safetensors`."""
+def write_shards(
+    store: Store,
+    version: int,
+    prefix: str,
+    state: Mapping[str, TensorBits],
+    shards: list[tuple[int, list[str]]],
+) -> list[tuple[int, PayloadObject]]:
+    """Upload anchor shards (index, tensor names; see `parallel.plan_shards`) as safetensors objects named
+    `{prefix}-{index:05d}.safetensors`. Returns (index, object) in the order given."""
     named = (
-        (f"{prefix}-{i:05d}.safetensors", write_safetensors(shard, {"format": "pt"}))
-        for i, shard in enumerate(shard_state(state, shard_bytes))
+        (f"{prefix}-{i:05d}.safetensors", write_safetensors({n: state[n] for n in names}, {"format": "pt"}))
+        for i, names in shards
     )
-    return _upload_all(store, version, named)
+    return list(zip((i for i, _ in shards), _upload_all(store, version, named), strict=True))
 
 
-def write_delta(
+def write_windows(
     store: Store,
     version: int,
     prefix: str,
     old: Mapping[str, TensorBits],
     new: Mapping[str, TensorBits],
-    chunk_bytes: int = CHUNK_BYTES,
+    windows: list[tuple[int, list[Segment]]],
     level: int = 1,
     stats: DeltaStats | None = None,
-) -> list[PayloadObject]:
-    """Encode and upload the delta old -> new as chunks named `{prefix}-{i:05d}` (streaming)."""
-    chunks = encode_delta(old, new, level=level, chunk_bytes=chunk_bytes, stats=stats)
-    return _upload_all(store, version, ((f"{prefix}-{i:05d}", c) for i, c in enumerate(chunks)))
+) -> list[tuple[int, PayloadObject]]:
+    """Encode and upload the delta old -> new over the given windows (index, segments; see
+    `codec.plan_windows`), streaming, as chunks named `{prefix}-{index:05d}`. Windows that did not change
+    make no object. Returns (index, object) in window order."""
+    indices: list[int] = []
+
+    def named() -> Iterator[tuple[str, bytes]]:
+        for i, chunk in encode_windows(old, new, windows, level=level, stats=stats):
+            indices.append(i)
+            yield f"{prefix}-{i:05d}", chunk
+
+    objects = _upload_all(store, version, named())
+    return list(zip(indices, objects, strict=True))
 
 
 def fetch_verified(store: Store, version: int, objects: list[PayloadObject]) -> Iterator[bytes]:

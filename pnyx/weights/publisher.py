@@ -6,6 +6,10 @@ publisher of the same version fails here with FencedError), HEAD last (a hint; c
 store has it, so HEAD never moves backwards). Anchors also carry the delta from their parent, so a warm
 follower never has to download a full state.
 
+N processes may publish one version together (a sharded trainer): each encodes and uploads its own part
+of the payload (`parallel.PublishPlan`), rank 0 gathers the objects' digests and commits the one manifest.
+No process ever holds the whole state.
+
 Knows nothing about RL or optimizers; torch only at the `publish()` boundary (tensors -> bits).
 """
 
@@ -14,11 +18,18 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from pnyx.errors import AlreadyExistsError, FencedError, NotFoundError, PreconditionError
+from pnyx.errors import (
+    AlreadyExistsError,
+    FencedError,
+    NotFoundError,
+    PeerFailedError,
+    PnyxError,
+    PreconditionError,
+)
 from pnyx.protocol import layout
 from pnyx.store import IfMatch, Store
 from pnyx.weights import int8 as q8
@@ -28,16 +39,16 @@ from pnyx.weights.manifest import (
     SCHEMA,
     Head,
     PayloadObject,
-    PlaneManifest,
     WeightManifest,
     encode_head,
     encode_manifest,
     latest_version,
-    make_plane,
+    plane_of,
     read_head,
     read_manifest,
 )
-from pnyx.weights.payload import write_anchor, write_delta
+from pnyx.weights.parallel import Collective, PublishPlan, Solo, int8_base, layout_of
+from pnyx.weights.payload import write_shards, write_windows
 
 if TYPE_CHECKING:
     import torch
@@ -66,12 +77,45 @@ class PublishStats:
         return self.changed / self.elements if self.elements else 0.0
 
 
+@dataclass
+class _Part:
+    """What one rank wrote for a version: its objects (by window/shard index), digests and counts."""
+
+    rank: int
+    delta: list[tuple[int, PayloadObject]] | None
+    anchor: list[tuple[int, PayloadObject]]
+    digests: dict[str, str]
+    changed: int
+    elements: int
+    int8_delta: list[tuple[int, PayloadObject]] | None = None
+    int8_anchor: list[tuple[int, PayloadObject]] = field(default_factory=list)
+    int8_digests: dict[str, str] = field(default_factory=dict)
+    int8_changed: int = 0
+    int8_elements: int = 0
+    error: str | None = None
+
+
+def _merged(parts: list[_Part], what: str) -> list[PayloadObject] | None:
+    lists = [getattr(p, what) for p in parts]
+    if any(x is None for x in lists):
+        return None
+    return [o for _, o in sorted((pair for x in lists for pair in x), key=lambda pair: pair[0])]
+
+
 class Publisher:
     """Publishes versions of one run's weights. One live publisher per run: others are fenced.
 
     anchor_every: a full anchor when `version - last_anchor >= anchor_every` (and for the first publish
     of this process, which has no previous state to diff against). int8_plane: also publish the int8
     actor plane (grid frozen at each anchor).
+
+    comm: the publisher's peers when N processes publish one version together (`parallel.Collective`;
+    default: this process alone). Every rank calls `publish` with the same version and layout and the
+    tensors `needs(layout)` names; each encodes and uploads its own windows and shards, and rank 0 writes
+    the one manifest and HEAD. The objects are the same bits for any number of ranks (`parallel.py`), so
+    the chain digest of a state does not depend on how many processes published it.
+    hook: called as `hook("before_manifest", version)` once this rank's payload is uploaded, before the
+    manifest (the trainer's kill-test hook).
     """
 
     def __init__(
@@ -83,6 +127,8 @@ class Publisher:
         chunk_bytes: int = CHUNK_BYTES,
         level: int = 1,
         nonce: str | None = None,
+        comm: Collective | None = None,
+        hook: Callable[[str, int], None] | None = None,
     ):
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
@@ -91,6 +137,8 @@ class Publisher:
         self.int8_plane = int8_plane
         self.chunk_bytes = chunk_bytes
         self.level = level
+        self.comm: Collective = comm or Solo()
+        self.hook = hook
         self.nonce = layout.check_name(nonce or secrets.token_hex(4), "publisher nonce")
         self.version: int | None = None
         self.anchor_version: int | None = None
@@ -100,34 +148,238 @@ class Publisher:
         self._grid: q8.Grid = {}
         self._digest = ZERO_DIGEST
         self._int8_digest = ZERO_DIGEST
+        self._plan: PublishPlan | None = None
+
+    def plan(self, state_layout: Mapping[str, tuple[str, tuple[int, ...]]]) -> PublishPlan:
+        """Who publishes what for this layout (the same plan on every rank)."""
+        lay = {n: (d, tuple(int(x) for x in s)) for n, (d, s) in state_layout.items()}
+        if self._plan is None or self._plan.layout != lay:
+            self._plan = PublishPlan(lay, self.comm.world, self.chunk_bytes, int8=self.int8_plane)
+        return self._plan
+
+    def needs(self, state_layout: Mapping[str, tuple[str, tuple[int, ...]]]) -> set[str]:
+        """The tensors this rank must be given in full to publish a state of this layout."""
+        return self.plan(state_layout).needs(self.comm.rank)
 
     def publish(
-        self, version: int, tensors: Mapping[str, torch.Tensor], force_anchor: bool = False
+        self,
+        version: int,
+        tensors: Mapping[str, torch.Tensor],
+        force_anchor: bool = False,
+        state_layout: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
     ) -> WeightManifest:
         """Publish `tensors` (any supported dtype, copied) as `version`. Raises FencedError if the version
-        exists or another publisher has written past this one's last version."""
-        return self.publish_bits(version, from_torch(tensors), force_anchor)
+        exists or another publisher has written past this one's last version.
 
-    def publish_bits(self, version: int, state: Mapping[str, TensorBits], force_anchor: bool = False) -> WeightManifest:
+        state_layout: the whole state's name -> (dtype, shape), when `tensors` is only this rank's share
+        (`needs`); default: `tensors` is the whole state."""
+        return self.publish_bits(version, from_torch(tensors), force_anchor, state_layout)
+
+    def publish_bits(
+        self,
+        version: int,
+        state: Mapping[str, TensorBits],
+        force_anchor: bool = False,
+        state_layout: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
+    ) -> WeightManifest:
         """`publish` for a state already in bits (the state is kept; do not mutate it afterwards)."""
         t0 = time.perf_counter()
-        state = dict(state)
-        parent = self._check_fence(version)
-        anchor = self._state is None or force_anchor or version - (self.anchor_version or 0) >= self.anchor_every
-        kind = "anchor" if anchor else "delta"
-        stats = DeltaStats()
-        delta: list[PayloadObject] | None = None
-        if self._state is not None:
-            delta = write_delta(self.store, version, f"delta-{self.nonce}", self._state, state, self.chunk_bytes, self.level, stats)
-        shards = write_anchor(self.store, version, f"anchor-{self.nonce}", state, self.chunk_bytes) if anchor else []
-        plane = make_plane(state, self._digest, delta, shards, stats.changed, stats.elements)
-        int8_plane, int8_state, int8_stats = self._int8_plane(version, state, anchor)
+        plan = self.plan(state_layout if state_layout is not None else layout_of(state))
+        rank = self.comm.rank
+        need = plan.needs(rank)
+        missing = sorted(need - set(state))
+        if missing:
+            raise ValueError(
+                f"publish v{version}: rank {rank} was not given {missing[:3]} ({len(missing)} in all)"
+            )
+        state = {n: state[n] for n in need}
+        for n, tb in state.items():
+            if (tb.dtype, tb.shape) != plan.layout[n]:
+                raise ValueError(
+                    f"publish v{version}: {n!r} is {tb.dtype}{list(tb.shape)}, the layout says {plan.layout[n]}"
+                )
+        parent, anchor = self._decide(version, force_anchor)
+        try:
+            part = self._write_part(version, plan, state, anchor)
+        except Exception as e:  # re-raised below, after the peers have heard of it (no one hangs)
+            part, failure = _Part(rank, None, [], {}, 0, 0, error=f"{type(e).__name__}: {e}"), e
+        else:
+            failure = None
+        if self.hook is not None and failure is None:
+            self.hook("before_manifest", version)
+        parts = self.comm.gather(part)
+        outcome: tuple[str, Any] = ("", None)
+        commit_error: PnyxError | None = None
+        if parts is not None:
+            try:
+                outcome = self._commit(version, parent, anchor, plan, parts)
+            except PnyxError as e:  # e.g. the store is down: tell the peers before raising it here
+                outcome, commit_error = ("failed", f"rank 0 could not commit v{version}: {e}"), e
+        outcome = self.comm.broadcast(outcome)
+        if failure is not None:
+            raise failure
+        if commit_error is not None:
+            raise commit_error
+        if outcome[0] == "fenced":
+            raise FencedError(outcome[1])
+        if outcome[0] == "failed":
+            raise PeerFailedError(outcome[1])
+        m: WeightManifest = outcome[1]
         anchor_version = version if anchor else self.anchor_version
-        assert anchor_version is not None  # a delta always follows an anchor published by this process
+        self.version, self.anchor_version, self._digest = version, anchor_version, m.weights.chain_digest
+        self._state = {n: state[n] for n in plan.kept(rank)}
+        if m.int8 is not None:
+            self._int8_digest = m.int8.chain_digest
+        w = m.weights
+        self.last_stats = PublishStats(
+            version=version,
+            kind=m.kind,
+            changed=w.changed,
+            elements=w.elements,
+            delta_bytes=w.delta_bytes(),
+            anchor_bytes=w.anchor_bytes(),
+            full_bytes=w.full_bytes,
+            seconds=time.perf_counter() - t0,
+            int8_changed=m.int8.changed if m.int8 else 0,
+            int8_elements=m.int8.elements if m.int8 else 0,
+            int8_bytes=(m.int8.delta_bytes() + m.int8.anchor_bytes()) if m.int8 else 0,
+        )
+        s = self.last_stats
+        if rank == 0:
+            log.info(
+                "weights v=%d kind=%s changed=%.3f%% delta=%dB anchor=%dB full=%dB ranks=%d %.2fs",
+                version,
+                m.kind,
+                100 * s.changed_fraction,
+                s.delta_bytes,
+                s.anchor_bytes,
+                s.full_bytes,
+                self.comm.world,
+                s.seconds,
+            )
+        return m
+
+    # -- internals --
+    def _decide(self, version: int, force_anchor: bool) -> tuple[int | None, bool]:
+        """(parent version, anchor?), decided by rank 0 (fence check) and shared with every rank, together
+        with the nonce and the parent's chain digests (a restarted trainer learns them from the store)."""
+        decision: tuple[str, Any] = ("", None)
+        error: Exception | None = None
+        if self.comm.rank == 0:
+            try:
+                parent = self._check_fence(version)
+                anchor = (
+                    self._state is None
+                    or force_anchor
+                    or version - (self.anchor_version or 0) >= self.anchor_every
+                )
+                decision = ("ok", (parent, anchor, self.nonce, self._digest, self._int8_digest))
+            except (PnyxError, ValueError) as e:  # fenced, a bad version, the store down: every rank stops
+                decision, error = ("error", (type(e).__name__, str(e))), e
+        decision = self.comm.broadcast(decision)
+        if error is not None:
+            raise error
+        if decision[0] == "error":
+            kind, msg = decision[1]
+            raise {"FencedError": FencedError, "ValueError": ValueError}.get(kind, PeerFailedError)(msg)
+        parent, anchor, self.nonce, self._digest, self._int8_digest = decision[1]
+        return parent, anchor
+
+    def _write_part(self, version: int, plan: PublishPlan, state: BitState, anchor: bool) -> _Part:
+        """Encode and upload this rank's windows and shards of every plane; hash the tensors it owns."""
+        rank = self.comm.rank
+        wp = plan.weights
+        stats = DeltaStats()
+        delta = None
+        if self._state is not None:
+            delta = write_windows(
+                self.store,
+                version,
+                f"delta-{self.nonce}",
+                self._state,
+                state,
+                wp.my_windows(rank),
+                self.level,
+                stats,
+            )
+        shards = (
+            write_shards(self.store, version, f"anchor-{self.nonce}", state, wp.my_shards(rank))
+            if anchor
+            else []
+        )
+        digests = {n: state[n].digest() for n, r in wp.digest_owner().items() if r == rank}
+        part = _Part(rank, delta, shards, digests, stats.changed, stats.elements)
+        ip = plan.int8_plane
+        if ip is None:
+            return part
+        base = {n: state[n] for n in {int8_base(x) for x in ip.needs(rank, anchor=True)}}
+        if anchor:
+            self._grid = q8.make_grid(base)
+        plane_state, self._grid = q8.quantize(base, self._grid)
+        plane_state = {n: plane_state[n] for n in ip.needs(rank, anchor)}
+        istats = DeltaStats()
+        if self._int8 is not None:
+            part.int8_delta = write_windows(
+                self.store,
+                version,
+                f"int8d-{self.nonce}",
+                self._int8,
+                plane_state,
+                ip.my_windows(rank),
+                self.level,
+                istats,
+            )
+        if anchor:
+            part.int8_anchor = write_shards(
+                self.store, version, f"int8a-{self.nonce}", plane_state, ip.my_shards(rank)
+            )
+        part.int8_digests = {n: plane_state[n].digest() for n, r in ip.digest_owner().items() if r == rank}
+        part.int8_changed, part.int8_elements = istats.changed, istats.elements
+        self._int8 = {n: plane_state[n] for n in ip.needs(rank, anchor=False)}
+        return part
+
+    def _commit(
+        self, version: int, parent: int | None, anchor: bool, plan: PublishPlan, parts: list[_Part]
+    ) -> tuple[str, Any]:
+        """Rank 0: the manifest from every rank's part (create-only: the fence), then HEAD."""
+        failed = [p for p in parts if p.error is not None]
+        if failed:
+            return "failed", "; ".join(
+                f"rank {p.rank} could not publish v{version}: {p.error}" for p in failed
+            )
+        digests: dict[str, str] = {}
+        for p in parts:
+            digests.update(p.digests)
+        plane = plane_of(
+            plan.weights.layout,
+            digests,
+            self._digest,
+            _merged(parts, "delta"),
+            _merged(parts, "anchor") or [],
+            sum(p.changed for p in parts),
+            sum(p.elements for p in parts),
+        )
+        int8_plane = None
+        if plan.int8_plane is not None:
+            idigests: dict[str, str] = {}
+            for p in parts:
+                idigests.update(p.int8_digests)
+            int8_plane = plane_of(
+                plan.int8_plane.layout,
+                idigests,
+                self._int8_digest,
+                _merged(parts, "int8_delta"),
+                _merged(parts, "int8_anchor") or [],
+                sum(p.int8_changed for p in parts),
+                sum(p.int8_elements for p in parts),
+            )
+        anchor_version = version if anchor else self.anchor_version
+        if anchor_version is None:
+            raise RuntimeError("a delta always follows an anchor published by this process")  # unreachable
         m = WeightManifest(
             schema=SCHEMA,
             version=version,
-            kind=kind,
+            kind="anchor" if anchor else "delta",
             parent_version=parent,
             anchor_version=anchor_version,
             publisher=self.nonce,
@@ -139,35 +391,13 @@ class Publisher:
         try:
             self.store.put(layout.weights_manifest(version), encode_manifest(m), mode="create")
         except AlreadyExistsError:
-            raise FencedError(
+            return "fenced", (
                 f"weights v{version} was published by another trainer while this one ({self.nonce}) was "
                 "writing: this process does not own the run. Stop it, or start a new run."
-            ) from None
+            )
         self._advance_head(version, plane.chain_digest)
-        self.version, self.anchor_version, self._state, self._digest = version, anchor_version, state, plane.chain_digest
-        if int8_plane is not None:
-            self._int8, self._int8_digest = int8_state, int8_plane.chain_digest
-        self.last_stats = PublishStats(
-            version=version,
-            kind=kind,
-            changed=stats.changed,
-            elements=stats.elements,
-            delta_bytes=plane.delta_bytes(),
-            anchor_bytes=plane.anchor_bytes(),
-            full_bytes=plane.full_bytes,
-            seconds=time.perf_counter() - t0,
-            int8_changed=int8_stats.changed,
-            int8_elements=int8_stats.elements,
-            int8_bytes=(int8_plane.delta_bytes() + int8_plane.anchor_bytes()) if int8_plane else 0,
-        )
-        s = self.last_stats
-        log.info(
-            "weights v=%d kind=%s changed=%.3f%% delta=%dB anchor=%dB full=%dB %.2fs",
-            version, kind, 100 * s.changed_fraction, s.delta_bytes, s.anchor_bytes, s.full_bytes, s.seconds,
-        )
-        return m
+        return "ok", m
 
-    # -- internals --
     def _check_fence(self, version: int) -> int | None:
         """The parent version; FencedError if this publisher no longer owns the head of the run."""
         if not isinstance(version, int) or version < 0:
@@ -177,7 +407,9 @@ class Publisher:
         latest = latest_version(self.store)
         if self.version is None:
             if latest is not None and version <= latest:
-                raise FencedError(f"weights v{version} is not past the run's newest version v{latest}: another trainer owns it")
+                raise FencedError(
+                    f"weights v{version} is not past the run's newest version v{latest}: another trainer owns it"
+                )
             if latest is not None:  # a restarted trainer: chain onto the newest version, anchored
                 m = read_manifest(self.store, latest)
                 self._digest = m.weights.chain_digest
@@ -189,19 +421,6 @@ class Publisher:
                 "publishing to this run. Stop this one."
             )
         return self.version
-
-    def _int8_plane(self, version: int, state: BitState, anchor: bool) -> tuple[PlaneManifest | None, BitState, DeltaStats]:
-        stats = DeltaStats()
-        if not self.int8_plane:
-            return None, {}, stats
-        if anchor:
-            self._grid = q8.make_grid(state)
-        plane_state, self._grid = q8.quantize(state, self._grid)
-        delta = None
-        if self._int8 is not None:
-            delta = write_delta(self.store, version, f"int8d-{self.nonce}", self._int8, plane_state, self.chunk_bytes, self.level, stats)
-        shards = write_anchor(self.store, version, f"int8a-{self.nonce}", plane_state, self.chunk_bytes) if anchor else []
-        return make_plane(plane_state, self._int8_digest, delta, shards, stats.changed, stats.elements), plane_state, stats
 
     def _advance_head(self, version: int, digest: str) -> None:
         """Point HEAD at `version` unless it already names a newer one (CAS where supported)."""
@@ -222,4 +441,6 @@ class Publisher:
                 return
             except (PreconditionError, AlreadyExistsError):
                 continue
-        log.warning("weights HEAD: lost the compare-and-swap 8 times for v%d; readers list manifests anyway", version)
+        log.warning(
+            "weights HEAD: lost the compare-and-swap 8 times for v%d; readers list manifests anyway", version
+        )

@@ -1,0 +1,120 @@
+"""Resuming a trainer: the newest committed checkpoint, then a replay of every step published after it.
+
+The checkpoint at version C holds the model, the optimizer, the RNG and the ingestion cursor after step C
+(a sharded DCP checkpoint, loadable by any number of ranks, or a legacy single object, loadable by one
+process). Every version P > C that was published since has a batch record naming exactly the groups
+(and the learning rate) it was trained on, so replaying C+1..P rebuilds the state that produced P. A
+replay whose cast differs from the published bits (non-deterministic kernels, another number of ranks:
+the sum over ranks rounds differently) adopts the published bits, so the chain continues from what the
+workers run.
+
+Functions of a `loop.Trainer` (they read and set its model, optimizer, cursor and version); every rank
+calls them together. Knows nothing about how batches are chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from pnyx.errors import ConfigError, IntegrityError
+from pnyx.train import checkpoint, checkpointer
+from pnyx.train.ingest import Cursor
+
+log = logging.getLogger("pnyx.train")
+
+
+def restore(t: Any, published: int | None) -> None:
+    """Load the newest committed checkpoint into `t`, then replay every version published after it."""
+    from pnyx.train.loop import StepResult
+    from pnyx.weights.manifest import read_manifest
+
+    done = checkpointer.committed(t.store)
+    base = done[-1].version if done else 0
+    if done:
+        load_checkpoint(t, done[-1])
+        t.last_checkpoint = base
+    if published is None:  # killed before v0 was published: publish it now
+        t._publish(0, force_anchor=True)
+        published = 0
+    if published < base:
+        raise IntegrityError(
+            f"checkpoint v{base} is newer than the newest published weights v{published}: the weights "
+            "of this run were deleted or the checkpoint belongs to another run"
+        )
+    for v in range(base + 1, published + 1):
+        batch = t._on_main(lambda v=v: recorded_batch(t, v, base, published))
+        t.version = v - 1
+        stats = t._train(batch)
+        if t.dist.is_main:
+            t.ingestor.commit(batch.keys, batch.groups)
+            kind = read_manifest(t.store, v).kind
+            checkpoint.write_metrics(
+                t.store, v, t.metrics(StepResult(v, stats, batch.groups, 0.0, kind, batch.lr))
+            )
+        log.info("trainer resume: replayed step to v%d from its batch record (%d groups)", v, len(batch.keys))
+    t.version = published
+    if published > base:
+        verify_or_adopt(t, published)
+    log.info("trainer run=%s resumed at v%d (checkpoint v%d)", t.manifest.run_id, published, base)
+
+
+def load_checkpoint(t: Any, stored: checkpointer.Stored) -> None:
+    """Model, optimizer, RNG and cursor from a committed checkpoint (sharded, or the legacy object)."""
+    v = stored.version
+    if stored.kind == "dcp":
+        commit = t.checkpointer.load(v, t.model, t.optimizer)
+        owner, cursor = commit.run_id, commit.cursor.encode()
+        checkpointer.restore_rng(commit.rng)
+    elif t.dist.sharded:
+        raise ConfigError(
+            f"the newest checkpoint of this run, {checkpoint.ckpt_key(v)}, is a single-object checkpoint from an "
+            "older pnyx: resume once with one process (`pnyx trainer --resume`; it writes a sharded checkpoint "
+            "at its next checkpoint), then under torchrun"
+        )
+    else:
+        state = checkpoint.load_checkpoint(t.store, v)
+        owner, cursor = state["extra"].get("run_id"), state["cursor"].encode()
+        t.model.load_state_dict(state["model"])
+        t.optimizer.load_state_dict(state["optimizer"])
+        checkpoint.restore_rng(state["rng"])
+    if owner != t.manifest.run_id:
+        raise IntegrityError(
+            f"checkpoint v{v} belongs to run {owner!r}, not to this run ({t.manifest.run_id!r}): "
+            "the trainer/ folder was copied from another run"
+        )
+    t.ingestor.cursor = Cursor.from_json(cursor)
+
+
+def recorded_batch(t: Any, version: int, base: int, published: int) -> Any:
+    """Rank 0: the batch of an already published step, from its record (for a replay)."""
+    rec = checkpoint.read_batch_record(t.store, version)
+    if rec is None:
+        raise IntegrityError(
+            f"cannot roll forward from checkpoint v{base} to published v{published}: "
+            f"{checkpoint.batch_key(version)} is missing"
+        )
+    return t._batch(rec, t._load_recorded(rec))
+
+
+def verify_or_adopt(t: Any, version: int) -> None:
+    """After a replay, the cast of the master weights must be the published bits; else adopt those.
+
+    Each rank checks the tensors it publishes against the manifest's digests (together: every tensor)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from pnyx.weights import Syncer
+    from pnyx.weights.bits import from_torch
+    from pnyx.weights.manifest import read_manifest
+
+    want = {e.name: e.digest for e in read_manifest(t.store, version).weights.tensors}
+    mine = from_torch(t.publish_tensors(), copy=False)
+    same = all(want.get(n) == tb.digest() for n, tb in mine.items())
+    if all(t.dist.all_gather(same)):
+        return
+    log.warning("trainer resume: replayed v%d differs from the published bits; adopting them", version)
+    _, tensors = Syncer(t.store).sync(to_version=version)
+    full = {k: v.to(torch.float32) for k, v in tensors.items()}
+    set_model_state_dict(t.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
