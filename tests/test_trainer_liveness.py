@@ -132,8 +132,9 @@ def test_trainer_logs_every_10s_stops_within_10s_of_sigterm_and_resumes_exactly(
     assert took < STOP_WITHIN_S, first.log()[-3000:]
     assert first.max_gap() <= MAX_GAP_S, first.log()[-3000:]
     store = open_store(url)
-    ckpt = checkpoint.load_checkpoint(store, 0)
-    rejected_before = len(json.loads(ckpt["cursor"])["rejected"])
+    from pnyx.train import checkpointer
+
+    rejected_before = len(json.loads(checkpointer.read_commit(store, 0).cursor)["rejected"])
     assert 0 < rejected_before < BACKLOG  # stopped in the middle of the backlog
 
     second = Trainer(url, tmp_path / "cfg.toml", delay_s=0.8)

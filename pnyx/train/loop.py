@@ -432,8 +432,8 @@ class Trainer:
     def checkpoint(self) -> None:
         """Start a sharded checkpoint of the current version (every rank together); it uploads and commits
         in the background. Then weights retention (rank 0)."""
-        if self.last_checkpoint == self.version or self.version == 0:
-            return  # v0 is the published initial weights: resuming without a checkpoint is the same state
+        if self.last_checkpoint == self.version:
+            return  # (v0 too is checkpointed once stopped: its cursor holds what ingestion already judged)
         cursor = self.ingestor.cursor_json().decode()
         blocked = self.checkpointer.save(self.version, self.model, self.optimizer, cursor, self.manifest.run_id)
         self.last_checkpoint = self.version
