@@ -116,7 +116,7 @@ class Trainer:
     # --- setup ---------------------------------------------------------------------------------------
 
     def _load(self) -> None:
-        from pnyx.config import resolve_device
+        from pnyx.config import resolve_device, resolve_env_kwargs, resolve_max_new_tokens
         from pnyx.envs import get_env
         from pnyx.models import load_model, load_tokenizer, render_prompt, tokenizer_digest
         from pnyx.weights.publisher import Publisher
@@ -127,7 +127,10 @@ class Trainer:
         self.device = resolve_device(cfg.trainer.device)
         self.model = load_model(model_dir, dtype="float32", device=self.device)
         self.tokenizer = load_tokenizer(model_dir)
-        self.env = get_env(cfg.env.name, **cfg.env.kwargs)
+        self.env = get_env(cfg.env.name, **resolve_env_kwargs(cfg))
+        # The generation budget is run-defining: run.json records the resolved number (None = the env's),
+        # and workers and the Dr.GRPO normaliser read that one number.
+        cfg.worker.max_new_tokens = resolve_max_new_tokens(cfg.worker.max_new_tokens, self.env)
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0:
             self.ref_model = load_model(model_dir, dtype="float32", device=self.device)
