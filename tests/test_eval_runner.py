@@ -237,3 +237,16 @@ def test_eval_command_errors_are_clear(tmp_path):
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     proc = _eval_cli("--max-new-tokens", "0")
     assert proc.returncode == 2 and "max-new-tokens" in proc.stderr
+
+
+def test_eval_command_env_flag_drops_the_other_environments_options(tiny_model_dir, tmp_path):
+    config = tmp_path / "eval.toml"
+    config.write_text(
+        f'[model]\npath = "{tiny_model_dir}"\n[env]\nname = "arith"\n[env.kwargs]\ndigits = 1\n'
+    )
+    out = tmp_path / "g.json"
+    proc = _eval_cli("--config", str(config), "--env", "gsm8k", "--tasks", "2", "--max-new-tokens", "2",
+                     "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr  # arith's `digits` would be refused by gsm8k
+    assert "not the config's environment" in proc.stderr
+    assert json.loads(out.read_text())["env"] == "gsm8k"
