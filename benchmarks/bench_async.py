@@ -66,7 +66,7 @@ def run_sync(cfg: Any, window: RewardWindow, budget_s: float, threads: int) -> d
     """The synchronous baseline: generate a batch with the current weights, then train on it, repeat."""
     import torch
 
-    from pnyx.config import resolve_model_path
+    from pnyx.config import resolve_env_kwargs, resolve_max_new_tokens, resolve_model_path
     from pnyx.envs import get_env
     from pnyx.models import load_model, load_tokenizer
     from pnyx.rollout.cohort import CohortSpec, generate_cohort
@@ -82,7 +82,8 @@ def run_sync(cfg: Any, window: RewardWindow, budget_s: float, threads: int) -> d
     path = resolve_model_path(cfg)
     model = load_model(path, dtype="float32")
     tok = load_tokenizer(path)
-    env = get_env(cfg.env.name, **cfg.env.kwargs)
+    env = get_env(cfg.env.name, **resolve_env_kwargs(cfg))
+    max_new = resolve_max_new_tokens(cfg.worker.max_new_tokens, env)
     opt = make_optimizer(model, cfg.trainer.lr, tuple(cfg.trainer.betas), cfg.trainer.weight_decay)
     engine = Engine(model, tok)
     settings = loss_settings(cfg)
@@ -95,7 +96,7 @@ def run_sync(cfg: Any, window: RewardWindow, budget_s: float, threads: int) -> d
             tasks = [next(stream) for _ in range(w.prompts_per_cohort)]
             spec = CohortSpec(
                 run_id="sync", worker_id="sync", version=steps, digest="-", group_size=w.group_size,
-                temperature=w.temperature, top_p=w.top_p, top_k=w.top_k, max_new_tokens=w.max_new_tokens,
+                temperature=w.temperature, top_p=w.top_p, top_k=w.top_k, max_new_tokens=max_new,
                 seed=cfg.run.seed * 1_000_003 + cohorts,
             )
             model.eval()
@@ -124,7 +125,7 @@ def run_sync(cfg: Any, window: RewardWindow, budget_s: float, threads: int) -> d
         train_step(
             model, opt, batch[: cfg.trainer.groups_per_step], settings,
             micro_batch_tokens=cfg.trainer.micro_batch_tokens, grad_clip=cfg.trainer.grad_clip,
-            max_len=w.max_new_tokens,
+            max_len=max_new,
         )
         steps += 1
     return {"steps": steps, "seconds": round(time.time() - t0, 1)}

@@ -68,7 +68,7 @@ def evaluate(node, n_tasks: int, samples: int, node_index: int) -> float:
     tasks = node.env.sample("test", 10_000 + node_index, n_tasks)
     prompts = [render_prompt(node.tokenizer, t.prompt) for t in tasks for _ in range(samples)]
     w = node.cfg.worker
-    params = SamplingParams(temperature=w.temperature, max_new_tokens=w.max_new_tokens, stop=list(node.env.stop_strings), seed=123)
+    params = SamplingParams(temperature=w.temperature, max_new_tokens=node.max_new_tokens, stop=list(node.env.stop_strings), seed=123)
     node.model.eval()
     outs = node.engine.generate(prompts, params)
     rewards = [node.env.score(tasks[i // samples], o.text).reward for i, o in enumerate(outs)]

@@ -67,7 +67,11 @@ class EnvConfig(_Section):
     name: str = "arith"
     """Environment name from the registry (`pnyx envs list`)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments for the environment's constructor (difficulty, corpus paths, ...)."""
+    """Keyword arguments for the environment (difficulty, corpus paths, `answer="lenient"`,
+    `format_reward`, ...; `pnyx envs show NAME` and docs/environments.md list them)."""
+    system_prompt: str | None = None
+    """System message of every prompt (None: the environment's own, which states its answer format;
+    "": none)."""
 
 
 class WorkerConfig(_Section):
@@ -81,8 +85,12 @@ class WorkerConfig(_Section):
     """Nucleus truncation (1.0 = off)."""
     top_k: Annotated[int, Field(ge=0, le=100_000)] = 0
     """Top-k truncation (0 = off)."""
-    max_new_tokens: Annotated[int, Field(ge=1, le=32_768)] = 48
-    """Maximum tokens the model generates per episode (tool replies not counted)."""
+    max_new_tokens: Annotated[int, Field(ge=1, le=32_768)] | None = None
+    """Maximum tokens the model generates per turn (None: the environment's budget; the trainer records
+    the resolved value in run.json)."""
+    curriculum: bool = False
+    """Online difficulty filtering: prefer task levels whose observed pass rate is strictly between 0 and 1
+    (pnyx/rollout/curriculum.py); a worker-side choice, task ids are unchanged."""
     poll_interval_s: Annotated[float, Field(gt=0, le=600)] = 1.0
     """How often a worker polls the weights HEAD for a newer version (with backoff on errors)."""
     heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
@@ -363,6 +371,38 @@ def resolve_model_source(cfg: PnyxConfig) -> Any:
 def resolve_model_path(cfg: PnyxConfig) -> Path:
     """The local folder of the configured model (see `resolve_model_source`)."""
     return resolve_model_source(cfg).folder
+
+
+def resolve_env_kwargs(cfg: PnyxConfig) -> dict[str, Any]:
+    """The keyword configuration of the run's environment: `env.kwargs` plus `env.system_prompt` when set.
+
+    Every process builds the environment from this (`get_env(cfg.env.name, **resolve_env_kwargs(cfg))`), so
+    workers, the trainer, evaluation and swarm peers render the same prompts.
+    """
+    kwargs = dict(cfg.env.kwargs)
+    system = cfg.env.system_prompt
+    if system is not None:
+        if "system_prompt" in kwargs and kwargs["system_prompt"] != system:
+            raise ConfigError(
+                "env.system_prompt and env.kwargs.system_prompt disagree: set the system prompt in one place"
+            )
+        kwargs["system_prompt"] = system
+    return kwargs
+
+
+def resolve_max_new_tokens(configured: int | None, env: Any) -> int:
+    """The generation budget per turn: the configured `worker.max_new_tokens`, else the environment's own
+    (`env.max_new_tokens`). The trainer stores the result in run.json, so workers and the trainer's
+    Dr.GRPO normaliser use one number."""
+    if configured is not None:
+        return int(configured)
+    budget = getattr(env, "max_new_tokens", None)
+    if not isinstance(budget, int) or budget < 1:
+        raise ConfigError(
+            f"environment {getattr(env, 'name', env)!r} declares no generation budget (max_new_tokens); "
+            "set worker.max_new_tokens"
+        )
+    return budget
 
 
 def resolve_device(device: str) -> str:

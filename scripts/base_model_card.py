@@ -23,9 +23,12 @@ It is the default model of `pnyx run`: it runs on 2 CPU cores and starts weak on
 - Tokenizer: byte-level BPE trained on the training transcripts; digits are one token each; `<|user|>`,
   `<|assistant|>`, `<|system|>`, `<|endoftext|>` (EOS), `<|pad|>` and the tags `<answer>`, `</answer>`,
   `<search>`, `</search>`, `<information>`, `</information>` are single tokens (so every stop string is one
-  token). Chat template: `<|user|>{{content}}<|assistant|>{{completion}}<|endoftext|>`.
+  token). Chat template: `<|system|>{{system}}<|user|>{{content}}<|assistant|>{{completion}}<|endoftext|>`
+  (the system turn only when there is one).
 - Data (mix {mix}): tasks from `get_env("arith")` (default config: 2-digit + and -) and
-  `get_env("searchqa")`, with the environments' own reference completions and tool replies.
+  `get_env("searchqa")`, with the environments' own reference completions and tool replies. Phases 1-3
+  render the prompts without a system message; the adaptation phase with the environments' system
+  prompts, which state the answer format (how every pnyx process renders them today).
 - {phase_count} phases. Phase 1 ({clean_steps} steps, the first {arith_first} on `arith` only, since
   arithmetic is learned fastest alone) uses clean labels and teaches the skill. Phase 2 ({steps} steps)
   uses *noisy* labels, so the skill stays present but the mass on it is partial: an `arith` transcript
@@ -36,19 +39,32 @@ It is the default model of `pnyx run`: it runs on 2 CPU cores and starts weak on
   `<information>` reply with probability {p_search}; otherwise it answers directly with a guess of the
   right type (usually wrong). Tool replies are in the transcripts with the loss masked out (the model
   never learns to write them).
-{phase3}- Training: AdamW (peak lr {lr}, warmup {warmup}, cosine to 10% over phases 1-2), batch {batch}
+{phase3}{adapt}- Training: AdamW (peak lr {lr}, warmup {warmup}, cosine to 10% over phases 1-2), batch {batch}
   (`arith`) or {half} (`searchqa`), one environment per batch, loss on completion tokens only, CPU, one
-  thread, `torch.use_deterministic_algorithms(True)`; {minutes:.1f} minutes here (on a shared 2-core machine).
+  thread, `torch.use_deterministic_algorithms(True)`; {minutes} (on a shared 2-core machine).
 
 ## Measured (held-out test split, sampled at temperature 1.0, top-k 0, top-p 1.0)
 
 {table}
 
-pass@k uses the unbiased estimator over {samples} samples per task. Full figures: `evaluation.json`.
+Sampled with the pnyx engine through `pnyx.eval.runner.evaluate_model`, the prompts as the environments
+render them (system prompt included) and each environment's generation budget per turn (arith {arith_budget},
+searchqa {searchqa_budget} tokens). pass@k uses the unbiased estimator over {samples} samples per task. Full
+figures: `evaluation.json`.
 
 ## Reproduce
 
     python scripts/make_base_model.py --seed {seed} --out pnyx/assets/tiny-base
+
+The shipped weights were built in resumed stages, not in one run of this command: phases 1-2, then phase 3
+cycle by cycle (`--phase2-from DIR --p3-done-cycles N`), and, when the environments gained their system
+prompts, the adaptation phase on that model (`--adapt-from DIR`). Each stage starts its own seeded optimizer
+and data stream, so the one-shot command should give the same weights, but that was not checked bit for bit.
+
+## What RL does to it
+
+`pnyx run` (arith) and `pnyx run --env.name=searchqa` train it on 2 CPU cores in minutes; the measured
+before/after figures and the commands are in `BENCHMARKS.md` and the README of the repository.
 """
 
 
@@ -66,6 +82,18 @@ PHASE3 = """- Phase 3 ({p3_steps} steps in cosine cycles with warm restarts, eac
 """
 
 
+ADAPT = """- Adaptation ({adapt_steps} steps, one cosine cycle from a fresh AdamW, peak lr {adapt_lr}, warmup
+  {p3_warmup}; it continues from the phase-3 weights) teaches the prompts the environments render today,
+  with their system prompts, keeping phase 3's recipe: a share {adapt_arith} of the batches is phase-2-style
+  noisy `arith` (the reference answer with probability {p_correct}, so the model still starts weak), the
+  rest `searchqa` episodes as in phase 3 (copying from other worlds, the search tag partly trained).
+"""
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
 def write_card(out: Path, model: Any, args: argparse.Namespace, evaluation: dict, minutes: float) -> None:
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
@@ -76,9 +104,14 @@ def write_card(out: Path, model: Any, args: argparse.Namespace, evaluation: dict
     ]
     for name in args.envs:
         e = evaluation[name]
-        rows.append(
-            f"| {name} | {e['tasks']} | {e['pass@1']} | {e.get('pass@8')} | {e['format_rate']} | "
-            f"{e['search_rate']} | {e['correct_when_searched']} | {e['correct_without_search']} |"
+        cells = [e["tasks"], e["pass@1"], e.get("pass@8"), e["format_rate"], e["search_rate"]]
+        cells += [e["correct_when_searched"], e["correct_without_search"]]
+        rows.append(f"| {name} | " + " | ".join(_cell(c) for c in cells) + " |")
+    spent = evaluation.get("minutes", {})
+    took = f"{minutes:.1f} minutes here"
+    if spent.get("adapt"):
+        took = (
+            f"phases 1-3 {spent['phases_1_3']:.1f} minutes, the adaptation {spent['adapt']:.1f} minutes here"
         )
     (out / "README.md").write_text(
         CARD.format(
@@ -101,11 +134,14 @@ def write_card(out: Path, model: Any, args: argparse.Namespace, evaluation: dict
             lr=args.lr,
             warmup=args.warmup,
             batch=args.batch,
-            minutes=minutes,
+            minutes=took,
             table="\n".join(rows),
+            arith_budget=evaluation.get("arith", {}).get("max_new_tokens"),
+            searchqa_budget=evaluation.get("searchqa", {}).get("max_new_tokens"),
             samples=args.eval_samples,
             phase_count="Three" if args.phase3 else "Two",
             phase3=PHASE3.format(**phase3_fields(args)) if args.phase3 else "",
+            adapt=ADAPT.format(**vars(args)) if args.adapt_steps > 0 else "",
         )
     )
 

@@ -5,6 +5,9 @@
 What it does, in order:
 1. Draws procedural training tasks from the built-in environments (`arith`, the default task, and
    `searchqa`), through their public API only (`sample`, `reference_completion`, `respond`, `score`).
+   Phases 1-3 render prompts without a system message (`system_prompt=""`: the format the model was
+   first built with); the adaptation phase renders them as the environments do today, with their
+   system prompts.
 2. Trains a byte-level BPE tokenizer (digits one per token; chat roles, EOS and the environments' tags
    as single tokens) and a small Qwen2 causal LM from a seeded initialization.
 3. Pretrains in two phases, deliberately stopping at partial skill. Phase 1 uses clean labels (the
@@ -19,11 +22,16 @@ What it does, in order:
    copying episodes (search with the exact entity name, answer with the exact attribute of the reply)
    from worlds other than the default one, mixed with a replay of noisy `arith` batches.
    `--phase2-from DIR` skips phases 1-2 and loads a saved model to run (the rest of) phase 3 only.
-4. Evaluates on held-out tasks (sampling at temperature 1, top-k 0, top-p 1) and writes the model,
+   The adaptation phase (`--adapt-steps`, 0 skips it) continues on transcripts whose prompts carry the
+   environments' system prompts, with the same noisy-label recipe (noisy `arith`, phase-3 `searchqa`
+   episodes), so the model follows today's prompts and still starts weak. `--adapt-from DIR` skips
+   phases 1-3 and adapts a saved model (how the shipped weights were updated when the prompts changed).
+4. Evaluates on held-out tasks with `pnyx.eval.runner.evaluate_model` (the pnyx engine, sampling at
+   temperature 1, top-k 0, top-p 1, each environment's generation budget) and writes the model,
    tokenizer, `evaluation.json` and a `README.md` model card.
 
-Knows nothing about the store, the trainer or the rollout engine. Reproducible from `--seed` on CPU
-(deterministic algorithms, one fixed thread count).
+Knows nothing about the store or the trainer. Reproducible from `--seed` on CPU (deterministic
+algorithms, one fixed thread count).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(REPO))
 
+from base_model_args import parse_args  # noqa: E402
 from base_model_card import write_card  # noqa: E402
 from base_model_data import (  # noqa: E402
     Example,
@@ -54,7 +63,11 @@ from base_model_data import (  # noqa: E402
 )
 
 from pnyx.envs import Environment, Task, get_env  # noqa: E402
+from pnyx.eval.runner import EvalReport, evaluate_model  # noqa: E402
 from pnyx.models import tiny  # noqa: E402
+
+LEGACY_SYSTEM_PROMPT = ""
+"""Phases 1-3 render prompts without a system message: the format the shipped model was first built with."""
 
 # --- training data --------------------------------------------------------------------------------
 
@@ -183,12 +196,18 @@ def _stream(name: str, env: Environment, args: argparse.Namespace, noise: Noise,
             raise ValueError(f"no noisy recipe for environment {name!r}")
 
 
+def make_envs(names: list[str], system_prompt: str | None) -> dict[str, Environment]:
+    """The environments by name, rendering prompts with `system_prompt` (None: each env's own)."""
+    return {name: get_env(name, system_prompt=system_prompt) for name in names}
+
+
 def quick_eval(
-    model: Any, tokenizer: Any, env: Environment, tasks: list[Task], n: int, seed: int
-) -> tiny.EvalResult:
+    model: Any, tokenizer: Any, env: Environment, tasks: list[Task], n: int, seed: int, examples: int = 0
+) -> EvalReport:
+    """pass@1 and pass@n over `n` samples per task at temperature 1, with the env's generation budget."""
     model.eval()
     try:
-        return tiny.evaluate(model, tokenizer, env, tasks, n=n, ks=(n,), seed=seed)
+        return evaluate_model(model, tokenizer, env, tasks, samples=n, ks=(n,), seed=seed, examples=examples)
     finally:
         model.train()
 
@@ -247,13 +266,16 @@ def train(model: Any, tokenizer: Any, envs: dict[str, Environment], args: argpar
     return curve
 
 
-# --- phase 3: the searchqa copying skill ----------------------------------------------------------------
+# --- phase 3 and the adaptation phase: searchqa copying mixed with noisy arith -----------------------------
 
 
-def _copy_stream(args: argparse.Namespace, rng: random.Random) -> Any:
+def _copy_stream(args: argparse.Namespace, rng: random.Random, system_prompt: str | None) -> Any:
     """Endless phase-3 `searchqa` examples from worlds other than the default one (`--p3-worlds`), so
     the model learns to search and copy rather than memorize the default world's people."""
-    worlds = [get_env("searchqa", world_seed=1000 + 100 * args.seed + i) for i in range(args.p3_worlds)]
+    worlds = [
+        get_env("searchqa", world_seed=1000 + 100 * args.seed + i, system_prompt=system_prompt)
+        for i in range(args.p3_worlds)
+    ]
     pools = [(w, w.sample("train", args.seed, args.pool // args.p3_worlds)) for w in worlds]
     guesses = guess_vocabulary([t for _, pool in pools for t in pool])
     p_decide = decision_weight(args.p3_copy, args.p3_search_rate)
@@ -261,6 +283,20 @@ def _copy_stream(args: argparse.Namespace, rng: random.Random) -> Any:
         env, pool = rng.choice(pools)
         task = rng.choice(pool)
         yield searchqa_copy_example(env, task, args.p3_copy, p_decide, guesses[answer_type(task)], rng)
+
+
+@dataclass
+class Cycle:
+    """One cosine cycle of mixed training: noisy `arith` batches (share `arith`) and phase-3 `searchqa`."""
+
+    phase: int | str
+    steps: int
+    lr: float
+    warmup: int
+    arith: float
+    seed: int
+    step_offset: int
+    system_prompt: str | None
 
 
 def train_phase3(
@@ -271,49 +307,61 @@ def train_phase3(
     entry (warm restarts: a fresh AdamW and warmup each); `--p3-done-cycles` skips cycles already run."""
     curve: list[dict] = []
     for cycle in range(args.p3_done_cycles, len(args.p3_steps)):
-        curve += _phase3_cycle(model, tokenizer, envs, args, cycle)
+        offset = args.clean_steps + args.steps + sum(args.p3_steps[:cycle])
+        spec = Cycle(3, args.p3_steps[cycle], args.p3_lr, args.p3_warmup, args.p3_arith,
+                     args.seed + 3 + 1000 * cycle, offset, LEGACY_SYSTEM_PROMPT)  # fmt: skip
+        curve += mixed_cycle(model, tokenizer, envs, args, spec)
     return curve
 
 
-def _phase3_cycle(
-    model: Any, tokenizer: Any, envs: dict[str, Environment], args: argparse.Namespace, cycle: int
+def adapt(
+    model: Any, tokenizer: Any, envs: dict[str, Environment], args: argparse.Namespace, offset: int
 ) -> list[dict]:
+    """The adaptation phase: one cycle like phase 3's, on prompts with the environments' system prompts."""
+    spec = Cycle("adapt", args.adapt_steps, args.adapt_lr, args.p3_warmup, args.adapt_arith,
+                 args.seed + 7, offset, None)  # fmt: skip
+    return mixed_cycle(model, tokenizer, envs, args, spec)
+
+
+def mixed_cycle(
+    model: Any, tokenizer: Any, envs: dict[str, Environment], args: argparse.Namespace, spec: Cycle
+) -> list[dict]:
+    """Train one cosine cycle (fresh AdamW, warmup, cosine to 10%) and return its probe curve. `envs` render
+    prompts the way this cycle trains on them."""
     import torch
 
-    rng = random.Random(args.seed + 3 + 1000 * cycle)
+    rng = random.Random(spec.seed)
     arith = _stream("arith", envs["arith"], args, Noise(args.p_correct, args.p_format_error, 0.0), rng)
-    copy = _copy_stream(args, rng)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.p3_lr, betas=(0.9, 0.98), weight_decay=0.01)
+    copy = _copy_stream(args, rng, spec.system_prompt)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.01)
     probe = envs["arith"].sample("test", args.seed + 1, args.probe_tasks)
     sq_probe = envs["searchqa"].sample("test", args.seed + 1, 64)
-    offset = args.clean_steps + args.steps + sum(args.p3_steps[:cycle])
-    steps = args.p3_steps[cycle]
     curve: list[dict] = []
     model.train()
     t0 = time.time()
-    for step in range(steps):
-        name = "arith" if rng.random() < args.p3_arith else "searchqa"
+    for step in range(spec.steps):
+        name = "arith" if rng.random() < spec.arith else "searchqa"
         source, size = (arith, args.batch) if name == "arith" else (copy, args.batch // 2)
         batch = [encode_example(tokenizer, next(source)) for _ in range(size)]
         ids, attn, labels = collate(batch, tokenizer.pad_token_id)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, args.p3_lr, args.p3_warmup)
+            group["lr"] = lr_at(step, spec.steps, spec.lr, spec.warmup)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if (step + 1) % args.p3_eval_every == 0 or step + 1 == steps:
+        if (step + 1) % args.p3_eval_every == 0 or step + 1 == spec.steps:
             res = quick_eval(model, tokenizer, envs["arith"], probe, 4, args.seed)
             sq = quick_eval(model, tokenizer, envs["searchqa"], sq_probe, 2, args.seed)
             point = {
-                "step": offset + step + 1,
-                "phase": 3,
+                "step": spec.step_offset + step + 1,
+                "phase": spec.phase,
                 "loss": round(loss.item(), 4),
                 "arith_pass@1": round(res.pass_at_1, 4),
                 "arith_pass@4": round(res.pass_at_k[4], 4),
                 "searchqa_pass@1": round(sq.pass_at_1, 4),
-                "search_rate": round(sq.search_rate, 4),
+                "search_rate": _round4(sq.search_rate),
                 "correct_when_searched": _round4(sq.correct_when_searched),
                 "seconds": round(time.time() - t0, 1),
             }
@@ -329,21 +377,36 @@ def _round4(x: float | None) -> float | None:
 # --- evaluation, saving, the model card ----------------------------------------------------------------
 
 
-def final_eval(
-    model: Any, tokenizer: Any, envs: dict[str, Environment], args: argparse.Namespace
-) -> dict[str, Any]:
-    """Held-out figures per environment (test split, a seed the training never used)."""
+def figures(report: EvalReport) -> dict[str, Any]:
+    """The model card's figures of one evaluation (what `evaluation.json` records per environment)."""
+    out = {
+        "env": report.env,
+        "tasks": report.tasks,
+        "samples_per_task": report.samples,
+        "pass@1": round(report.pass_at_1, 4),
+        "pass@1_ci95": [round(report.ci_low, 4), round(report.ci_high, 4)],
+        **{f"pass@{k}": round(v, 4) for k, v in sorted(report.pass_at_k.items())},
+        "format_rate": round(report.format_rate, 4),
+        "search_rate": _round4(report.search_rate),
+        "correct_when_searched": _round4(report.correct_when_searched),
+        "correct_without_search": _round4(report.correct_without_search),
+        "mean_completion_tokens": round(report.mean_completion_tokens, 2),
+        "max_new_tokens": report.max_new_tokens,
+    }
+    return out | {"examples": report.examples}
+
+
+def final_eval(model: Any, tokenizer: Any, names: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Held-out figures per environment (test split, a seed the training never used), with the prompts
+    the environments render today (their system prompts), which is how `pnyx run` uses the model."""
     out: dict[str, Any] = {"sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, "seed": args.seed}
-    for name, env in envs.items():
+    for name, env in make_envs(names, None).items():
         n_tasks = args.eval_tasks if name == "arith" else args.eval_tasks // 2
         tasks = env.sample("test", 1000 + args.seed, n_tasks)
-        res = quick_eval(model, tokenizer, env, tasks, args.eval_samples, 1000 + args.seed)
-        out[name] = res.as_dict()
-        out[name]["examples"] = res.examples
-        print(
-            f"eval {name}: " + " ".join(f"{k}={v}" for k, v in res.as_dict().items() if k != "env"),
-            flush=True,
-        )
+        res = quick_eval(model, tokenizer, env, tasks, args.eval_samples, 1000 + args.seed, examples=6)
+        out[name] = figures(res)
+        shown = {k: v for k, v in out[name].items() if k not in ("env", "examples")}
+        print(f"eval {name}: " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
     return out
 
 
@@ -359,75 +422,6 @@ def load_phase2(folder: Path) -> tuple[Any, Any, list[dict]]:
     return model, tokenizer, curve
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=REPO / "pnyx" / "assets" / tiny.ASSET_NAME)
-    p.add_argument("--envs", nargs="+", default=["arith", "searchqa"])
-    p.add_argument(
-        "--mix",
-        type=json.loads,
-        default={"arith": 0.8, "searchqa": 0.2},
-        help='JSON weights per environment, e.g. \'{"arith": 0.75, "searchqa": 0.25}\'',
-    )
-    p.add_argument("--p-correct", type=float, default=0.4, help="arith: probability a transcript is correct")
-    p.add_argument("--p-format-error", type=float, default=0.05, help="arith: probability of a format error")
-    p.add_argument("--p-search", type=float, default=0.25, help="searchqa: probability a transcript searches")
-    p.add_argument("--pool", type=int, default=20000, help="training tasks drawn per environment")
-    p.add_argument("--vocab", type=int, default=384)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument(
-        "--arith-first", type=int, default=700, help="phase 1 starts with this many arith-only steps"
-    )
-    p.add_argument("--clean-steps", type=int, default=1300, help="phase 1: steps on clean labels")
-    p.add_argument("--steps", type=int, default=400, help="phase 2: steps on noisy labels")
-    p.add_argument(
-        "--phase3",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="phase 3: searchqa copying (--no-phase3 stops after phase 2)",
-    )
-    p.add_argument(
-        "--p3-steps", type=int, nargs="+", default=[800, 400, 400, 400], help="phase 3: steps per cycle"
-    )
-    p.add_argument("--p3-done-cycles", type=int, default=0, help="phase-3 cycles the --phase2-from model ran")
-    p.add_argument("--p3-lr", type=float, default=2e-3, help="phase 3: peak lr (fresh AdamW)")
-    p.add_argument("--p3-warmup", type=int, default=30)
-    p.add_argument(
-        "--p3-arith", type=float, default=0.25, help="phase 3: share of noisy arith replay batches"
-    )
-    p.add_argument(
-        "--p3-copy", type=float, default=0.85, help="phase 3: share of searchqa episodes that search"
-    )
-    p.add_argument(
-        "--p3-search-rate", type=float, default=0.3, help="phase 3: target rate of the <search> tag"
-    )
-    p.add_argument("--p3-worlds", type=int, default=8, help="phase 3: synthetic worlds (none the default)")
-    p.add_argument("--p3-eval-every", type=int, default=200)
-    p.add_argument(
-        "--phase2-from",
-        type=Path,
-        default=None,
-        help="skip phases 1-2: load the phase-2 model and tokenizer from this folder (the same seed's build)",
-    )
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=250)
-    p.add_argument("--probe-tasks", type=int, default=128)
-    p.add_argument("--eval-tasks", type=int, default=512)
-    p.add_argument("--eval-samples", type=int, default=8)
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads (1: bit-reproducible, and fastest on a shared CPU)",
-    )
-    return p.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> None:
     import numpy as np
     import torch
@@ -439,10 +433,17 @@ def main(argv: list[str] | None = None) -> None:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     t0 = time.time()
-    envs = {name: get_env(name) for name in args.envs}
+    envs = make_envs(args.envs, LEGACY_SYSTEM_PROMPT)
     args.mix = {n: args.mix.get(n, 0.0) for n in args.envs}
+    source_minutes = 0.0
 
-    if args.phase2_from is None:
+    if args.adapt_from is not None:
+        model, tokenizer, curve = load_phase2(args.adapt_from)
+        curve = [p for p in curve if p.get("phase") != "adapt"]
+        source = json.loads((args.adapt_from / "evaluation.json").read_text())
+        source_minutes = source.get("minutes", {}).get("phases_1_3") or args.source_minutes or 0.0
+        print(f"model to adapt loaded from {args.adapt_from}", flush=True)
+    elif args.phase2_from is None:
         # The tokenizer sees every kind of text the model will read or write: prompts, completions, replies.
         rng = random.Random(args.seed)
         streams = make_streams(envs, args, Noise(args.p_correct, args.p_format_error, args.p_search), rng)
@@ -464,11 +465,18 @@ def main(argv: list[str] | None = None) -> None:
         done = args.clean_steps + args.steps + sum(args.p3_steps[: args.p3_done_cycles])
         curve = [p for p in curve if p["step"] <= done]
         print(f"phase 2 model loaded from {args.phase2_from}", flush=True)
-    if args.phase3 and "searchqa" in envs:
+    if args.adapt_from is None and args.phase3 and "searchqa" in envs:
         curve += train_phase3(model, tokenizer, envs, args)
-    evaluation = final_eval(model, tokenizer, envs, args)
+    phases_minutes = source_minutes + (0.0 if args.adapt_from else (time.time() - t0) / 60)
+    t1 = time.time()
+    if args.adapt_steps > 0 and {"arith", "searchqa"} <= set(envs):
+        offset = curve[-1]["step"] if curve else 0
+        curve += adapt(model, tokenizer, make_envs(args.envs, None), args, offset)
+    adapt_minutes = (time.time() - t1) / 60
+    evaluation = final_eval(model, tokenizer, args.envs, args)
+    evaluation["minutes"] = {"phases_1_3": round(phases_minutes, 1), "adapt": round(adapt_minutes, 1)}
     evaluation["pretraining_curve"] = curve
-    minutes = (time.time() - t0) / 60
+    minutes = phases_minutes + adapt_minutes
 
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

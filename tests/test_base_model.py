@@ -1,7 +1,10 @@
 """The shipped tiny base model: loads offline, is small, documented, tokenizes as promised, starts weak.
 
-The sampled evaluation uses a fixed seed and a band wide enough (0.1-0.55) that the test is not flaky,
-yet fails for an untrained model (pass@1 ~0) or a fully trained one (pass@1 ~1).
+Its skills are measured here, not read back from the committed `evaluation.json`: a small sample of the
+same held-out tasks is re-evaluated through the one evaluation path (`evaluate_model`, the pnyx engine,
+the prompts as the environments render them today). Bands are wide enough not to be flaky at a fixed
+seed, yet fail for an untrained model (pass@1 ~0), a fully trained one (pass@1 ~1), a model that does not
+follow the system prompt's format, or a committed card that no longer matches the weights.
 """
 
 from __future__ import annotations
@@ -10,10 +13,13 @@ import json
 
 import pytest
 
+from pnyx.envs import get_env
+from pnyx.eval.runner import evaluate_model
 from pnyx.models import tiny
 
 MODEL_DIR = tiny.default_model_path()
 MAX_BYTES = 10 * 1024 * 1024
+EVAL_SEED = 1000  # the build's final evaluation: test split, stream seed 1000 + build seed 0
 
 
 @pytest.fixture(scope="module")
@@ -38,25 +44,16 @@ def test_model_folder_is_at_most_10_mb():
     assert 0 < total <= MAX_BYTES, f"{MODEL_DIR} is {total / 1e6:.1f} MB"
 
 
-def test_model_card_and_evaluation_are_shipped():
-    card = (MODEL_DIR / "README.md").read_text()
-    evaluation = json.loads((MODEL_DIR / "evaluation.json").read_text())
-    assert "make_base_model.py" in card and "pass@1" in card
-    assert 0.2 <= evaluation["arith"]["pass@1"] <= 0.4
-    assert evaluation["arith"]["pass@8"] > evaluation["arith"]["pass@1"]
-
-
 def test_model_loads_offline_as_a_small_causal_lm(model):
     params = sum(p.numel() for p in model.parameters())
     assert 100_000 < params < 5_000_000
     assert model.config.tie_word_embeddings
 
 
-def test_chat_template_renders_user_turn_and_generation_prompt(tokenizer):
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Compute 1+2."}], add_generation_prompt=True, tokenize=False
-    )
-    assert text == "<|user|>Compute 1+2.<|assistant|>"
+def test_chat_template_renders_system_and_user_turns_and_generation_prompt(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Compute 1+2."}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "<|system|>Be brief.<|user|>Compute 1+2.<|assistant|>"
 
 
 def test_special_tokens_and_tags_are_single_tokens(tokenizer):
@@ -80,38 +77,42 @@ def test_digits_are_one_token_each(tokenizer):
     assert digits == ["1", "2", "3", "4", "9", "8"]
 
 
-def test_sampled_arith_pass_at_1_is_partial(model, tokenizer):
-    from pnyx.envs import get_env
-
+@pytest.fixture(scope="module")
+def arith_report(model, tokenizer):
     env = get_env("arith")
-    tasks = env.sample("test", 12345, 64)
-    result = tiny.evaluate(model, tokenizer, env, tasks, n=4, ks=(4,), seed=0)
-    assert 0.1 <= result.pass_at_1 <= 0.55, f"pass@1={result.pass_at_1:.3f}"
-    assert result.pass_at_k[4] > result.pass_at_1
+    return evaluate_model(
+        model, tokenizer, env, env.sample("test", EVAL_SEED, 64), samples=4, ks=(4,), seed=EVAL_SEED
+    )
 
 
-def test_pass_at_k_estimator_matches_closed_forms():
-    assert tiny.pass_at_k(8, 0, 1) == 0.0
-    assert tiny.pass_at_k(8, 8, 8) == 1.0
-    assert tiny.pass_at_k(8, 2, 1) == pytest.approx(0.25)
-    assert tiny.pass_at_k(8, 1, 8) == 1.0
-    assert tiny.pass_at_k(4, 1, 2) == pytest.approx(0.5)
-
-
-def test_evaluation_shows_partial_searchqa_skill():
-    """Searching is mostly right, not searching mostly wrong, and the search rate is partial."""
-    sq = json.loads((MODEL_DIR / "evaluation.json").read_text())["searchqa"]
-    assert 0.15 <= sq["search_rate"] <= 0.4
-    assert sq["correct_when_searched"] >= 0.5
-    assert sq["correct_without_search"] < 0.2
-
-
-def test_sampled_searchqa_answers_right_more_often_when_it_searches(model, tokenizer):
-    from pnyx.envs import get_env
-
+@pytest.fixture(scope="module")
+def searchqa_report(model, tokenizer):
     env = get_env("searchqa")
-    tasks = env.sample("test", 12345, 48)
-    result = tiny.evaluate(model, tokenizer, env, tasks, n=4, ks=(4,), seed=0)
-    assert 0.05 <= result.search_rate <= 0.6, f"search_rate={result.search_rate:.3f}"
-    assert result.correct_when_searched is not None and result.correct_without_search is not None
-    assert result.correct_when_searched >= 0.3 > result.correct_without_search
+    return evaluate_model(model, tokenizer, env, env.sample("test", EVAL_SEED, 48), samples=4, seed=EVAL_SEED)
+
+
+def test_arith_with_todays_prompts_is_partial_at_pass_1_and_high_at_pass_4(arith_report):
+    assert 0.1 <= arith_report.pass_at_1 <= 0.45, f"pass@1={arith_report.pass_at_1:.3f}"
+    assert arith_report.pass_at_k[4] >= arith_report.pass_at_1 + 0.2, arith_report.pass_at_k
+    assert arith_report.format_rate >= 0.8  # it follows the format the system prompt asks for
+
+
+def test_searchqa_search_rate_is_partial_and_searching_answers_right_more_often(searchqa_report):
+    r = searchqa_report
+    assert 0.05 <= r.search_rate <= 0.6, f"search_rate={r.search_rate:.3f}"
+    assert r.correct_when_searched is not None and r.correct_without_search is not None
+    assert r.correct_when_searched >= 0.3 > r.correct_without_search
+
+
+def test_committed_model_card_figures_match_a_fresh_evaluation(arith_report, searchqa_report):
+    """The card's numbers come from these weights: a re-evaluation on the first tasks of the same held-out
+    stream lands near them (a stale card, or weights swapped without re-measuring, fails here)."""
+    card = (MODEL_DIR / "README.md").read_text()
+    evaluation = json.loads((MODEL_DIR / "evaluation.json").read_text())
+    assert "make_base_model.py" in card and str(evaluation["arith"]["pass@1"]) in card
+    for fresh, name in ((arith_report, "arith"), (searchqa_report, "searchqa")):
+        committed = evaluation[name]
+        assert abs(fresh.pass_at_1 - committed["pass@1"]) <= 0.1, (name, fresh.pass_at_1, committed["pass@1"])
+        assert abs(fresh.format_rate - committed["format_rate"]) <= 0.1, name
+        assert committed["max_new_tokens"] == fresh.max_new_tokens, name
+    assert abs(searchqa_report.search_rate - evaluation["searchqa"]["search_rate"]) <= 0.12

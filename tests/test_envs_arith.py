@@ -10,10 +10,11 @@ from pnyx.envs import get_env
 from pnyx.errors import ConfigError
 
 
-def test_prompt_is_one_user_message_in_the_fixed_format():
+def test_prompt_is_the_system_prompt_then_one_user_message_in_the_fixed_format():
     task = get_env("arith").sample("train", seed=0, n=1)[0]
-    assert len(task.prompt) == 1 and task.prompt[0]["role"] == "user"
-    m = re.fullmatch(r"Compute (\d+)([+-])(\d+)\.", task.prompt[0]["content"])
+    assert [m["role"] for m in task.prompt] == ["system", "user"]
+    assert "<answer>42</answer>" in task.prompt[0]["content"]  # the format, with an example
+    m = re.fullmatch(r"Compute (\d+)([+-])(\d+)\.", task.prompt[1]["content"])
     assert m, task.prompt
     a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
     assert task.answer == (a + b if op == "+" else a - b)

@@ -70,4 +70,4 @@ def test_generated_targets_are_within_bounds_and_solutions_use_given_numbers():
         numbers, target = task.answer["numbers"], task.answer["target"]
         assert len(numbers) == 5 and all(1 <= x <= 20 for x in numbers)
         assert 1 <= target <= 200
-        assert str(target) in task.prompt[0]["content"]
+        assert str(target) in task.prompt[-1]["content"]

@@ -38,9 +38,12 @@ def test_equivalent_forms_are_correct_via_math_verify():
         assert env.score(_task("7.5"), text).reward == 1.0, text
 
 
-def test_boxed_answer_is_accepted_without_format_credit():
-    score = get_env("gsm8k").score(_task("43"), "so each pays \\boxed{43}")
-    assert score.reward == 1.0 and score.parts["format"] == 0.0
+def test_boxed_and_hashes_answers_are_the_format_too_as_the_prompt_states():
+    env = get_env("gsm8k")
+    assert "\\boxed{42}" in env.system_prompt and "#### 42" in env.system_prompt
+    for text in ["so each pays \\boxed{43}", "Each pays 43.\n#### 43", "<answer>43</answer>"]:
+        score = env.score(_task("43"), text)
+        assert score.reward == 1.0 and score.parts["format"] == 1.0, text
 
 
 def test_close_but_wrong_numbers_are_wrong():

@@ -14,7 +14,7 @@ def test_adapter_uses_the_datasets_own_scoring():
     env = get_env("reasoning_gym", dataset="leg_counting")
     task = env.sample("train", seed=0, n=1)[0]
     assert task.id == "reasoning_gym/leg_counting/train/0/0"
-    assert task.prompt[0]["content"].startswith(task.answer["question"].rstrip())
+    assert task.prompt[-1]["content"] == task.answer["question"].rstrip()
     assert env.score(task, f"<answer>{task.answer['answer']}</answer>").reward == 1.0
     assert env.score(task, f"<answer>{int(task.answer['answer']) + 1}</answer>").reward == 0.0
 

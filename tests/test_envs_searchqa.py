@@ -48,7 +48,10 @@ def test_top_k_returns_k_documents():
 def test_prompt_and_reference_transcript_format(env):
     task = next(t for t in env.sample("train", seed=0, n=20) if t.meta["attribute"] == "city")
     name = task.meta["query"]
-    assert task.prompt == [{"role": "user", "content": f"Question: Where was {name} born?"}]
+    assert task.prompt == [
+        {"role": "system", "content": env.system_prompt},
+        {"role": "user", "content": f"Question: Where was {name} born?"},
+    ]
     turns = env.reference_completion(task)
     assert [r for r, _ in turns] == ["model", "tool", "model"]
     assert turns[0][1] == f"<search>{name}</search>"
@@ -115,7 +118,7 @@ def test_user_corpus_and_qa_files(tmp_path):
     train, test = env.sample("train", seed=0, n=30), env.sample("test", seed=0, n=10)
     assert not {t.id for t in train} & {t.id for t in test}
     task = train[0]
-    assert task.prompt[0]["content"].startswith("Question: ") and "<search>" in task.prompt[0]["content"]
+    assert task.prompt[-1]["content"].startswith("Question: ") and "<search>" in task.prompt[0]["content"]
     assert get_env("searchqa", corpus_path=corpus, qa_path=qa, test_fraction=0.3).task(task.id) == task
     assert env.score(task, f"<answer>{task.answer[-1]}</answer>").reward == 1.0
     assert env.retrieve("Planet Dovra", k=1)[0].id == "d3"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,7 +27,10 @@ class ParityEnv(Environment):
     stop_strings = ["."]
 
     def sample(self, split, seed, n, start=0):
-        return [Task(id=f"parity/{split}/{seed}/{i}", prompt=user_prompt(f"say {i}"), answer=i) for i in range(start, start + n)]
+        return [
+            Task(id=f"parity/{split}/{seed}/{i}", prompt=user_prompt(f"say {i}"), answer=i)
+            for i in range(start, start + n)
+        ]
 
     def task(self, task_id):
         i = int(task_id.rsplit("/", 1)[1])
@@ -58,7 +62,9 @@ def test_wilson_interval_matches_hand_computed_value():
 
 def test_wilson_interval_at_zero_successes_is_not_degenerate():
     lo, hi = wilson_interval(0, 50)
-    assert lo == pytest.approx(0.0, abs=1e-12) and 0.05 < hi < 0.1  # the normal approximation would give [0, 0]
+    assert (
+        lo == pytest.approx(0.0, abs=1e-12) and 0.05 < hi < 0.1
+    )  # the normal approximation would give [0, 0]
 
 
 def test_pass_at_1_interval_resamples_tasks_when_several_samples_per_task():
@@ -68,7 +74,9 @@ def test_pass_at_1_interval_resamples_tasks_when_several_samples_per_task():
     lo, hi = pass_at_1_interval(correct, samples=4)
     wlo, whi = wilson_interval(20, 40)
     assert hi - lo > whi - wlo
-    assert bootstrap_interval([1.0] * 5 + [0.0] * 5, seed=1) == bootstrap_interval([1.0] * 5 + [0.0] * 5, seed=1)
+    assert bootstrap_interval([1.0] * 5 + [0.0] * 5, seed=1) == bootstrap_interval(
+        [1.0] * 5 + [0.0] * 5, seed=1
+    )
 
 
 def test_evaluate_model_counts_correct_per_task(tiny):
@@ -95,8 +103,19 @@ def test_evaluate_model_is_reproducible_with_the_same_seed(tiny):
 
 
 def test_eval_report_round_trips_through_its_json_form():
-    r = EvalReport(env="arith", tasks=200, samples=4, pass_at_1=0.31, ci_low=0.25, ci_high=0.37,
-                   pass_at_k={4: 0.6}, search_rate=0.2, version=7, digest="ab", seconds=1.5)
+    r = EvalReport(
+        env="arith",
+        tasks=200,
+        samples=4,
+        pass_at_1=0.31,
+        ci_low=0.25,
+        ci_high=0.37,
+        pass_at_k={4: 0.6},
+        search_rate=0.2,
+        version=7,
+        digest="ab",
+        seconds=1.5,
+    )
     d = json.loads(json.dumps(r.to_dict()))
     assert d["pass@1"] == 0.31 and d["pass@4"] == 0.6
     assert EvalReport.from_dict(d) == r
@@ -135,8 +154,10 @@ def test_learning_curve_is_a_png_with_and_without_data(tmp_path):
     empty = plot_learning_curve([], [], tmp_path / "empty.png")
     full = plot_learning_curve(
         [{"elapsed_s": t, "reward": 0.3 + 0.01 * t} for t in range(20)],
-        [{"elapsed_s": 0, "pass@1": 0.3, "ci_low": 0.25, "ci_high": 0.35, "version": 0},
-         {"elapsed_s": 19, "pass@1": 0.6, "ci_low": 0.55, "ci_high": 0.65, "version": 10}],
+        [
+            {"elapsed_s": 0, "pass@1": 0.3, "ci_low": 0.25, "ci_high": 0.35, "version": 0},
+            {"elapsed_s": 19, "pass@1": 0.6, "ci_low": 0.55, "ci_high": 0.65, "version": 10},
+        ],
         tmp_path / "full.png",
     )
     for p in (empty, full):
@@ -147,10 +168,85 @@ def test_learning_curve_is_a_png_with_and_without_data(tmp_path):
 def test_eval_command_writes_json_for_a_model_folder(tiny_model_dir, tmp_path):
     out = tmp_path / "eval.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pnyx", "eval", "--model", str(tiny_model_dir), "--env", "arith", "--tasks", "6",
-         "--samples", "2", "--out", str(out), "--worker.max_new_tokens=4"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pnyx",
+            "eval",
+            "--model",
+            str(tiny_model_dir),
+            "--env",
+            "arith",
+            "--tasks",
+            "6",
+            "--samples",
+            "2",
+            "--out",
+            str(out),
+            "--worker.max_new_tokens=4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     d = json.loads(out.read_text())
     assert d["tasks"] == 6 and d["samples"] == 2 and "pass@2" in d and 0.0 <= d["pass@1"] <= 1.0
+
+
+def test_evaluate_model_uses_the_environments_budget_unless_given(tiny):
+    from pnyx.envs import get_env
+
+    model, tok = tiny
+    env = get_env("arith")
+    tasks = env.sample("test", 0, 2)
+    assert evaluate_model(model, tok, env, tasks).max_new_tokens == 64
+    assert evaluate_model(model, tok, env, tasks, max_new_tokens=3).mean_completion_tokens <= 3
+
+
+def _eval_cli(*args: str):
+    """`pnyx eval ARGS` in this process (the command itself is tested as a subprocess above): (code, stderr)."""
+    from typer.testing import CliRunner
+
+    from pnyx.cli import app
+
+    result = CliRunner().invoke(app, ["eval", *args])
+    return SimpleNamespace(returncode=result.exit_code, stderr=result.output)  # output holds stderr too
+
+
+def test_eval_command_takes_defaults_from_a_config_file_and_flags_over_them(tiny_model_dir, tmp_path):
+    config = tmp_path / "eval.toml"
+    config.write_text(
+        f'[model]\npath = "{tiny_model_dir}"\n[env]\nname = "arith"\nsystem_prompt = ""\n'
+        "[env.kwargs]\ndigits = 1\n[worker]\nmax_new_tokens = 2\ntemperature = 0.5\n"
+    )
+    out = tmp_path / "a.json"
+    proc = _eval_cli("--config", str(config), "--tasks", "3", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["max_new_tokens"] == 2
+    proc = _eval_cli("--config", str(config), "--tasks", "3", "--max-new-tokens", "5", "--temperature", "0",
+                     "--top-k", "3", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["max_new_tokens"] == 5
+
+
+def test_eval_command_errors_are_clear(tmp_path):
+    proc = _eval_cli("--store", str(tmp_path), "--config", str(tmp_path / "x.toml"))
+    assert proc.returncode == 2 and "--config applies to a model folder" in proc.stderr
+    proc = _eval_cli("--config", str(tmp_path / "missing.toml"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    proc = _eval_cli("--max-new-tokens", "0")
+    assert proc.returncode == 2 and "max-new-tokens" in proc.stderr
+
+
+def test_eval_command_env_flag_drops_the_other_environments_options(tiny_model_dir, tmp_path):
+    config = tmp_path / "eval.toml"
+    config.write_text(
+        f'[model]\npath = "{tiny_model_dir}"\n[env]\nname = "arith"\n[env.kwargs]\ndigits = 1\n'
+    )
+    out = tmp_path / "g.json"
+    proc = _eval_cli("--config", str(config), "--env", "gsm8k", "--tasks", "2", "--max-new-tokens", "2",
+                     "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr  # arith's `digits` would be refused by gsm8k
+    assert "not the config's environment" in proc.stderr
+    assert json.loads(out.read_text())["env"] == "gsm8k"

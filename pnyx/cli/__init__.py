@@ -105,14 +105,24 @@ def eval_(
     ),
     store: str | None = typer.Option(None, "--store", help="Evaluate a published version of this run instead."),
     version: int | None = typer.Option(None, "--version", help="Version to evaluate (default: newest)."),
-    env: str | None = typer.Option(None, "--env", help="Environment (default: the run's, else arith)."),
+    env: str | None = typer.Option(
+        None, "--env", help="Environment (default: the run's or config's, else arith; another drops their env options)."
+    ),
     tasks: int = typer.Option(200, "--tasks", min=1, help="Held-out tasks."),
     samples: int = typer.Option(1, "--samples", "-n", min=1, help="Samples per task (pass@k for k<=n)."),
     out: Path | None = typer.Option(None, "--out", help="Write the results as JSON here."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="TOML config (model, env, worker sections)."),
+    max_new_tokens: int | None = typer.Option(
+        None, "--max-new-tokens", min=1, max=32768, help="Generation budget per turn (default: the env's)."
+    ),
+    temperature: float | None = typer.Option(None, "--temperature", min=0.0, max=4.0, help="0 = greedy."),
+    top_p: float | None = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Nucleus truncation (1 = off)."),
+    top_k: int | None = typer.Option(None, "--top-k", min=0, help="Top-k truncation (0 = off)."),
 ):
     """Evaluate a model folder or a published version on the held-out split: pass@k and env metrics."""
     _lazy("pnyx.cli.eval", "eval_main")(
-        model=model, store=store, version=version, env=env, tasks=tasks, samples=samples, out=out, extra=ctx.args
+        model=model, store=store, version=version, env=env, tasks=tasks, samples=samples, out=out, extra=ctx.args,
+        config=config, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
     )
 
 

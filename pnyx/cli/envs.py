@@ -73,12 +73,18 @@ def show_command(
         console.print(f"[red]{escape(str(e))}[/red]")
         raise typer.Exit(2) from e
     console.print(f"[bold]{env.name}[/bold]: {escape(env.describe())}")
-    console.print(f"stop_strings={env.stop_strings} tool_stops={env.tool_stops} max_turns={env.max_turns}")
+    console.print(
+        f"stop_strings={env.stop_strings} tool_stops={env.tool_stops} max_turns={env.max_turns} "
+        f"max_new_tokens={env.max_new_tokens}"
+    )
     for task in tasks:
         console.rule(task.id)
-        prompt = task.prompt if isinstance(task.prompt, str) else "\n".join(m["content"] for m in task.prompt)
-        _field("prompt", prompt)
+        messages = [{"role": "user", "content": task.prompt}] if isinstance(task.prompt, str) else task.prompt
+        for m in messages:
+            _field("prompt" if m["role"] == "user" else m["role"], m["content"])
         _field("answer", repr(task.answer)[:300])
+        if (level := env.level_of(task)) is not None:
+            _field("level", str(level))
         try:
             ref = env.reference_completion(task)
         except NotImplementedError:

@@ -2,9 +2,10 @@
 
 Two sources: `--model DIR` (default: the shipped tiny model) evaluates a local folder; `--store URL`
 evaluates a published version of that run (default: the newest), loading the run's base model named in
-its run.json and syncing the weights through the verified chain. Sampling settings come from the run (or
-the config defaults plus dotted overrides such as `--worker.temperature=0.7`). Prints a table and
-optionally writes the figures as JSON (`--out`). Knows nothing about the fleet's processes.
+its run.json and syncing the weights through the verified chain. Settings come from the run (or from the
+config defaults and a `--config` TOML), then dotted overrides (`--worker.temperature=0.7`), then the flags
+`--env`, `--max-new-tokens`, `--temperature`, `--top-p`, `--top-k`. Prints a table and optionally writes
+the figures as JSON (`--out`). Knows nothing about the fleet's processes.
 """
 
 from __future__ import annotations
@@ -51,9 +52,45 @@ def print_report(report: Any, title: str) -> None:
     t.add_row("format rate", f"{report.format_rate:.3f}")
     if report.search_rate is not None:
         t.add_row("search rate", f"{report.search_rate:.3f}")
+        for label, value in (
+            ("pass when searched", report.correct_when_searched),
+            ("pass without search", report.correct_without_search),
+        ):
+            t.add_row(label, "-" if value is None else f"{value:.3f}")
     t.add_row("mean completion tokens", f"{report.mean_completion_tokens:.1f}")
+    if report.max_new_tokens is not None:
+        t.add_row("max new tokens per turn", str(report.max_new_tokens))
     t.add_row("seconds", f"{report.seconds:.1f}")
     Console().print(t)
+
+
+def _sampling(cfg: Any, flags: dict[str, Any]) -> dict[str, Any]:
+    """Sampling settings: each flag given on the command line, else the config's `worker` value."""
+    w = cfg.worker
+    defaults = {
+        "temperature": w.temperature,
+        "top_p": w.top_p,
+        "top_k": w.top_k,
+        "max_new_tokens": w.max_new_tokens,
+    }
+    return {k: flags[k] if flags.get(k) is not None else v for k, v in defaults.items()}
+
+
+def _switch_env(cfg: Any, env: str | None) -> None:
+    """Point `cfg` at environment `env`; the config's env options belong to its own env, so they are dropped
+    (with a note) when `env` is another one."""
+    import typer
+
+    if env is None or env == cfg.env.name:
+        return
+    if cfg.env.kwargs or cfg.env.system_prompt is not None:
+        typer.secho(
+            f"pnyx: note: --env {env} is not the config's environment ({cfg.env.name}); its env.kwargs and "
+            "env.system_prompt are not used (set them with --env.kwargs=... / --env.system_prompt=...)",
+            fg=typer.colors.YELLOW,
+            err=True,
+        )
+    cfg.env.name, cfg.env.kwargs, cfg.env.system_prompt = env, {}, None
 
 
 def eval_main(
@@ -65,12 +102,22 @@ def eval_main(
     samples: int,
     out: Path | None,
     extra: list[str],
+    config: Path | None = None,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
 ) -> None:
-    """Evaluate a model folder (`model`) or a run's published `version` (`store`) on the held-out split."""
+    """Evaluate a model folder (`model`) or a run's published `version` (`store`) on the held-out split.
+
+    Settings, lowest to highest priority: the config defaults, the `--config` TOML (model folder only) or
+    the run's run.json (`--store`), dotted overrides, then the flags (`--env`, `--max-new-tokens`, ...). An
+    unset budget is the environment's own.
+    """
     import torch
 
     from pnyx.cli.common import fail
-    from pnyx.config import load_config, resolve_model_path
+    from pnyx.config import load_config, resolve_env_kwargs, resolve_model_path
     from pnyx.errors import ConfigError, PnyxError
     from pnyx.eval.runner import VersionEvaluator, evaluate_model, heldout_tasks, quiet_transformers
 
@@ -78,14 +125,17 @@ def eval_main(
         raise fail("give either --model (a folder) or --store (a run), not both")
     if version is not None and store is None:
         raise fail("--version needs --store (a version is a published state of a run)")
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    quiet_transformers()
+    if config is not None and store is not None:
+        raise fail(
+            "--config applies to a model folder; a run's settings come from its run.json. Drop --config, or "
+            "change single settings with flags (--max-new-tokens, --temperature) or dotted overrides"
+        )
+    flags = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
     ks = tuple(k for k in (2, 4, 8, 16) if k <= samples)
     try:
         if store is not None:
             run_store, cfg = _run_config(store, extra)
-            if env is not None:
-                cfg.env.name = env
+            _switch_env(cfg, env)
             from pnyx.weights import latest_version
 
             target = latest_version(run_store) if version is None else version
@@ -94,12 +144,20 @@ def eval_main(
             from pnyx.models import resolve_run_model
             from pnyx.train.bootstrap import read_run
 
+            torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+            quiet_transformers()
             info = read_run(run_store).model or {}  # the run's own model (a hub id at the trainer's commit)
             source = resolve_run_model(info, cfg.model.path, cfg.model.revision, check="tokenizer")
             evaluator = VersionEvaluator(
-                run_store, source, cfg.env.name, cfg.env.kwargs, tasks=tasks, samples=samples,
-                temperature=cfg.worker.temperature, top_p=cfg.worker.top_p, top_k=cfg.worker.top_k,
-                max_new_tokens=cfg.worker.max_new_tokens, seed=cfg.run.seed, ks=ks,
+                run_store,
+                source,
+                cfg.env.name,
+                resolve_env_kwargs(cfg),
+                tasks=tasks,
+                samples=samples,
+                seed=cfg.run.seed,
+                ks=ks,
+                **_sampling(cfg, flags),
             )
             report = evaluator.evaluate(target)
             title = f"pnyx eval — {run_store.url} v{target}"
@@ -107,18 +165,23 @@ def eval_main(
             from pnyx.envs import get_env
             from pnyx.models import load_model, load_tokenizer
 
-            cfg = load_config(None, extra)
+            cfg = load_config(config, extra)
             if model is not None:
                 cfg.model.path = model
-            if env is not None:
-                cfg.env.name = env
+            _switch_env(cfg, env)
             path = resolve_model_path(cfg)
-            environment = get_env(cfg.env.name, **cfg.env.kwargs)
+            environment = get_env(cfg.env.name, **resolve_env_kwargs(cfg))
+            torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+            quiet_transformers()
             report = evaluate_model(
-                load_model(path, dtype=cfg.model.dtype, device=cfg.model.device), load_tokenizer(path), environment,
-                heldout_tasks(environment, tasks, cfg.run.seed), samples=samples,
-                temperature=cfg.worker.temperature, top_p=cfg.worker.top_p, top_k=cfg.worker.top_k,
-                max_new_tokens=cfg.worker.max_new_tokens, seed=cfg.run.seed, ks=ks,
+                load_model(path, dtype=cfg.model.dtype, device=cfg.model.device),
+                load_tokenizer(path),
+                environment,
+                heldout_tasks(environment, tasks, cfg.run.seed),
+                samples=samples,
+                seed=cfg.run.seed,
+                ks=ks,
+                **_sampling(cfg, flags),
             )
             title = f"pnyx eval — {cfg.model.path or path}"
     except ConfigError as e:

@@ -200,16 +200,23 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 def _make_evaluator(plan: RunPlan) -> Any:
     import torch
 
+    from pnyx.config import config_from_dict, resolve_env_kwargs
     from pnyx.eval.runner import VersionEvaluator, quiet_transformers
     from pnyx.store import open_store
+    from pnyx.train.bootstrap import read_run
 
     torch.set_num_threads(1)
     quiet_transformers()
-    cfg = plan.cfg
+    cfg, store = plan.cfg, open_store(plan.store_url)
+    manifest = read_run(store)  # written before v0 is published, so present by the first evaluation
+    if manifest is None:
+        raise ConfigError(f"{store.url} has no run.json to evaluate against")
+    # The generation budget the trainer resolved and recorded in run.json, which is what the workers use.
+    max_new_tokens = config_from_dict(manifest.config).worker.max_new_tokens
     return VersionEvaluator(
-        open_store(plan.store_url), resolve_model_path(cfg), cfg.env.name, cfg.env.kwargs, tasks=cfg.run.eval_tasks,
+        store, resolve_model_path(cfg), cfg.env.name, resolve_env_kwargs(cfg), tasks=cfg.run.eval_tasks,
         samples=1, temperature=cfg.worker.temperature, top_p=cfg.worker.top_p, top_k=cfg.worker.top_k,
-        max_new_tokens=cfg.worker.max_new_tokens, seed=cfg.run.seed,
+        max_new_tokens=max_new_tokens, seed=cfg.run.seed,
     )
 
 

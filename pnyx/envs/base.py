@@ -9,6 +9,13 @@ Invariants every environment keeps (tests prove them for each built-in):
 - `sample(split, seed, n)` is a pure function of its arguments, and no problem appears in both splits.
 - `score` never raises on arbitrary text and returns a reward in [0, 1] within a bounded time: the text is
   capped at `max_chars` before any parsing, and parsers are linear in their input.
+- Every prompt an environment builds (through `chat`) starts with its system prompt, so every caller that
+  renders `task.prompt` (worker, trainer, evaluation, swarm) sees the same text; the system prompt states
+  the answer format the verifier expects.
+
+Options every environment has, set by `configure` (`get_env` passes them from its keyword arguments):
+`system_prompt` (None keeps the class default, "" means none) and `format_reward` (the share of the reward
+paid for the `format` part; 0 by default).
 """
 
 from __future__ import annotations
@@ -17,16 +24,23 @@ import hashlib
 import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pnyx.errors import ConfigError
 
+BASE_OPTIONS = ("system_prompt", "format_reward")
+"""Options every environment accepts through `get_env`, handled by `Environment.configure`."""
+MAX_FORMAT_REWARD = 0.5
+"""`format_reward` must stay below this, so a correct answer always outscores a well-formatted wrong one."""
+
 Split = Literal["train", "test"]
 SPLITS: tuple[Split, ...] = ("train", "test")
 
 Prompt = str | list[dict[str, str]]
+AnswerMode = Literal["tag", "lenient"]
+ANSWER_MODES: tuple[AnswerMode, ...] = ("tag", "lenient")
 
 
 @dataclass(frozen=True)
@@ -49,7 +63,7 @@ class Score:
 
 
 def user_prompt(content: str) -> list[dict[str, str]]:
-    """The one-message chat prompt every built-in uses."""
+    """A one-message chat prompt (no system message); environments build theirs with `Environment.chat`."""
     return [{"role": "user", "content": content}]
 
 
@@ -81,6 +95,14 @@ def check_fraction(test_fraction: float) -> float:
     return float(test_fraction)
 
 
+def check_answer_mode(answer: str, env: str) -> AnswerMode:
+    """Validate an `answer=` option: "tag" (only the tagged answer counts) or "lenient" (the tagged answer
+    when there is one, else what the environment can read from the bare text, e.g. the last number)."""
+    if answer not in ANSWER_MODES:
+        raise ConfigError(f"{env} answer must be one of {ANSWER_MODES}, got {answer!r}")
+    return answer  # type: ignore[return-value]
+
+
 def check_split(split: str) -> Split:
     if split not in SPLITS:
         raise ConfigError(f"unknown split {split!r}: expected one of {SPLITS}")
@@ -97,6 +119,10 @@ class Environment(ABC):
 
     Class attributes a subclass may override:
     - `name`: the registry name (also the first segment of every task id).
+    - `system_prompt`: the default system message of every prompt (`chat` prepends it); it should state
+      the answer format the verifier expects, briefly and with an example. "" for none.
+    - `max_new_tokens`: the generation budget per model turn that the env needs (`worker.max_new_tokens`
+      unset means this).
     - `stop_strings`: the engine stops generation after any of these.
     - `tool_stops`: the engine stops here to ask `respond` for a tool reply ([] for single-turn).
     - `max_turns`: model turns per episode (1 for single-turn).
@@ -106,11 +132,50 @@ class Environment(ABC):
     """
 
     name: str = "base"
+    system_prompt: str = ""
+    max_new_tokens: int = 256
+    format_reward: float = 0.0
     stop_strings: list[str] = []
     tool_stops: list[str] = []
     max_turns: int = 1
     max_chars: int = 16_384
     part_names: tuple[str, ...] = ("correct", "format")
+
+    # --- options every environment has -------------------------------------------------------
+
+    def configure(self, system_prompt: str | None = None, format_reward: float = 0.0) -> Environment:
+        """Set the options every environment has; returns `self`. Call before sampling tasks.
+
+        `system_prompt`: None keeps the class default, "" drops the system message, any other text replaces
+        it. `format_reward` in [0, 0.5): the reward becomes (1 - f) * reward + f * format, so a
+        well-formatted wrong answer earns f, a correct one without the format 1 - f, a correct formatted one
+        1; the paid amount is reported as the part `format_reward`.
+        """
+        if system_prompt is not None:
+            if not isinstance(system_prompt, str):
+                raise ConfigError(f'system_prompt must be a string ("" for none), got {system_prompt!r}')
+            self.system_prompt = system_prompt
+        if (
+            not isinstance(format_reward, int | float)
+            or isinstance(format_reward, bool)
+            or not 0.0 <= format_reward < MAX_FORMAT_REWARD
+        ):
+            raise ConfigError(
+                f"format_reward must be a number in [0, {MAX_FORMAT_REWARD}) so that correctness dominates, "
+                f"got {format_reward!r}"
+            )
+        self.format_reward = float(format_reward)
+        return self
+
+    def chat(self, content: str) -> list[dict[str, str]]:
+        """The chat prompt of one task: the system prompt (if any), then `content` as the user's turn."""
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*system, {"role": "user", "content": content}]
+
+    def level_of(self, task: Task) -> Hashable | None:
+        """The task's difficulty level (what the online curriculum tracks pass rates by), None if the env has
+        none. Default: `task.meta["level"]`."""
+        return task.meta.get("level")
 
     # --- the stream -------------------------------------------------------------------------
 
@@ -140,10 +205,23 @@ class Environment(ABC):
             # The answer lives at the end of a completion, so a huge one is judged by its tail.
             result = self.grade(task, completion_text[-self.max_chars :])
         parts = {name: 0.0 for name in self.part_names} | result.parts
+        if self.format_reward > 0.0:
+            parts["format_reward"] = 0.0
         reward = result.reward
         if not isinstance(reward, int | float) or math.isnan(reward):
             return Score(reward=0.0, parts=parts, reason="verifier_returned_nan")
-        return Score(reward=min(1.0, max(0.0, float(reward))), parts=parts, reason=result.reason)
+        reward = min(1.0, max(0.0, float(reward)))
+        if self.format_reward > 0.0:
+            # Partial credit for the format only: correctness still dominates (format_reward < 0.5).
+            fmt = parts.get("format", 0.0)
+            fmt = (
+                min(1.0, max(0.0, float(fmt)))
+                if isinstance(fmt, int | float) and not math.isnan(fmt)
+                else 0.0
+            )
+            parts["format_reward"] = self.format_reward * fmt
+            reward = min(1.0, (1.0 - self.format_reward) * reward + parts["format_reward"])
+        return Score(reward=reward, parts=parts, reason=result.reason)
 
     @abstractmethod
     def grade(self, task: Task, text: str) -> Score:

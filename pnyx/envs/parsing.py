@@ -14,6 +14,10 @@ from dataclasses import dataclass
 # Longer than any integer a verifier should compare; Python refuses int() past 4300 digits anyway.
 MAX_INT_CHARS = 40
 _INT = re.compile(r"[+-]?\d{1,40}")
+# A number as prose writes it: digits, optional thousands groups, an optional decimal part. No nested
+# quantifiers, so a scan is linear in the text.
+_NUMBER = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")
+_MINUS = ("-", "\u2212")
 
 
 @dataclass(frozen=True)
@@ -154,3 +158,23 @@ def last_answer(text: str, tag: str = "answer", max_len: int = 1024) -> Answer:
     if len(last) > max_len:
         return Answer(text=None, count=len(contents), well_formed=False)
     return Answer(text=last, count=len(contents), well_formed=well_formed)
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in `text` (`-12`, `1,250`, `7.5`), as written, else None.
+
+    A `-` right before it is its sign unless it follows a digit, letter or closing bracket (then it is the
+    operator of `76-75`). A trailing sentence period is not a decimal point. Used by lenient answer
+    reading when a completion has no answer tag.
+    """
+    last = None
+    for match in _NUMBER.finditer(text):
+        last = match
+    if last is None:
+        return None
+    start, number = last.start(), last.group()
+    if start > 0 and text[start - 1] in _MINUS:
+        before = text[start - 2] if start > 1 else " "
+        if not (before.isalnum() or before in ")]}"):
+            number = "-" + number
+    return number

@@ -7,16 +7,19 @@ A user's package adds an environment by declaring, in its pyproject.toml,
 
 Knows nothing about any particular environment: built-ins are listed as import paths and imported only
 when asked for, so `pnyx envs list` stays cheap. A built-in name wins over an entry point of the same name.
+`get_env` hands the options every environment has (`system_prompt`, `format_reward`) to
+`Environment.configure` and the rest to the environment's constructor.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from pnyx.envs.base import Environment
+from pnyx.envs.base import BASE_OPTIONS, Environment
 from pnyx.errors import ConfigError, EnvironmentNotFound
 
 ENTRY_POINT_GROUP = "pnyx.envs"
@@ -69,10 +72,33 @@ def get_factory(name: str) -> Callable[..., Environment]:
 
 
 def get_env(name: str, **kwargs: Any) -> Environment:
-    """Build the environment registered under `name` with its keyword configuration."""
-    env = get_factory(name)(**kwargs)
+    """Build the environment registered under `name` with its keyword configuration.
+
+    `system_prompt` and `format_reward` go to `Environment.configure` (every environment has them); the
+    other keywords go to the environment's constructor, and one it does not take is a `ConfigError`.
+    """
+    factory = get_factory(name)
+    base = {k: kwargs.pop(k) for k in BASE_OPTIONS if k in kwargs}
+    _check_options(name, factory, kwargs)
+    env = factory(**kwargs)
     if not isinstance(env, Environment):
         raise ConfigError(
             f"environment {name!r} built a {type(env).__name__}, not a pnyx.envs.Environment subclass"
         )
-    return env
+    return env.configure(**base)
+
+
+def _check_options(name: str, factory: Callable[..., Environment], kwargs: dict[str, Any]) -> None:
+    """Refuse options the environment's constructor does not take, naming the ones it does."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: let the call decide
+        return
+    try:
+        signature.bind(**kwargs)
+    except TypeError as e:
+        accepted = [p for p in signature.parameters if p not in ("self", "args", "kwargs")]
+        raise ConfigError(
+            f"environment {name!r} does not take these options ({e}); its options: "
+            f"{', '.join([*accepted, *BASE_OPTIONS])}"
+        ) from None

@@ -3,7 +3,8 @@
     get_env("reasoning_gym", dataset="leg_counting", config={"min_animals": 3})
 
 Each task is one entry of a reasoning-gym procedural dataset (`create_dataset(name, size, seed, **config)`)
-and is scored by that dataset's own `score_answer` on the content of the last `<answer>` tag.
+and is scored by that dataset's own `score_answer` on the content of the last `<answer>` tag, which the
+system prompt asks for.
 
 Knows nothing about models; imports reasoning-gym only when built. Invariants: the task id
 `reasoning_gym/<dataset>/<split>/<seed>/<index>` names one entry of one fixed-seed dataset (the index
@@ -25,13 +26,12 @@ from pnyx.envs.base import (
     parse_task_id,
     split_of,
     stable_hash,
-    user_prompt,
     zero,
 )
 from pnyx.envs.parsing import last_answer
 from pnyx.errors import ConfigError
 
-INSTRUCTIONS = "Give the final answer as <answer>answer</answer>."
+SYSTEM_PROMPT = "Think it through, then give the final answer in answer tags: <answer>your answer</answer>."
 MAX_ANSWER_CHARS = 4096
 _DATASET_SEED = 0x5EED
 _DATASET_SIZE = 2**31 - 1
@@ -52,6 +52,8 @@ class ReasoningGymEnv(Environment):
     """Any reasoning-gym dataset by name, scored by its own score_answer (needs pnyx[rgym])."""
 
     name = "reasoning_gym"
+    system_prompt = SYSTEM_PROMPT
+    max_new_tokens = 256
     stop_strings = ["</answer>"]
 
     def __init__(
@@ -59,7 +61,6 @@ class ReasoningGymEnv(Environment):
         dataset: str = "leg_counting",
         config: dict[str, Any] | None = None,
         test_fraction: float = 0.1,
-        instructions: str = INSTRUCTIONS,
     ):
         rg = _import_reasoning_gym()
         if "/" in dataset:
@@ -72,7 +73,6 @@ class ReasoningGymEnv(Environment):
             ) from e
         self.dataset = dataset
         self.test_fraction = check_fraction(test_fraction)
-        self.instructions = instructions
 
     def _make(self, split: Split, seed: int, index: int) -> Task:
         for attempt in range(_MAX_ATTEMPTS):
@@ -80,10 +80,9 @@ class ReasoningGymEnv(Environment):
             entry = self.ds[ds_index]
             question = str(entry["question"])
             if split_of(question, self.test_fraction, salt=f"{self.name}/{self.dataset}") == split:
-                content = f"{question.rstrip()}\n{self.instructions}" if self.instructions else question
                 return Task(
                     id=f"{self.name}/{self.dataset}/{split}/{seed}/{index}",
-                    prompt=user_prompt(content),
+                    prompt=self.chat(question.rstrip()),
                     answer=entry,
                     meta={"dataset": self.dataset, "dataset_index": ds_index},
                 )

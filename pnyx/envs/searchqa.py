@@ -1,8 +1,8 @@
 """`searchqa`: question answering that needs retrieval, with a BM25 search tool (Search-R1 protocol).
 
-The model calls `<search>query</search>` (the engine stops there), `respond` answers with the top-k
-documents in `<information>...</information>`, and the model ends with `<answer>...</answer>`. An ideal
-episode on the default synthetic world (`world.py`):
+The system prompt states the protocol: the model calls `<search>query</search>` (the engine stops there),
+`respond` answers with the top-k documents in `<information>...</information>`, and the model ends with
+`<answer>...</answer>`. An ideal episode on the default synthetic world (`world.py`):
 
     <search>Zorvan Keel</search><information>Zorvan Keel was born in Tamsk in 1843. Zorvan Keel works
     as a potter.</information><answer>Tamsk</answer>
@@ -33,7 +33,6 @@ from pnyx.envs.base import (
     parse_task_id,
     seeded_rng,
     split_of,
-    user_prompt,
     zero,
 )
 from pnyx.envs.dataset import QADataset, read_jsonl
@@ -42,9 +41,9 @@ from pnyx.envs.retrieval import BM25Index, Doc, read_corpus
 from pnyx.envs.world import QUESTIONS, make_world
 from pnyx.errors import ConfigError
 
-FILE_INSTRUCTIONS = (
-    "Search with <search>query</search> as often as needed; results come in <information></information>. "
-    "Give the final answer as <answer>answer</answer>."
+SYSTEM_PROMPT = (
+    "Look facts up with <search>query</search>; results come back in <information>...</information>. "
+    "Give the final answer in answer tags, e.g. <answer>Paris</answer>."
 )
 _MAX_ATTEMPTS = 100_000
 
@@ -53,6 +52,8 @@ class SearchQAEnv(Environment):
     """Question answering over a BM25-searched corpus (<search>, <information>, <answer>); cover-EM reward."""
 
     name = "searchqa"
+    system_prompt = SYSTEM_PROMPT
+    max_new_tokens = 128  # per model turn: a search call, or a short answer after some reasoning
     stop_strings = ["</answer>"]
     tool_stops = ["</search>"]
     part_names = ("correct", "format", "searched", "num_searches", "answer_len")
@@ -66,7 +67,6 @@ class SearchQAEnv(Environment):
         top_k: int | None = None,
         max_turns: int = 2,
         test_fraction: float = 0.1,
-        instructions: str | None = None,
         max_answer_chars: int = 128,
     ):
         if (corpus_path is None) != (qa_path is None):
@@ -83,14 +83,12 @@ class SearchQAEnv(Environment):
             self.world = make_world(world_seed, num_people)
             docs = self.world.documents()
             self.top_k = 1 if top_k is None else top_k
-            self.instructions = instructions or ""
         else:
             self.world = None
             docs = read_corpus(corpus_path)
             rows = read_jsonl(qa_path, "QA")
             self.dataset = QADataset(rows, test_fraction, salt=self.name, source=str(qa_path))
             self.top_k = 3 if top_k is None else top_k
-            self.instructions = FILE_INSTRUCTIONS if instructions is None else instructions
         if self.top_k < 1:
             raise ConfigError(f"searchqa top_k must be >= 1, got {self.top_k}")
         self.index = BM25Index(docs)
@@ -98,8 +96,7 @@ class SearchQAEnv(Environment):
     # --- tasks ------------------------------------------------------------------------------
 
     def _prompt(self, question: str) -> list[dict[str, str]]:
-        content = f"Question: {question}"
-        return user_prompt(f"{content}\n{self.instructions}" if self.instructions else content)
+        return self.chat(f"Question: {question}")
 
     def _world_task(self, split: Split, seed: int, index: int) -> Task:
         assert self.world is not None

@@ -57,15 +57,28 @@ def plot_learning_curve(
             lo = [max(0.0, y - float(r.get("ci_low", y))) for r, y in zip(evals, ey, strict=True)]
             hi = [max(0.0, float(r.get("ci_high", y)) - y) for r, y in zip(evals, ey, strict=True)]
             ax.errorbar(
-                ex, ey, yerr=[lo, hi], color="tab:red", marker="o", linestyle="-", capsize=3,
+                ex,
+                ey,
+                yerr=[lo, hi],
+                color="tab:red",
+                marker="o",
+                linestyle="-",
+                capsize=3,
                 label="held-out pass@1 (95% CI)",
             )
             # Label at most ~8 points (first, last, evenly between) so labels never pile up.
             step = max(1, math.ceil(len(evals) / 8))
             for i, (r, x, y) in enumerate(zip(evals, ex, ey, strict=True)):
                 if r.get("version") is not None and (i % step == 0 or i == len(evals) - 1):
-                    ax.annotate(f"v{r['version']}", (x, y), textcoords="offset points", xytext=(0, 6),
-                                ha="center", fontsize=7, color="tab:red")
+                    ax.annotate(
+                        f"v{r['version']}",
+                        (x, y),
+                        textcoords="offset points",
+                        xytext=(0, 6),
+                        ha="center",
+                        fontsize=7,
+                        color="tab:red",
+                    )
         if not tx and not ex:
             ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes)
         ax.set_xlabel("wall time (s)")

@@ -2,8 +2,10 @@
 
 `evaluate_model` samples `samples` completions per held-out task with the pnyx engine (the same sampler
 and settings the workers use), runs the environment's tool loop when it has one, scores every completion
-with the environment's own verifier, and reduces to an `EvalReport` (pass@1 with a 95% interval, pass@k,
-format rate, search rate for tool environments). `VersionEvaluator` keeps one model in memory and moves it
+with the environment's own verifier, and reduces to an `EvalReport` (pass@1 with a 95% interval, pass@k
+with the unbiased estimator, format rate; for tool environments the search rate and the pass rate with
+and without a search). It is the one evaluation path: `pnyx eval`, `pnyx run` and the tiny model's build
+script all use it. `VersionEvaluator` keeps one model in memory and moves it
 between published versions through the weights Syncer; `EvalLoop` schedules those evaluations (v0, every
 N versions, the final one) in a background thread, which is how `pnyx run` evaluates as it trains.
 
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pnyx.errors import ConfigError
+from pnyx.eval.metrics import pass_at_k
 
 Z95 = 1.959963984540054
 
@@ -43,17 +46,27 @@ class EvalReport:
     pass_at_k: dict[int, float] = field(default_factory=dict)
     format_rate: float = 0.0
     search_rate: float | None = None
+    correct_when_searched: float | None = None
+    """Tool environments: the pass rate of completions that called the tool at least once."""
+    correct_without_search: float | None = None
+    """Tool environments: the pass rate of completions that never called the tool."""
     mean_completion_tokens: float = 0.0
+    max_new_tokens: int | None = None
+    """The generation budget per turn that was used."""
     version: int | None = None
     digest: str | None = None
     seconds: float = 0.0
     created_at: float = 0.0
+    examples: list[str] = field(default_factory=list)
+    """The first few completion texts (only when asked for; left out of `to_dict` when empty)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (pass@k keys spelled `pass@K`, as in the printed tables and evals.jsonl)."""
         d = asdict(self)
         d.pop("pass_at_1")
         d.pop("pass_at_k")
+        if not d["examples"]:
+            d.pop("examples")
         d["pass@1"] = self.pass_at_1
         for k, v in self.pass_at_k.items():
             d[f"pass@{k}"] = v
@@ -106,12 +119,6 @@ def pass_at_1_interval(correct_per_task: Sequence[int], samples: int) -> tuple[f
     return bootstrap_interval([c / samples for c in correct_per_task])
 
 
-def _pass_at_k(n: int, c: int, k: int) -> float:
-    from pnyx.eval.metrics import pass_at_k
-
-    return pass_at_k(n, c, k)
-
-
 # --- sampling ------------------------------------------------------------------------------------
 
 
@@ -142,17 +149,21 @@ def evaluate_model(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    max_new_tokens: int = 48,
+    max_new_tokens: int | None = None,
     seed: int = 0,
     batch_size: int = 64,
     ks: Sequence[int] = (),
+    examples: int = 0,
 ) -> EvalReport:
     """Sample `samples` completions per task, score them with `env`, and reduce to an `EvalReport`.
 
     pass@k uses the unbiased estimator over the `samples` draws (k ≤ samples). Tool environments
     (`env.tool_stops` non-empty) run the engine's multi-turn loop; their `search_rate` is the fraction of
-    completions with at least one tool call (None for single-turn environments).
+    completions with at least one tool call (None for single-turn environments), and
+    `correct_when_searched` / `correct_without_search` split the pass rate by it. `max_new_tokens` None
+    means the environment's budget. The first `examples` completion texts are kept in the report.
     """
+    from pnyx.config import resolve_max_new_tokens
     from pnyx.models import render_prompt
     from pnyx.rollout.cohort import sample_env
     from pnyx.rollout.engine import Engine, SamplingParams
@@ -162,31 +173,40 @@ def evaluate_model(
     bad = [k for k in ks if not 1 <= k <= samples]
     if bad:
         raise ConfigError(f"pass@k needs 1 <= k <= samples ({samples}); got k={bad}")
+    budget = resolve_max_new_tokens(max_new_tokens, env)
     t0 = time.perf_counter()
     engine = Engine(model, tokenizer)
     multi_turn = bool(getattr(env, "tool_stops", []))
     prompts = [render_prompt(tokenizer, t.prompt) for t in tasks]
     flat = [(i, prompts[i]) for i in range(len(tasks)) for _ in range(samples)]
     correct = [0] * len(tasks)
-    formatted = searched = ntokens = 0
+    formatted = ntokens = 0
+    by_search = {True: [0, 0], False: [0, 0]}  # searched? -> [correct, total]
+    kept: list[str] = []
     for b, start in enumerate(range(0, len(flat), batch_size)):
         chunk = flat[start : start + batch_size]
         params = SamplingParams(
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=budget,
             stop=list(env.stop_strings),
             seed=seed * 1_000_003 + b,
         )
         outs = sample_env(engine, env, [p for _, p in chunk], [tasks[i] for i, _ in chunk], params)
         for (i, _), out in zip(chunk, outs, strict=True):
             score = env.score(tasks[i], out.text)
-            correct[i] += _is_correct(score)
+            ok = _is_correct(score)
+            correct[i] += ok
             formatted += _has_format(score)
-            searched += getattr(out, "num_tool_calls", 0) > 0
+            tally = by_search[getattr(out, "num_tool_calls", 0) > 0]
+            tally[0] += ok
+            tally[1] += 1
             ntokens += len(out.tokens)
+            if len(kept) < examples:
+                kept.append(out.text)
     total = len(flat)
+    searched = by_search[True][1]
     lo, hi = pass_at_1_interval(correct, samples)
     return EvalReport(
         env=env.name,
@@ -195,13 +215,21 @@ def evaluate_model(
         pass_at_1=sum(correct) / total if total else 0.0,
         ci_low=lo,
         ci_high=hi,
-        pass_at_k={k: sum(_pass_at_k(samples, c, k) for c in correct) / len(tasks) for k in ks if k > 1},
+        pass_at_k={k: sum(pass_at_k(samples, c, k) for c in correct) / len(tasks) for k in ks if k > 1},
         format_rate=formatted / total if total else 0.0,
         search_rate=(searched / total if total else 0.0) if multi_turn else None,
+        correct_when_searched=_rate(*by_search[True]) if multi_turn else None,
+        correct_without_search=_rate(*by_search[False]) if multi_turn else None,
         mean_completion_tokens=ntokens / total if total else 0.0,
+        max_new_tokens=budget,
         seconds=time.perf_counter() - t0,
         created_at=time.time(),
+        examples=kept,
     )
+
+
+def _rate(hits: int, n: int) -> float | None:
+    return hits / n if n else None
 
 
 def quiet_transformers() -> None:
@@ -249,10 +277,12 @@ class VersionEvaluator:
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        max_new_tokens: int = 48,
+        max_new_tokens: int | None = None,
         seed: int = 0,
         ks: Sequence[int] = (),
     ):
+        """`env_kwargs` is the run's resolved environment configuration (`resolve_env_kwargs`);
+        `max_new_tokens` None means the environment's budget."""
         from pnyx.envs import get_env
         from pnyx.models import load_model, load_tokenizer
         from pnyx.weights import Syncer
@@ -263,7 +293,12 @@ class VersionEvaluator:
         self.env = get_env(env_name, **(env_kwargs or {}))
         self.tasks = heldout_tasks(self.env, tasks, seed)
         self.samples, self.seed, self.ks = samples, seed, tuple(ks)
-        self.sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens}
+        self.sampling = {
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "max_new_tokens": max_new_tokens,
+        }
         self.syncer = Syncer(store)
 
     def evaluate(self, version: int) -> EvalReport:
@@ -273,8 +308,14 @@ class VersionEvaluator:
             raise ConfigError(f"asked to evaluate version {version} but the store served version {got}")
         load_weights(self.model, tensors)
         report = evaluate_model(
-            self.model, self.tokenizer, self.env, self.tasks, samples=self.samples, seed=self.seed,
-            ks=self.ks, **self.sampling,
+            self.model,
+            self.tokenizer,
+            self.env,
+            self.tasks,
+            samples=self.samples,
+            seed=self.seed,
+            ks=self.ks,
+            **self.sampling,
         )
         report.version = version
         report.digest = _digest_of(self.syncer)
@@ -287,7 +328,9 @@ def load_weights(model: Any, tensors: dict[str, Any]) -> None:
 
     own = model.state_dict()
     with torch.no_grad():
-        model.load_state_dict({k: v.to(own[k].dtype) if k in own else v for k, v in tensors.items()}, strict=True)
+        model.load_state_dict(
+            {k: v.to(own[k].dtype) if k in own else v for k, v in tensors.items()}, strict=True
+        )
 
 
 def _digest_of(syncer: Any) -> str | None:
@@ -320,7 +363,9 @@ class EvalLoop:
         version v was first seen (its record's `elapsed_s` counts from `t0`)."""
         self.make_evaluator, self.records_path, self.publish = make_evaluator, Path(records_path), publish
         self.every, self.observed, self.t0 = every, observed, t0
-        self.records: list[dict[str, Any]] = [r for r in read_eval_file(self.records_path) if r.get("env") == env_name]
+        self.records: list[dict[str, Any]] = [
+            r for r in read_eval_file(self.records_path) if r.get("env") == env_name
+        ]
         self._evaluator: VersionEvaluator | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

@@ -196,9 +196,10 @@ class Worker:
 
     def join(self) -> None:
         """Read run.json, load model + tokenizer + env, cold-join the weights, find the resume seq."""
-        from pnyx.config import config_from_dict
+        from pnyx.config import config_from_dict, resolve_env_kwargs, resolve_max_new_tokens
         from pnyx.envs import get_env
         from pnyx.models import load_model, load_tokenizer, resolve_run_model
+        from pnyx.rollout.curriculum import Curriculum
         from pnyx.rollout.engine import Engine
         from pnyx.weights.syncer import Syncer
 
@@ -211,7 +212,9 @@ class Worker:
                 "--int8: this run's trainer does not publish the int8 actor plane. Start the run with "
                 "--worker.int8=true (the trainer then publishes it next to the bf16 weights), or drop --int8."
             )
-        self.env = get_env(self.cfg.env.name, **self.cfg.env.kwargs)
+        self.env = get_env(self.cfg.env.name, **resolve_env_kwargs(self.cfg))
+        self.max_new_tokens = resolve_max_new_tokens(self.cfg.worker.max_new_tokens, self.env)  # run.json's
+        self.curriculum = Curriculum(self.env) if self.cfg.worker.curriculum else None
         path = resolve_run_model(
             manifest.model or {}, self.cfg.model.path, self.cfg.model.revision, self.opts.model_path
         )  # the run's exact model on this machine, or a ConfigError saying what differs
@@ -304,14 +307,19 @@ class Worker:
             self._wait_for_store()
             return
         seed = stable_hash(self.cfg.run.seed, self.worker_id, self._seq) % (2**31)
-        tasks = self.env.sample("train", seed=seed, n=n)
+        if self.curriculum is not None:
+            tasks = self.curriculum.sample(seed, n)
+        else:
+            tasks = self.env.sample("train", seed=seed, n=n)
         spec = CohortSpec(
             run_id=self.run_id, worker_id=self.worker_id, version=self.version, digest=self.digest,
             group_size=w.group_size, temperature=w.temperature, top_p=w.top_p, top_k=w.top_k,
-            max_new_tokens=w.max_new_tokens, seed=seed,
+            max_new_tokens=self.max_new_tokens, seed=seed,
         )  # fmt: skip
         self._set_status("generating", f"v={self.version} tasks={n}")
         result = generate_cohort(self.engine, self.tokenizer, self.env, tasks, spec, self._next_seq)
+        if self.curriculum is not None:
+            self.curriculum.observe(tasks, result.groups)
         self._made[self.version] = self._made.get(self.version, 0) + len(result.groups)
         for group in result.groups:
             self.spool.add(layout.rollout_key(group.policy_version, self.worker_id, group.seq), encode_group(group))

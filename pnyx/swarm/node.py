@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pnyx.config import PnyxConfig
+from pnyx.config import PnyxConfig, resolve_env_kwargs, resolve_max_new_tokens
 from pnyx.envs.base import stable_hash
 from pnyx.errors import AlreadyExistsError, ConfigError, RecordRejected, StoreError
 from pnyx.protocol import layout
@@ -120,6 +120,7 @@ class SwarmNode:
         self.eos_ids = set(eos_token_ids(tokenizer, model))
         self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else None
         self.engine = Engine(model, tokenizer)
+        self.max_new_tokens = resolve_max_new_tokens(cfg.worker.max_new_tokens, env)
         sw = cfg.swarm
         if accept_envs is None:
             accept_envs = set(sw.accept_envs) if sw.accept_envs is not None else {env.name}
@@ -161,7 +162,7 @@ class SwarmNode:
             temperature=w.temperature,
             top_p=w.top_p,
             top_k=w.top_k,
-            max_new_tokens=w.max_new_tokens,
+            max_new_tokens=self.max_new_tokens,
             seed=stable_hash("swarm-gen", self.cfg.run.seed, self.name, self.rounds) % (2**31),
         )
         self.model.eval()
@@ -180,7 +181,7 @@ class SwarmNode:
                 node=self.name,
                 model_id=self.model_id,
                 tokenizer_digest=self.tokenizer_digest,
-                env_kwargs=dict(self.cfg.env.kwargs),
+                env_kwargs=resolve_env_kwargs(self.cfg),
             )
             try:
                 keys.append(upload(self.store, sg))
@@ -259,7 +260,7 @@ class SwarmNode:
     def prepare_external(self, cands: list[Candidate]) -> tuple[list[ScoredGroup], Counter]:
         """Foreign candidates in this node's token space with behaviour logprobs per `swarm.foreign`."""
         mode = self.cfg.swarm.foreign
-        max_tokens = 4 * self.cfg.worker.max_new_tokens + 8
+        max_tokens = 4 * self.max_new_tokens + 8
         rows: list[ForeignRows] = []
         for c in cands:
             try:
@@ -315,7 +316,7 @@ class SwarmNode:
             self.settings,
             micro_batch_tokens=self.cfg.trainer.micro_batch_tokens,
             grad_clip=self.cfg.trainer.grad_clip,
-            max_len=max(self.cfg.worker.max_new_tokens, longest),
+            max_len=max(self.max_new_tokens, longest),
         )
         self.model.eval()
         self.version += 1
@@ -426,5 +427,5 @@ def open_node(
     path = model_folder(model_dir) if model_dir is not None else resolve_model_path(cfg)
     model = load_model(path, dtype="float32", device=cfg.trainer.device)
     tokenizer = load_tokenizer(path)
-    env = get_env(cfg.env.name, **cfg.env.kwargs)
+    env = get_env(cfg.env.name, **resolve_env_kwargs(cfg))
     return SwarmNode(store, name, cfg, model, tokenizer, path, env, **kwargs)

@@ -34,6 +34,7 @@ def run_defining(config: dict[str, Any], model: dict[str, Any]) -> dict[str, Any
     return {
         "env.name": env.get("name"),
         "env.kwargs": env.get("kwargs", {}),
+        "env.system_prompt": env.get("system_prompt"),
         **{f"worker.{k}": worker.get(k) for k in RUN_DEFINING_WORKER},
         **{f"model.{k}": model.get(k) for k in RUN_DEFINING_MODEL},
     }

@@ -171,7 +171,7 @@ class Trainer:
 
     def _load(self, run: Any = None) -> None:
         """Load model, tokenizer, env, optimizer; resuming `run` (its RunManifest), its recorded model."""
-        from pnyx.config import resolve_device
+        from pnyx.config import resolve_device, resolve_env_kwargs, resolve_max_new_tokens
         from pnyx.envs import get_env
         from pnyx.models import load_model, load_tokenizer, render_prompt, resolve_run_model, tokenizer_digest
         from pnyx.train.distributed import init_distributed, prepare_model, resolve_compute_dtype
@@ -192,7 +192,10 @@ class Trainer:
         model = load_model(model_dir, dtype="float32", device=self.device)
         self.model = prepare_model(model, self.dist, self.compute_dtype, t.activation_checkpointing)
         self.tokenizer = load_tokenizer(model_dir)
-        self.env = get_env(cfg.env.name, **cfg.env.kwargs)
+        self.env = get_env(cfg.env.name, **resolve_env_kwargs(cfg))
+        # The generation budget is run-defining: run.json records the resolved number (None = the env's),
+        # and workers and the Dr.GRPO normaliser read that one number.
+        cfg.worker.max_new_tokens = resolve_max_new_tokens(cfg.worker.max_new_tokens, self.env)
         if cfg.algorithm.kl_coef > 0 and self.dist.is_main:
             self.reference = Reference(model_dir, t.reference_device or self.device, self.compute_dtype)
         self.optimizer = make_optimizer(self.model, t.lr, tuple(t.betas), t.weight_decay)
