@@ -400,6 +400,7 @@ class Trainer:
             "publish_kind": r.publish_kind,
             "micro_batches": s.micro_batches,
             "lp_gap": s.lp_gap,
+            "lp_gap_engine": s.lp_gap_engine,
             **self.ingestor.stats(),
         }
 
@@ -445,4 +446,5 @@ def format_line(m: dict[str, Any]) -> str:
         f"ent={m['entropy']:.3f} gnorm={m['grad_norm']:.3f} loss={m['loss']:+.4f} tok/s={m['tok_s']:.0f} "
         f"pub={m['publish_kind']}:{m['publish_s']:.2f}s drops={_fmt_counts(m['drops'])} "
         f"disagree={_fmt_counts(m['disagreements'])}"
+        + "".join(f" lp_gap[{e}]={g:.2e}" for e, g in sorted(m.get("lp_gap_engine", {}).items()))
     )
