@@ -18,7 +18,15 @@ from typing import Any, Literal
 from pnyx.errors import ConfigError
 from pnyx.rollout.engines.base import ENGINE_NAMES, EngineName, WeightsProof, WorkerEngine
 
-__all__ = ["ENGINE_NAMES", "EngineName", "WeightsProof", "WorkerEngine", "available_engines", "check_engine", "make_engine"]
+__all__ = [
+    "ENGINE_NAMES",
+    "EngineName",
+    "WeightsProof",
+    "WorkerEngine",
+    "available_engines",
+    "check_engine",
+    "make_engine",
+]
 
 
 def check_engine(name: str, device: str = "cpu") -> None:
@@ -27,7 +35,9 @@ def check_engine(name: str, device: str = "cpu") -> None:
         raise ConfigError(f"unknown engine {name!r}: choose one of {', '.join(ENGINE_NAMES)}")
     if name == "mlx":
         if importlib.util.find_spec("mlx") is None or importlib.util.find_spec("mlx_lm") is None:
-            extra = "pip install 'pnyx[mlx]'" + ("" if platform.system() == "Darwin" else " (mlx's CPU build on Linux)")
+            extra = "pip install 'pnyx[mlx]'" + (
+                "" if platform.system() == "Darwin" else " (mlx's CPU build on Linux)"
+            )
             raise ConfigError(f"mlx is not installed: {extra}")
         try:
             import mlx.core as mx
@@ -47,7 +57,9 @@ def check_engine(name: str, device: str = "cpu") -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError(f"--device {device}: torch sees no CUDA device here (torch {torch.__version__})")
+            raise ConfigError(
+                f"--device {device}: torch sees no CUDA device here (torch {torch.__version__})"
+            )
 
 
 def available_engines(device: str = "cpu") -> list[str]:

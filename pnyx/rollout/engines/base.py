@@ -140,7 +140,9 @@ class WorkerEngine(ABC):
         t2 = time.perf_counter()
         self._loaded = {n: weakref.ref(tb.data) for n, tb in state.items()}
         self.version, self.digest = version, chain
-        self.last_proof = WeightsProof(version, chain, sdig, self.proof_kind, len(digests), len(names), t1 - t0, t2 - t1)
+        self.last_proof = WeightsProof(
+            version, chain, sdig, self.proof_kind, len(digests), len(names), t1 - t0, t2 - t1
+        )
         return self.last_proof
 
     @abstractmethod
@@ -175,5 +177,5 @@ class WorkerEngine(ABC):
             reuse_cache=False,
         )  # fmt: skip
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most engines hold nothing to release
         """Release what the engine holds (processes, memory). The default holds nothing to release."""

@@ -36,7 +36,7 @@ from pnyx.rollout.engine import Completion, SamplingParams
 from pnyx.rollout.engines.base import TensorDigest, WorkerEngine
 from pnyx.rollout.engines.mlx_decode import decode
 from pnyx.weights import int8 as q8
-from pnyx.weights.bits import TensorBits, BitState, make_bits
+from pnyx.weights.bits import BitState, TensorBits, make_bits
 
 MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 _VIEWS = {"bfloat16": mx.uint16, "float16": mx.uint16, "float32": mx.uint32}
@@ -102,7 +102,9 @@ class MLXEngine(WorkerEngine):
         super().__init__()
         folder = Path(model_folder(path))
         try:
-            self.model, self.config = load_model(folder, lazy=False, strict=True, model_config=rope_config(folder))
+            self.model, self.config = load_model(
+                folder, lazy=False, strict=True, model_config=rope_config(folder)
+            )
         except ValueError as e:
             raise ConfigError(f"mlx-lm cannot build the model in {folder}: {e}") from None
         self.dtype = MX_DTYPES[dtype]
@@ -110,7 +112,11 @@ class MLXEngine(WorkerEngine):
         self.tokenizer = tokenizer
         self.plane = plane
         self.tied = TIED_HEAD not in dict(tree_flatten(self.model.parameters()))
-        gen = GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").is_file() else None
+        gen = (
+            GenerationConfig.from_pretrained(folder)
+            if (folder / "generation_config.json").is_file()
+            else None
+        )
         self.eos_ids = eos_token_ids(tokenizer, types.SimpleNamespace(generation_config=gen))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad) if pad is not None else 0
@@ -127,8 +133,14 @@ class MLXEngine(WorkerEngine):
                 self._quantize_layers(state)
             arrays = self._int8_arrays(state, names)
         else:
-            arrays = {n: bits_to_mx(state[n], self.dtype) for n in names if not (self.tied and n == TIED_HEAD)}
-            if self.tied and TIED_HEAD in state and not np.array_equal(state[TIED_HEAD].data, state[EMBED].data):
+            arrays = {
+                n: bits_to_mx(state[n], self.dtype) for n in names if not (self.tied and n == TIED_HEAD)
+            }
+            if (
+                self.tied
+                and TIED_HEAD in state
+                and not np.array_equal(state[TIED_HEAD].data, state[EMBED].data)
+            ):
                 raise IntegrityError(
                     f"{TIED_HEAD} differs from {EMBED}, but this model ties them (tie_word_embeddings)"
                 )

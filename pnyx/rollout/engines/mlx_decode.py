@@ -25,7 +25,9 @@ from pnyx.rollout.engine import COMPACT_FRACTION, Completion, FinishReason, Samp
 NEG_INF = float("-inf")
 
 
-def sampling_logprobs_mx(logits: mx.array, temperature: float, top_k: int = 0, top_p: float = 1.0) -> mx.array:
+def sampling_logprobs_mx(
+    logits: mx.array, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> mx.array:
     """Log-probabilities [..., V] (float32) of the distribution sampled at these settings; -inf = excluded."""
     x = logits.astype(mx.float32)
     if temperature <= 0:
@@ -70,7 +72,9 @@ def make_batch_cache(model: Any, left_padding: list[int]) -> list[Any]:
         kinds = {type(c) for c in model.make_cache()}
         if kinds - {KVCache}:
             names = sorted(k.__name__ for k in kinds)
-            raise NotImplementedError(f"MLX engine: cache kinds {names} (only full-attention KVCache is supported)")
+            raise NotImplementedError(
+                f"MLX engine: cache kinds {names} (only full-attention KVCache is supported)"
+            )
     return [BatchKVCache(list(left_padding)) for _ in model.layers]
 
 

@@ -161,7 +161,9 @@ class VLLMEngine(WorkerEngine):
             lps = [float(step[t].logprob) for t, step in zip(tokens, o.logprobs or [], strict=True)]
             stop = o.stop_reason if isinstance(o.stop_reason, str) else None
             reason = "stop" if o.finish_reason == "stop" else "length"
-            result.append(Completion(tokens, lps, reason, self.tokenizer.decode(tokens, skip_special_tokens=True), stop))
+            result.append(
+                Completion(tokens, lps, reason, self.tokenizer.decode(tokens, skip_special_tokens=True), stop)
+            )
         return result
 
     def close(self) -> None:

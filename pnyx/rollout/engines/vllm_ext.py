@@ -37,7 +37,10 @@ def tensor_digest(t: torch.Tensor, dtype: str) -> str:
 
 
 def locate(
-    name: str, shapes: dict[str, tuple[int, ...]], params: dict[str, torch.Tensor], packed: dict[str, list[str]]
+    name: str,
+    shapes: dict[str, tuple[int, ...]],
+    params: dict[str, torch.Tensor],
+    packed: dict[str, list[str]],
 ) -> torch.Tensor | None:
     """The part of vLLM's parameters holding published tensor `name` (shape `shapes[name]`), or None."""
     shape = tuple(shapes[name])
