@@ -242,8 +242,9 @@ class Worker:
         spooled = max((p[2] for p in pending if p and p[1] == self.worker_id), default=-1)
         self._seq = max(resume_seq(self.store, self.worker_id, version), spooled + 1)
         log.info(
-            "worker %s joined run %s: env=%s v=%d digest=%s seq=%d",
-            self.worker_id, self.run_id, self.env.name, version, self.digest[:12], self._seq,
+            "worker %s joined run %s: engine=%s env=%s v=%d digest=%s (%s proof) seq=%d",
+            self.worker_id, self.run_id, self.engine.name, self.env.name, version, self.digest[:12],
+            self.engine.proof_kind, self._seq,
         )
         self.syncer.start()  # background prefetch; swapped in only at cohort boundaries
         self._window = (time.monotonic(), self.rollouts, self.tokens)
