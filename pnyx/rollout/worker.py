@@ -257,10 +257,7 @@ class Worker:
         the version's manifest (`pnyx.rollout.engines.base`); `tensors` (the syncer's torch view) is not
         needed: engines read the syncer's verified bits, which they never write.
         """
-        from pnyx.weights.manifest import read_manifest
-
-        plane = read_manifest(self.store, version).plane(self.plane)
-        proof = self.engine.update(version, self.syncer.state, plane)
+        proof = self.engine.update(version, self.syncer.state, self.syncer.manifest)
         if proof.chain_digest != self.syncer.digest:
             raise IntegrityError(f"v{version}: engine proved {proof.chain_digest}, syncer holds {self.syncer.digest}")
         self.version, self.digest = version, proof.chain_digest

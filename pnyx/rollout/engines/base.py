@@ -124,12 +124,14 @@ class WorkerEngine(ABC):
 
     # -- weights --
 
-    def update(self, version: int, state: BitState, plane: PlaneManifest) -> WeightsProof:
+    def update(self, version: int, state: BitState, plane: PlaneManifest | None) -> WeightsProof:
         """Apply verified `state` (version `version`, described by `plane`) in place, then prove it.
 
         Only tensors whose arrays changed since the previous update are written. On a failed proof the
         engine's weights are in an unknown state: IntegrityError, and `version`/`digest` are cleared so
         nothing generates from them until a later update proves."""
+        if plane is None:
+            raise IntegrityError(f"v{version}: no manifest to prove the update against (sync first)")
         names = changed_names(self._loaded, state)
         t0 = time.perf_counter()
         self.version, self.digest = None, ""
