@@ -224,7 +224,7 @@ class Worker:
         self.plane = "int8" if (self.opts.int8 or w.int8) else "weights"
         self.engine = make_engine(
             engine, path, self.tokenizer, dtype=self.cfg.model.dtype, device=self.opts.device, plane=self.plane
-        )
+        )  # fmt: skip
         capacity = max(w.spool_max_groups, w.prompts_per_cohort)  # 0 in config: hold one cohort at most
         self.spool = Spool(capacity, folder=self.opts.spool_dir, rekey=self._rekey)
 
@@ -245,7 +245,7 @@ class Worker:
             "worker %s joined run %s: engine=%s env=%s v=%d digest=%s (%s proof) seq=%d",
             self.worker_id, self.run_id, self.engine.name, self.env.name, version, self.digest[:12],
             self.engine.proof_kind, self._seq,
-        )
+        )  # fmt: skip
         self.syncer.start()  # background prefetch; swapped in only at cohort boundaries
         self._window = (time.monotonic(), self.rollouts, self.tokens)
         self._joined = True
@@ -259,7 +259,9 @@ class Worker:
         """
         proof = self.engine.update(version, self.syncer.state, self.syncer.manifest)
         if proof.chain_digest != self.syncer.digest:
-            raise IntegrityError(f"v{version}: engine proved {proof.chain_digest}, syncer holds {self.syncer.digest}")
+            raise IntegrityError(
+                f"v{version}: the engine proved {proof.chain_digest}, the syncer holds {self.syncer.digest}"
+            )
         self.version, self.digest = version, proof.chain_digest
         self.versions_used.append(version)
 
