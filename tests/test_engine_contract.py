@@ -5,11 +5,13 @@ temperature 0 it gives the torch engine's tokens; sampled at temperature 1 and w
 logprobs agree with the trainer's recompute (`completion_logprobs` on an fp32 copy of version 1), with the
 mean and max |Δ| printed per engine; stop strings and the tool loop keep pnyx's semantics. Engines that are
 not installed here are skipped (vllm runs in its own environment: scripts/test_vllm_cpu.sh, marker `vllm`).
+PNYX_TEST_ENGINE_DEVICE=cuda runs the torch and vllm engines on a GPU (the references stay on the CPU).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ TINY = Path(__file__).resolve().parents[1] / "pnyx" / "assets" / "tiny-base"
 NOISE = 0.02  # version 1 = version 0 + this much Gaussian noise per weight (tied tensors stay tied)
 # Bounds on |recorded - recomputed| for an fp32 engine (measured ~1e-6; see docs/engine.md).
 MEAN_BOUND, MAX_BOUND = 1e-4, 1e-3
+DEVICE = os.environ.get("PNYX_TEST_ENGINE_DEVICE", "cpu")
 
 ENGINES = [
     pytest.param("torch"),
@@ -83,7 +86,8 @@ def published() -> Published:
 
 @pytest.fixture(scope="module", params=ENGINES)
 def engine(request, published):
-    eng = make_engine(request.param, str(TINY), published.tokenizer, dtype="float32")
+    device = DEVICE if request.param != "mlx" else "cpu"
+    eng = make_engine(request.param, str(TINY), published.tokenizer, dtype="float32", device=device)
     published.update(eng, 0)
     published.update(eng, 1)
     yield eng
@@ -92,7 +96,7 @@ def engine(request, published):
 
 @pytest.fixture(scope="module")
 def torch_engine(published):
-    eng = make_engine("torch", str(TINY), published.tokenizer, dtype="float32")
+    eng = make_engine("torch", str(TINY), published.tokenizer, dtype="float32", device=DEVICE)
     published.update(eng, 0)
     published.update(eng, 1)
     return eng
