@@ -104,6 +104,8 @@ class WorkerConfig(_Section):
     """Generated groups kept in the local spool while the store is unreachable (oldest dropped beyond)."""
     int8: bool = False
     """Run the worker's model from the int8 actor plane (dequantized on load) instead of bf16."""
+    engine: Literal["torch", "mlx", "vllm"] = "torch"
+    """Default generation engine of the run's workers (each worker may choose its own with --engine)."""
 
 
 class TrainerConfig(_Section):

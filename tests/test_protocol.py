@@ -384,3 +384,17 @@ def test_parse_rollout_key_rejects_foreign_keys():
         "x",
     ):
         assert parse_rollout_key(junk) is None
+
+
+def test_group_without_an_engine_field_decodes_as_the_torch_engine():
+    def drop_engine(d):
+        del d["engine"]
+
+    assert decode_group(hostile(drop_engine)).engine == "torch"
+    assert decode_group(encode_group(make_group(engine="mlx"))).engine == "mlx"
+
+
+def test_group_with_an_unusable_engine_name_is_rejected():
+    with pytest.raises(RecordRejected) as e:
+        decode_group(encode_group(make_group(engine="x" * 200)))
+    assert e.value.reason == "bad_field"

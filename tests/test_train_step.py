@@ -168,3 +168,21 @@ def test_tokens_outside_the_truncated_support_do_not_make_the_loss_nan(tiny):
     )
     assert all(torch.isfinite(p).all() for p in m.parameters())
     assert torch.isfinite(torch.tensor(stats.loss))
+
+
+def test_lp_gap_engine_reports_each_engines_gap_separately(tiny):
+    import msgspec
+
+    model, tokenizer = tiny
+    groups = scored_groups(model, tokenizer)  # the torch engine (the field's default), honest
+    off = scored_groups(model, tokenizer, n_groups=1)[0]
+    off.group = msgspec.structs.replace(off.group, engine="mlx")
+    for smp in off.group.samples:
+        smp.logprobs = [lp - 0.5 for lp in smp.logprobs]
+    m = copy.deepcopy(model)
+    stats = train_step(
+        m, make_optimizer(m, 1e-3, (0.9, 0.99), 0.0), [*groups, off], LossSettings(),
+        micro_batch_tokens=4096, grad_clip=1.0, policy_version=0,
+    )  # fmt: skip
+    assert stats.lp_gap_engine["torch"] < 1e-4
+    assert stats.lp_gap_engine["mlx"] == pytest.approx(0.5, abs=1e-4)

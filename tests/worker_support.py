@@ -34,10 +34,13 @@ class TinyRun:
         import torch
 
         g = torch.Generator().manual_seed(1000 + version)
-        return {
-            k: (v + NOISE * torch.randn(v.shape, generator=g) if v.is_floating_point() else v).to(torch.bfloat16)
-            for k, v in self.base.items()
-        }
+        noisy: dict[int, Any] = {}  # per storage: tied tensors (embedding and output head) stay tied
+        out = {}
+        for k, v in self.base.items():
+            if v.data_ptr() not in noisy:
+                noisy[v.data_ptr()] = v + NOISE * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+            out[k] = noisy[v.data_ptr()].to(torch.bfloat16)
+        return out
 
     def publish(self, version: int) -> str:
         m = self.publisher.publish(version, self.state(version))
@@ -92,7 +95,8 @@ def make_run(url: str, model_dir: Path, anchor_every: int = 20, **worker: Any) -
         "model_type": model.config.model_type,
     }
     init_run(store, cfg.model_dump(mode="json"), info)
-    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    clones: dict[int, Any] = {}  # clone per storage, so tied tensors stay one tensor
+    base = {k: clones.setdefault(v.data_ptr(), v.detach().clone()) for k, v in model.state_dict().items()}
     run = TinyRun(store, cfg, Path(model_dir), base, Publisher(store, anchor_every=anchor_every))
     run.publish(0)
     return run

@@ -70,6 +70,9 @@ def worker(
     store: str = typer.Option(..., "--store", "-s", help="Run root URL (folder, s3://, gs://)."),
     worker_id: str | None = typer.Option(None, "--id", help="Worker id (default: host-pid)."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, mps or auto."),
+    engine: str | None = typer.Option(
+        None, "--engine", help="torch, mlx (Apple silicon) or vllm (GPUs). Default: the run's worker.engine."
+    ),
     int8: bool = typer.Option(False, "--int8", help="Run the model from the int8 actor plane."),
     max_groups: int | None = typer.Option(None, "--max-groups", min=1, help="Stop after uploading this many groups."),
     threads: int | None = typer.Option(None, "--threads", min=1, help="Torch CPU threads."),
@@ -80,7 +83,7 @@ def worker(
     """Join a run from its run.json alone: follow the weights, generate, score and upload rollout groups."""
     _lazy("pnyx.cli.worker", "worker_main")(
         store=store, worker_id=worker_id, device=device, int8=int8, max_groups=max_groups, threads=threads,
-        model=model,
+        model=model, engine=engine,
     )  # fmt: skip
 
 

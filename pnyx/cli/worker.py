@@ -3,7 +3,8 @@
 Everything about the run comes from its run.json; this module only turns the command's flags into
 `WorkerOptions`, installs SIGINT/SIGTERM handlers that ask the loop to stop at the next cohort boundary
 (a second signal exits at once, which is still safe: puts are atomic), and maps errors to exit codes:
-0 after a clean stop, 1 on a fatal error, 2 on a configuration error. torch and the model stack are
+0 after a clean stop, 1 on a fatal error, 2 on a configuration error (an `--engine` whose package or
+hardware is missing is one: checked at join, before any model loads). torch and the model stack are
 imported only here, inside the function, so `pnyx --help` stays instant.
 
 PNYX_SPOOL_DIR (keep an on-disk copy of the upload spool there) comes from the environment; so may the
@@ -31,6 +32,7 @@ def worker_main(
     max_groups: int | None = None,
     threads: int | None = None,
     model: str | None = None,
+    engine: str | None = None,
 ) -> None:
     """Run one worker until stopped (SIGINT/SIGTERM), `max_groups` uploaded, or a fatal error."""
     log = setup_logging("worker")
@@ -47,6 +49,7 @@ def worker_main(
         opts = WorkerOptions(
             worker_id=worker_id,
             device=device,
+            engine=engine,
             int8=int8,
             max_groups=max_groups,
             spool_dir=os.environ.get("PNYX_SPOOL_DIR") or None,

@@ -191,6 +191,7 @@ def _check_header_fields(g: RolloutGroup) -> None:
     try:
         check_name(g.worker_id, "worker id")
         check_name(g.run_id, "run id")
+        check_name(g.engine, "engine")  # becomes a metrics key on the trainer
     except ValueError as exc:
         raise RecordRejected("bad_field", str(exc)) from exc
     problems = []

@@ -71,6 +71,9 @@ class RolloutGroup(msgspec.Struct, kw_only=True):
     """Unix time the group was finished (informational; ordering uses versions, not clocks)."""
     gen_seconds: float
     score_seconds: float
+    engine: str = "torch"
+    """The worker engine that generated the samples ("torch", "mlx", "vllm"), so the trainer can report
+    its logprob gap per engine. Records written before engines existed come from the torch engine."""
 
 
 class RunManifest(msgspec.Struct, kw_only=True):

@@ -140,6 +140,7 @@ def generate_cohort(
                 created_at=time.time(),
                 gen_seconds=gen_s / max(1, len(tasks)),
                 score_seconds=score_s,
+                engine=str(getattr(engine, "name", "torch")),
             )
         )
     return CohortResult(groups=groups, tokens=tokens, gen_seconds=gen_s, score_seconds=score_total)

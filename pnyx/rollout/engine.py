@@ -127,6 +127,9 @@ class Turn:
 class Engine:
     """Batched sampling from a causal LM (any transformers model; a fast path for Llama-shaped ones)."""
 
+    name = "torch"
+    """The engine name recorded in rollout groups (`pnyx.rollout.engines` wraps this class as "torch")."""
+
     def __init__(self, model: Any, tokenizer: Any, fast: bool | None = None, reuse_cache: bool | None = None):
         self.model = model
         self.tokenizer = tokenizer

@@ -58,6 +58,8 @@ class WorkerOptions:
     """Unique id of this worker in the run (default `<hostname>-<pid>`)."""
     device: str = "cpu"
     """Torch device for generation: cpu, cuda, cuda:N, mps or auto."""
+    engine: str | None = None
+    """Generation engine: torch, mlx or vllm (None: the run's worker.engine). Chosen once, at join."""
     int8: bool = False
     """Run from the int8 actor plane (also on when the run's worker.int8 is set)."""
     max_groups: int | None = None
@@ -198,9 +200,9 @@ class Worker:
         """Read run.json, load model + tokenizer + env, cold-join the weights, find the resume seq."""
         from pnyx.config import config_from_dict, resolve_env_kwargs, resolve_max_new_tokens
         from pnyx.envs import get_env
-        from pnyx.models import load_model, load_tokenizer, resolve_run_model
+        from pnyx.models import load_tokenizer, resolve_run_model
         from pnyx.rollout.curriculum import Curriculum
-        from pnyx.rollout.engine import Engine
+        from pnyx.rollout.engines import check_engine, make_engine
         from pnyx.weights.syncer import Syncer
 
         self._set_status("starting", "reading run.json")
@@ -212,6 +214,8 @@ class Worker:
                 "--int8: this run's trainer does not publish the int8 actor plane. Start the run with "
                 "--worker.int8=true (the trainer then publishes it next to the bf16 weights), or drop --int8."
             )
+        engine = self.opts.engine or self.cfg.worker.engine
+        check_engine(engine, self.opts.device)  # fail before loading anything when the engine cannot run here
         self.env = get_env(self.cfg.env.name, **resolve_env_kwargs(self.cfg))
         self.max_new_tokens = resolve_max_new_tokens(self.cfg.worker.max_new_tokens, self.env)  # run.json's
         self.curriculum = Curriculum(self.env) if self.cfg.worker.curriculum else None
@@ -219,9 +223,11 @@ class Worker:
             manifest.model or {}, self.cfg.model.path, self.cfg.model.revision, self.opts.model_path
         )  # the run's exact model on this machine, or a ConfigError saying what differs
         self.tokenizer = load_tokenizer(path)
-        self.model = load_model(path, dtype=self.cfg.model.dtype, device=self.opts.device)
-        self.engine = Engine(self.model, self.tokenizer)
         w = self.cfg.worker
+        self.plane = "int8" if (self.opts.int8 or w.int8) else "weights"
+        self.engine = make_engine(
+            engine, path, self.tokenizer, dtype=self.cfg.model.dtype, device=self.opts.device, plane=self.plane
+        )  # fmt: skip
         capacity = max(w.spool_max_groups, w.prompts_per_cohort)  # 0 in config: hold one cohort at most
         self.spool = Spool(capacity, folder=self.opts.spool_dir, rekey=self._rekey)
 
@@ -229,7 +235,7 @@ class Worker:
         self._heartbeat(force=True)
         self.syncer = Syncer(
             self.store,
-            plane="int8" if (self.opts.int8 or w.int8) else "weights",
+            plane=self.plane,
             max_backoff_s=self.opts.max_backoff_s,
             poll_interval_s=w.poll_interval_s,
         )
@@ -239,21 +245,27 @@ class Worker:
         spooled = max((p[2] for p in pending if p and p[1] == self.worker_id), default=-1)
         self._seq = max(resume_seq(self.store, self.worker_id, version), spooled + 1)
         log.info(
-            "worker %s joined run %s: env=%s v=%d digest=%s seq=%d",
-            self.worker_id, self.run_id, self.env.name, version, self.digest[:12], self._seq,
-        )
+            "worker %s joined run %s: engine=%s env=%s v=%d digest=%s (%s proof) seq=%d",
+            self.worker_id, self.run_id, self.engine.name, self.env.name, version, self.digest[:12],
+            self.engine.proof_kind, self._seq,
+        )  # fmt: skip
         self.syncer.start()  # background prefetch; swapped in only at cohort boundaries
         self._window = (time.monotonic(), self.rollouts, self.tokens)
         self._joined = True
 
     def _load(self, version: int, tensors: dict[str, Any]) -> None:
-        """Copy verified version `version` into the model (only ever called between cohorts).
+        """Apply verified version `version` to the engine in place (only ever called between cohorts).
 
-        `load_state_dict` copies into the existing parameters, converting the published dtype (bf16) to
-        the model's (fp32 on CPU) and moving to its device; the syncer's tensors are never written.
+        The engine writes the tensors that changed into its resident model and proves the result against
+        the version's manifest (`pnyx.rollout.engines.base`); `tensors` (the syncer's torch view) is not
+        needed: engines read the syncer's verified bits, which they never write.
         """
-        self.model.load_state_dict(tensors, strict=True)
-        self.version, self.digest = version, self.syncer.digest or ""
+        proof = self.engine.update(version, self.syncer.state, self.syncer.manifest)
+        if proof.chain_digest != self.syncer.digest:
+            raise IntegrityError(
+                f"v{version}: the engine proved {proof.chain_digest}, the syncer holds {self.syncer.digest}"
+            )
+        self.version, self.digest = version, proof.chain_digest
         self.versions_used.append(version)
 
     # -- the loop --
@@ -274,6 +286,8 @@ class Worker:
         finally:
             if self.syncer is not None:
                 self.syncer.stop()
+            if getattr(self, "engine", None) is not None:
+                self.engine.close()
         return self._shutdown()
 
     def step(self) -> None:

@@ -491,6 +491,7 @@ class Trainer:
             "zero_variance": self.ingestor.zero_variance(),
             "ingest_wait_s": self._ingest_wait_s,
             "prefetch_busy_s": round(self.prefetcher.busy_s, 3),
+            "lp_gap_engine": s.lp_gap_engine,
             **self.ingestor.stats(),
         }
 

@@ -44,6 +44,7 @@ class Verified:
     digest: str  # chain digest
     state: BitState
     digests: dict[str, str] = field(default_factory=dict)  # tensor digests of exactly these arrays
+    manifest: PlaneManifest | None = None  # the plane manifest this state verified against
 
 
 @dataclass
@@ -99,6 +100,11 @@ class Syncer:
     @property
     def digest(self) -> str | None:
         return self._served.digest if self._served else None
+
+    @property
+    def manifest(self) -> PlaneManifest | None:
+        """The served version's plane manifest (what an engine proves its weights against)."""
+        return self._served.manifest if self._served else None
 
     @property
     def state(self) -> BitState:
@@ -237,7 +243,7 @@ class Syncer:
             if cur is not None:
                 live = {id(tb.data) for tb in state.values()} | keep
                 spare = {n: tb.data for n, tb in cur.state.items() if id(tb.data) not in live}
-            cur = Verified(m.version, p.chain_digest, state, digests)
+            cur = Verified(m.version, p.chain_digest, state, digests, p)
         assert cur is not None
         return cur
 

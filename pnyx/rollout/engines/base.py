@@ -1,0 +1,183 @@
+"""The engine interface every worker engine implements, and the proof that its weights are the chain's.
+
+An engine (torch, mlx, vllm) owns a model in memory and does four things for the worker:
+- `update(version, state, plane)`: apply a verified PULSE state (anchor or delta result) **in place**,
+  touching only tensors whose bits changed since the last update, then prove that what it now computes
+  with is exactly the published version: `WeightsProof`;
+- `generate(prompt_ids, params)`: sample completions with the run's settings, recording each token's
+  behaviour logprob under the sampling distribution (`pnyx.models.logprobs.sampling_logprobs`: temperature,
+  then top-k, then top-p; greedy records the temperature-1, untruncated logprob);
+- `run_episodes(...)`: the multi-turn tool loop with tool tokens masked (by default the shared loop of
+  `pnyx.rollout.episodes`, re-prefilling each turn through `generate`);
+- `name`: recorded in every rollout group, so the trainer can report its logprob gap per engine.
+
+The proof. The manifest of a version lists every tensor's xxh3-128 digest (of its bits in the published
+dtype), the state digest over them, and the chain digest `H(parent || payload || state)`. After an update
+the engine reports a digest per published tensor; `prove` checks each against the manifest and recomputes
+the state and chain digests from them. How the engine obtains its digests is its `proof` kind:
+- "hashed": it hashed its own weights, read back from the arrays it computes with, cast to the published
+  dtype (exact: the published values are representable in the compute dtype). This proves the model holds
+  the chain's bits;
+- "derived": it hashed the exact verified bytes it handed to its loader (an engine that fuses or
+  re-lays-out tensors, or runs from a plane it cannot read back). This proves what it was given, and
+  trusts the loader to have copied it.
+
+Knows nothing about the store, the trainer or environments. Imports no ML framework at module level.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pnyx.errors import IntegrityError
+from pnyx.weights.bits import BitState, TensorBits, chain_digest_of, state_digest_of
+
+if TYPE_CHECKING:
+    from pnyx.rollout.engine import Completion, SamplingParams
+    from pnyx.rollout.episodes import Episode, ToolFn
+    from pnyx.weights.manifest import PlaneManifest
+
+log = logging.getLogger("pnyx.engine")
+
+EngineName = Literal["torch", "mlx", "vllm"]
+ENGINE_NAMES: tuple[str, ...] = ("torch", "mlx", "vllm")
+ProofKind = Literal["hashed", "derived"]
+TensorDigest = tuple[str, tuple[int, ...], str]
+"""(published dtype, shape, xxh3-128 of the bits) of one published tensor."""
+
+
+@dataclass(frozen=True)
+class WeightsProof:
+    """What `update` proved: the engine computes with exactly version `version` of the chain."""
+
+    version: int
+    chain_digest: str
+    state_digest: str
+    kind: ProofKind
+    tensors: int
+    """Published tensors checked."""
+    changed: int
+    """Tensors written by this update (all of them on the first)."""
+    apply_s: float
+    """Seconds spent writing the changed tensors into the engine."""
+    prove_s: float
+    """Seconds spent obtaining and checking the digests."""
+
+
+def changed_names(previous: Mapping[str, weakref.ref] | None, state: Mapping[str, TensorBits]) -> list[str]:
+    """Names whose bits may differ from the previous update: every name whose array is not the very same
+    (still living) object as the one applied then.
+
+    The syncer shares the arrays of unchanged tensors between consecutive versions and never writes an
+    array it has served, so identity means equal bits. `previous` holds weak references, so the engine
+    keeps no second copy of the weights alive; a dead reference just counts as changed."""
+    if previous is None:
+        return list(state)
+    return [n for n, tb in state.items() if n not in previous or previous[n]() is not tb.data]
+
+
+def prove(
+    version: int, digests: Mapping[str, TensorDigest], plane: PlaneManifest, kind: ProofKind
+) -> tuple[str, str]:
+    """(chain digest, state digest) recomputed from the engine's digests; IntegrityError on any mismatch.
+
+    Every tensor the manifest lists must be present with the manifest's dtype, shape and digest, and no
+    other tensor; the chain digest is then `H(parent || payload || state)` from the manifest's parent and
+    payload digests and the state digest of the engine's own tensor digests."""
+    expected = {t.name: (t.dtype, tuple(t.shape), t.digest) for t in plane.tensors}
+    wrong = [n for n in expected if n not in digests or tuple(digests[n]) != expected[n]]
+    extra = sorted(set(digests) - set(expected))
+    if wrong or extra:
+        raise IntegrityError(
+            f"v{version}: the engine's weights are not the published ones ({kind} digests): "
+            f"{len(wrong)} tensor(s) differ (first: {wrong[:3]}), {len(extra)} unexpected (first: {extra[:3]}). "
+            "The update did not land as published; the worker must not generate from these weights."
+        )
+    state = state_digest_of((n, d, s, g) for n, (d, s, g) in digests.items())
+    chain = chain_digest_of(plane.parent_digest, plane.payload_digest, state)
+    if state != plane.state_digest or chain != plane.chain_digest:
+        raise IntegrityError(
+            f"v{version}: recomputed state digest {state} / chain digest {chain} do not match the manifest's "
+            f"{plane.state_digest} / {plane.chain_digest}"
+        )
+    return chain, state
+
+
+class WorkerEngine(ABC):
+    """One loaded model that a worker generates with. Not thread-safe: one caller at a time."""
+
+    name: ClassVar[str] = ""
+    proof_kind: ClassVar[ProofKind] = "hashed"
+    tokenizer: Any
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, weakref.ref] | None = None  # the arrays of the last state applied (weakly)
+        self.version: int | None = None
+        self.digest: str = ""
+        self.last_proof: WeightsProof | None = None
+
+    # -- weights --
+
+    def update(self, version: int, state: BitState, plane: PlaneManifest | None) -> WeightsProof:
+        """Apply verified `state` (version `version`, described by `plane`) in place, then prove it.
+
+        Only tensors whose arrays changed since the previous update are written. On a failed proof the
+        engine's weights are in an unknown state: IntegrityError, and `version`/`digest` are cleared so
+        nothing generates from them until a later update proves."""
+        if plane is None:
+            raise IntegrityError(f"v{version}: no manifest to prove the update against (sync first)")
+        names = changed_names(self._loaded, state)
+        t0 = time.perf_counter()
+        self.version, self.digest = None, ""
+        self._apply(state, names, first=self._loaded is None)
+        t1 = time.perf_counter()
+        digests = self._digests(state, names)
+        chain, sdig = prove(version, digests, plane, self.proof_kind)
+        t2 = time.perf_counter()
+        self._loaded = {n: weakref.ref(tb.data) for n, tb in state.items()}
+        self.version, self.digest = version, chain
+        self.last_proof = WeightsProof(
+            version, chain, sdig, self.proof_kind, len(digests), len(names), t1 - t0, t2 - t1
+        )
+        return self.last_proof
+
+    @abstractmethod
+    def _apply(self, state: BitState, names: list[str], first: bool) -> None:
+        """Write `state[n]` for every n in `names` into the model, in place (no rebuild, no reload)."""
+
+    @abstractmethod
+    def _digests(self, state: BitState, changed: list[str]) -> dict[str, TensorDigest]:
+        """A digest per published tensor of what the engine now computes with (see `proof_kind`)."""
+
+    # -- sampling --
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """One completion per prompt, in order, with behaviour logprobs under the sampling distribution."""
+
+    def run_episodes(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        tool: ToolFn | Sequence[ToolFn],
+        tool_stops: list[str],
+        max_turns: int,
+        max_episode_tokens: int = 1024,
+        max_tool_tokens: int = 512,
+    ) -> list[Episode]:
+        """Multi-turn episodes: the shared tool loop, each turn a fresh `generate` over prompt + episode."""
+        from pnyx.rollout.episodes import run_episodes
+
+        return run_episodes(
+            self, prompt_ids, params, tool, tool_stops, max_turns, max_episode_tokens, max_tool_tokens,
+            reuse_cache=False,
+        )  # fmt: skip
+
+    def close(self) -> None:  # noqa: B027 - optional hook: most engines hold nothing to release
+        """Release what the engine holds (processes, memory). The default holds nothing to release."""

@@ -1,0 +1,176 @@
+"""The vLLM engine: a resident `vllm.LLM` with its own sampling, prefix caching and continuous batching.
+
+Weights: the `LLM` is built once; every PULSE update goes through `collective_rpc` into
+`vllm_ext.PnyxWorkerExtension.pnyx_load_weights`, the model's own `load_weights` copying the changed
+tensors into the existing (fused, padded) parameters. The engine is never restarted per version. The prefix
+cache is reset after each update: its blocks hold keys/values computed by the previous weights.
+
+Proof: "hashed" where `pnyx_read_weights` can locate every published tensor inside vLLM's fused parameters
+(one tensor-parallel rank; Llama/Qwen-style `packed_modules_mapping`), read back and hashed in the published
+dtype; otherwise "derived": the digests of the verified bytes handed to `load_weights`. `proof_kind` after
+an update says which one was used.
+
+Sampling: `SamplingParams(temperature, top_k, top_p, stop, max_tokens, seed, logprobs=0)` with the engine
+started in `logprobs_mode="processed_logprobs"`, so the logprob vLLM returns for each sampled token is
+`log_softmax` of the logits after temperature, top-k and top-p: pnyx's sampling distribution. What differs
+(docs/engine.md, "vLLM"): the top-p boundary is computed from an ascending cumulative sum (`cumsum <= 1-p`
+dropped) instead of pnyx's descending mass-before (`>= p` dropped) — the same set up to float rounding at
+the boundary — and greedy (temperature 0) returns the temperature-1 untruncated log-softmax, as pnyx defines
+it. Each prompt gets its own seed (`params.seed` and its index), so a batch is reproducible. Stop strings:
+the token completing one is the last token kept (vLLM stops on it; the text is re-decoded by pnyx's
+tokenizer). Tool turns re-prefill prompt + episode, which vLLM's prefix cache turns into a cache hit.
+
+Knows nothing about the store or the trainer. Imports vllm only when an engine is built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import Any
+
+from pnyx.errors import ConfigError
+from pnyx.rollout.engine import Completion, SamplingParams
+from pnyx.rollout.engines.base import TensorDigest, WorkerEngine
+from pnyx.weights.bits import BitState, to_torch
+
+log = logging.getLogger("pnyx.engine")
+
+EXTENSION = "pnyx.rollout.engines.vllm_ext.PnyxWorkerExtension"
+SEED_STRIDE = 1_000_003  # per-prompt seeds: params.seed * SEED_STRIDE + index
+
+
+class VLLMEngine(WorkerEngine):
+    """A resident vLLM engine behind the engine interface."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        path: Any,
+        tokenizer: Any,
+        dtype: str = "float32",
+        device: str = "cpu",
+        *,
+        gpu_memory_utilization: float = 0.85,
+        max_model_len: int | None = None,
+        enforce_eager: bool | None = None,
+        seed: int = 0,
+        **llm_kwargs: Any,
+    ):
+        from pnyx.models.loading import model_folder
+
+        super().__init__()
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise ConfigError(f"vllm cannot be imported ({e}): pip install 'pnyx[vllm]'") from None
+        self.tokenizer = tokenizer
+        self.proof_kind = "hashed"
+        folder = str(model_folder(path))
+        on_cpu = device == "cpu"
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU box
+        try:
+            self.llm = LLM(
+                model=folder,
+                tokenizer=folder,
+                dtype=dtype,
+                seed=seed,
+                logprobs_mode="processed_logprobs",
+                enable_prefix_caching=True,
+                worker_extension_cls=EXTENSION,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+                **llm_kwargs,
+            )
+        except (ValueError, RuntimeError) as e:
+            raise ConfigError(f"vLLM could not start on {folder} ({device}, {dtype}): {e}") from None
+
+    # -- weights --
+
+    def _apply(self, state: BitState, names: list[str], first: bool) -> None:
+        if not names:
+            return
+        # vLLM reloads layer by layer, and a fused layer (qkv, gate/up) given only some of its parts would
+        # be rebuilt with the others missing; a PULSE delta touches nearly every tensor anyway, so every
+        # update sends the whole state (from memory: the engine is neither rebuilt nor restarted).
+        names = list(state)
+        from safetensors.torch import save_file
+
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.TemporaryDirectory(prefix="pnyx-vllm-", dir=shm) as tmp:
+            path = os.path.join(tmp, "update.safetensors")
+            save_file(to_torch({n: state[n] for n in names}), path)
+            self.llm.collective_rpc("pnyx_load_weights", args=(path,))
+        self.llm.reset_prefix_cache()  # cached blocks were computed by the previous weights
+
+    def _digests(self, state: BitState, changed: list[str]) -> dict[str, TensorDigest]:
+        specs = {n: (tb.dtype, tb.shape) for n, tb in state.items()}
+        per_rank = self.llm.collective_rpc("pnyx_read_weights", args=(specs,))
+        read = per_rank[0] if per_rank else {}
+        if read and all(read.get(n) is not None for n in specs) and all(r == read for r in per_rank):
+            self.proof_kind = "hashed"
+            return {n: (tb.dtype, tb.shape, read[n]) for n, tb in state.items()}
+        missing = [n for n in specs if not read or read.get(n) is None]
+        if self.proof_kind == "hashed":
+            log.warning(
+                "vllm: %d published tensor(s) cannot be read back from the model (first: %s); the weights "
+                "proof is derived from the verified bytes loaded instead",
+                len(missing), missing[:3],
+            )  # fmt: skip
+        self.proof_kind = "derived"
+        return {n: (tb.dtype, tb.shape, tb.digest()) for n, tb in state.items()}
+
+    # -- sampling --
+
+    def _vllm_params(self, params: SamplingParams, index: int) -> Any:
+        from vllm import SamplingParams as VParams
+
+        return VParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else 0,
+            max_tokens=params.max_new_tokens,
+            stop=list(params.stop) or None,
+            seed=params.seed * SEED_STRIDE + index,
+            logprobs=0,
+            ignore_eos=params.ignore_eos,
+            skip_special_tokens=True,
+            detokenize=True,
+        )
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if not prompt_ids:
+            return []
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ConfigError("every prompt needs at least one token")
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        outs = self.llm.generate(
+            prompts, [self._vllm_params(params, i) for i in range(len(prompts))], use_tqdm=False
+        )
+        result = []
+        for out in outs:
+            o = out.outputs[0]
+            tokens = list(o.token_ids)
+            lps = [float(step[t].logprob) for t, step in zip(tokens, o.logprobs or [], strict=True)]
+            stop = o.stop_reason if isinstance(o.stop_reason, str) else None
+            reason = "stop" if o.finish_reason == "stop" else "length"
+            result.append(
+                Completion(tokens, lps, reason, self.tokenizer.decode(tokens, skip_special_tokens=True), stop)
+            )
+        return result
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+            self.llm = None
