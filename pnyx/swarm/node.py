@@ -43,7 +43,7 @@ from pnyx.swarm.share import (
 )
 from pnyx.train.advantages import group_advantages, is_zero_variance
 from pnyx.train.ingest import ScoredGroup
-from pnyx.train.loop import loss_settings
+from pnyx.train.settings import loss_settings
 from pnyx.train.step import StepStats, make_optimizer, train_step
 
 log = logging.getLogger("pnyx.swarm")

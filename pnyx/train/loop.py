@@ -32,8 +32,8 @@ import torch
 from pnyx.config import PnyxConfig, overlay_changed, resolve_model_path
 from pnyx.errors import ConfigError, FencedError, IntegrityError, NotFoundError, RecordRejected
 from pnyx.train import bootstrap, checkpoint
-from pnyx.train.ingest import Cursor, Ingestor, IngestSettings, ScoredGroup
-from pnyx.train.losses import LossSettings
+from pnyx.train.ingest import Cursor, Ingestor, ScoredGroup
+from pnyx.train.settings import ingest_settings, loss_settings
 from pnyx.train.step import StepStats, make_optimizer, train_step
 
 log = logging.getLogger("pnyx.train")
@@ -47,29 +47,6 @@ def _crash_point(name: str, version: int) -> None:
     if os.environ.get(CRASH_ENV) == f"{name}:{version}":
         log.warning("test hook %s=%s: SIGKILL", CRASH_ENV, os.environ[CRASH_ENV])
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def loss_settings(cfg: PnyxConfig) -> LossSettings:
-    a = cfg.algorithm
-    return LossSettings(
-        clip_eps_low=a.clip_low,
-        clip_eps_high=a.clip_high,
-        dual_clip=a.dual_clip,
-        tis_cap=a.tis_cap,
-        dppo_delta=a.dppo_delta,
-        aggregation=a.aggregation,
-        kl_coef=a.kl_coef,
-    )
-
-
-def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
-    a = cfg.algorithm
-    return IngestSettings(
-        max_staleness=a.max_staleness,
-        max_reuse=a.max_reuse,
-        max_groups_per_prompt=a.max_groups_per_prompt,
-        advantage=a.advantage,
-    )
 
 
 def published_digests(store: Any, version: int) -> frozenset[str] | None:
