@@ -94,11 +94,23 @@ class NodeHeartbeat(msgspec.Struct, kw_only=True):
     """The seq of this node's next upload (readers start listing just below it)."""
     groups: int = 0
     """Groups uploaded so far."""
+    local_trained: int = 0
+    """Own groups this node has trained on so far (groups with a reward signal)."""
     external_trained: int = 0
     """Foreign groups this node has trained on so far."""
+    peers: list[str] = msgspec.field(default_factory=list)
+    """Peers live at the last refresh (at most 64 names)."""
+    peers_seen: int = 0
+    """Distinct peers seen live since the node started (checkpoints keep the count)."""
+    reward: float = 0.0
+    """Mean reward of the completions the node generated in its last round (its own verifier)."""
+    resumed_from: int = -1
+    """Rounds restored from this node's checkpoint when it started (-1: started from its model)."""
+    checkpoint_round: int = -1
+    """Rounds at the last checkpoint written (-1: none yet)."""
     updated_at: float
     status: str = "running"
-    """"starting" | "running" | "stopped" | "error"."""
+    """"starting" | "waiting" | "running" | "stopped" | "error"."""
     detail: str = ""
 
 
