@@ -169,6 +169,8 @@ class NodeSpec:
     external_groups: int
     join_round: int = 0
     """The swarm round at which it starts (a late joiner starts from its own start checkpoint)."""
+    lr: float | None = None
+    """Its learning rate, if not the shared config's."""
 
 
 @dataclass
@@ -197,6 +199,8 @@ class RoundRobin:
             "local_groups": spec.local_groups,
             "external_groups": spec.external_groups,
         }
+        if spec.lr is not None:
+            ov["trainer"] = ov.get("trainer", {}) | {"lr": spec.lr}
         node = open_node(
             self.store, spec.name, load_config(overrides=ov), spec.model, accept_envs=self.accept_envs
         )
@@ -215,3 +219,93 @@ class RoundRobin:
             self.stats.append(done)
             if after_round is not None:
                 after_round(r, self)
+
+
+# --- the mechanism: does sharing carry what A knows to B? ---------------------------------------------
+
+
+@dataclass
+class TransferResult:
+    """B's held-out reward on the family over one run, and what B's steps did."""
+
+    curve: list[tuple[int, float]]
+    """(rounds B has run, B's held-out reward) at B's start and every `eval_every` rounds after."""
+    a_end: float
+    """A's held-out reward at the end (A's arm is the same whatever B does)."""
+    steps: int
+    """Optimizer steps B took (a round whose mix has no reward signal takes none)."""
+    external_trained: int
+    masked_frac: float
+    """DPPO-gate-masked fraction of B's counted tokens, averaged over B's steps."""
+    clip_frac: float
+
+    @property
+    def start(self) -> float:
+        return self.curve[0][1]
+
+    @property
+    def end(self) -> float:
+        return self.curve[-1][1]
+
+
+def transfer_run(
+    store: Any,
+    a_model: Path,
+    b_model: Path,
+    family: Family,
+    *,
+    rounds: int,
+    b_external: int,
+    mode: str,
+    seed: int,
+    overrides: dict[str, Any],
+    b_lr: float | None = None,
+    b_join: int = 0,
+    eval_every: int = 10,
+    eval_tasks: int = 64,
+    eval_samples: int = 4,
+) -> TransferResult:
+    """Node A (able) and node B (unable) on the same family; B trains on 8 - J local + J of A's groups.
+
+    A trains on 8 own groups and never on B's (its run is identical in every arm). B joins at swarm
+    round `b_join` from its own start checkpoint and then runs `rounds` rounds. J = 0 is the no-sharing
+    arm: the same rounds and the same 8 groups per step, all B's own.
+    """
+    ov = {k: dict(v) for k, v in overrides.items()}
+    ov["run"] = ov.get("run", {}) | {"seed": seed}
+    ov["swarm"] = ov.get("swarm", {}) | {"foreign": mode}
+    batch = 8
+    specs = [
+        NodeSpec("A", a_model, family, batch, 0),
+        NodeSpec("B", b_model, family, batch - b_external, b_external, join_round=b_join, lr=b_lr),
+    ]
+    rr = RoundRobin(store, specs, ov, accept_envs={family.env})
+    env = family.build()
+    max_new = int(ov.get("worker", {}).get("max_new_tokens", 16))
+
+    def held(node: Any) -> float:
+        return heldout_reward(node.engine, node.tokenizer, env, tasks=eval_tasks, samples=eval_samples,
+                              max_new_tokens=max_new, seed=seed)  # fmt: skip
+
+    curve: list[tuple[int, float]] = []
+
+    def after(r: int, rr: RoundRobin) -> None:
+        b = rr.nodes.get("B")
+        if b is not None and b.rounds % eval_every == 0:
+            curve.append((b.rounds, held(b)))
+
+    rr.run(b_join)
+    b = rr.open(specs[1])
+    curve.append((0, held(b)))
+    rr.run(b_join + rounds, after)
+    if not curve or curve[-1][0] != b.rounds:
+        curve.append((b.rounds, held(b)))
+    steps = [s["B"].step for s in rr.stats if "B" in s and s["B"].step is not None]
+    return TransferResult(
+        curve=curve,
+        a_end=held(rr.nodes["A"]),
+        steps=len(steps),
+        external_trained=b.external_trained,
+        masked_frac=statistics.fmean(s.masked_frac for s in steps) if steps else 0.0,
+        clip_frac=statistics.fmean(s.clip_frac for s in steps) if steps else 0.0,
+    )
