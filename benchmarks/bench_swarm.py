@@ -338,9 +338,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument(
-        "--only-seeds", default=None, help="comma list: run only these of range(--seeds) (parallel runs)"
-    )
+    ap.add_argument("--shard", default="0/1", help="K/N: run every N-th (seed, config) from the K-th")
     ap.add_argument("--batch", type=int, default=8, help="I + J groups per step")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list of I/J:foreign")
     ap.add_argument("--group-size", type=int, default=8)
