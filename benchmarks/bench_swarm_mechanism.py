@@ -1,9 +1,11 @@
 """SAPO's mechanism, tested directly: does sharing carry what node A can do to node B, which cannot?
 
-Node A starts able to solve a task family X; node B starts unable to. Both start from checkpoints made
-from the shipped tiny model by a short supervised fine-tune on X (`pnyx.swarm.experiment.specialize`,
-train split only): A with `--a-steps` steps, B with `--b-steps` (an earlier checkpoint of the same
-fine-tune: it has the answer format but not the skill). Both nodes generate and train on X. A trains on
+Node A starts able to solve a task family X; node B starts unable to. By default X is 1-digit + and -
+(`pm1`), which the shipped tiny model was never trained on (it answers with 2-3 digit numbers: held-out
+reward about 0.01); A starts from it after a short supervised fine-tune on X
+(`pnyx.swarm.experiment.specialize`, `--a-steps` steps, train split only), B from the shipped model
+itself (`--b-steps 0`; a positive value gives B an earlier checkpoint of the same fine-tune). Both nodes
+generate and train on X. A trains on
 its own 8 groups per round in every arm, so A's run is the same in all of them. B trains on 8 groups
 per round:
 
@@ -146,11 +148,9 @@ def plot(results: list[dict], args: argparse.Namespace, path: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="base model folder (default: the shipped tiny base model)")
-    ap.add_argument("--family", choices=sorted(FAMILIES), default="add3")
-    ap.add_argument("--a-steps", type=int, default=300, help="fine-tuning steps of A's start checkpoint")
-    ap.add_argument(
-        "--b-steps", type=int, default=40, help="fine-tuning steps of B's (an earlier checkpoint)"
-    )
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="pm1")
+    ap.add_argument("--a-steps", type=int, default=100, help="fine-tuning steps of A's start checkpoint")
+    ap.add_argument("--b-steps", type=int, default=0, help="fine-tuning steps of B's (0: the base model)")
     ap.add_argument("--spec-lr", type=float, default=1e-3)
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--seeds", type=int, default=5)
@@ -159,12 +159,13 @@ def main() -> None:
         "--late", type=int, default=30, help="the late arm: B joins at this swarm round (0 = no arm)"
     )
     ap.add_argument("--lr", type=float, default=2e-4, help="A's learning rate")
-    ap.add_argument("--b-lr", type=float, default=5e-4, help="B's learning rate")
+    ap.add_argument("--b-lr", type=float, default=1e-3, help="B's learning rate")
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-tasks", type=int, default=64)
     ap.add_argument("--eval-samples", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--shard", default="0/1", help="K/N: run every N-th (seed, arm) from the K-th")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pnyx-bench-swarm")
     ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results" / "swarm_mechanism")
     args = ap.parse_args()
@@ -183,25 +184,30 @@ def main() -> None:
     a = specialize(
         args.model, args.work / f"spec-{fam.label}-s{args.a_steps}", fam, steps=args.a_steps, lr=args.spec_lr
     )
-    b = specialize(
-        args.model, args.work / f"spec-{fam.label}-s{args.b_steps}", fam, steps=args.b_steps, lr=args.spec_lr
-    )
+    b = Path(args.model)
+    if args.b_steps:
+        b = specialize(
+            args.model,
+            args.work / f"spec-{fam.label}-s{args.b_steps}",
+            fam,
+            steps=args.b_steps,
+            lr=args.spec_lr,
+        )
     t0 = time.perf_counter()
-    for seed in range(args.seeds):
-        for arm in arms(args):
-            out = args.out_dir / f"{arm}-s{seed}.json"
-            if out.exists():
-                continue
+    k, n = (int(x) for x in args.shard.split("/"))
+    for seed, arm in [(seed, arm) for seed in range(args.seeds) for arm in arms(args)][k::n]:
+        out = args.out_dir / f"{arm}-s{seed}.json"
+        if not out.exists():
             res = run_arm(args, a, b, arm, seed)
-            res["settings"] = {k: str(v) for k, v in vars(args).items()}
+            res["settings"] = {key: str(v) for key, v in vars(args).items()}
             out.write_text(json.dumps(res))
             print(f"seed={seed} {arm}: B {res['curve'][0][1]:.3f} -> {res['curve'][-1][1]:.3f} steps={res['steps']} "
                   f"ext={res['external_trained']} masked={100 * res['masked_frac']:.2f}% ({res['seconds']:.0f}s)",
                   flush=True)  # fmt: skip
     results = [json.loads(p.read_text()) for p in sorted(args.out_dir.glob("*-s*.json"))]
     print(
-        f"\nfamily={args.family} A=spec {args.a_steps} steps, B=spec {args.b_steps} steps, rounds={args.rounds}, "
-        f"lr A {args.lr} B {args.b_lr}; this invocation {time.perf_counter() - t0:.0f}s, all runs "
+        f"\nfamily={args.family} A=spec {args.a_steps} steps, B=spec {args.b_steps} steps (0: base), "
+        f"rounds={args.rounds}, lr A {args.lr} B {args.b_lr}; this invocation {time.perf_counter() - t0:.0f}s, all runs "
         f"{sum(r['seconds'] for r in results):.0f}s"
     )
     print(report(results, args))

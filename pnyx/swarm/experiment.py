@@ -47,13 +47,13 @@ class Family:
 
 
 def _examples(
-    tokenizer: Any, env: Any, seed: int, n: int, eos_id: int | None
+    tokenizer: Any, env: Any, seed: int, n: int, eos_id: int | None, label: Callable[[Any], str] | None
 ) -> list[tuple[list[int], list[int]]]:
     from pnyx.models import render_prompt
 
     out = []
     for task in env.sample("train", seed, n):
-        ref = env.reference_completion(task)
+        ref = label(task) if label is not None else env.reference_completion(task)
         if not isinstance(ref, str):
             raise ConfigError(
                 f"environment {env.name!r} has a multi-turn reference; specialize needs single-turn"
@@ -74,11 +74,14 @@ def specialize(
     batch: int = 32,
     lr: float = 1e-3,
     seed: int = 0,
+    label: Callable[[Any], str] | None = None,
 ) -> Path:
     """Fine-tune `base` for `steps` AdamW steps on reference completions of `family` and save it to `out`.
 
     The loss is the mean negative log-likelihood of the completion tokens (EOS included) at temperature 1.
-    Returns `out`. An existing `out` holding a model is returned as is (name it by its inputs).
+    `label(task)`, when given, replaces the reference completion: a deliberately damaged checkpoint (e.g.
+    answers off by one) keeps the answer format and learns a wrong rule. Returns `out`. An existing `out`
+    holding a model is returned as is (name it by its inputs).
     """
     import torch
 
@@ -95,7 +98,7 @@ def specialize(
     model = load_model(base, dtype="float32")
     env = family.build()
     task_seed = stable_hash("specialize", family.label, seed) % (2**31)
-    data = _examples(tokenizer, env, task_seed, steps * batch, tokenizer.eos_token_id)
+    data = _examples(tokenizer, env, task_seed, steps * batch, tokenizer.eos_token_id, label)
     random.Random(seed).shuffle(data)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     torch.manual_seed(seed)
