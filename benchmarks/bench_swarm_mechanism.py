@@ -1,13 +1,14 @@
 """SAPO's mechanism, tested directly: does sharing carry what node A can do to node B, which cannot?
 
 Node A starts able to solve a task family X; node B starts unable to. By default X is 1-digit + and -
-(`pm1`), which the shipped tiny model was never trained on (it answers with 2-3 digit numbers: held-out
-reward about 0.01); A starts from it after a short supervised fine-tune on X
-(`pnyx.swarm.experiment.specialize`, `--a-steps` steps, train split only), B from the shipped model
-itself (`--b-steps 0`; a positive value gives B an earlier checkpoint of the same fine-tune). Both nodes
-generate and train on X. A trains on
-its own 8 groups per round in every arm, so A's run is the same in all of them. B trains on 8 groups
-per round:
+(`pm1`), which the shipped tiny model was never trained on. Both start checkpoints are made from the
+shipped model by a short supervised fine-tune on X (`pnyx.swarm.experiment.mechanism_starts`, train split
+only): A on the right answers (`--a-steps`), B on answers off by one (`--b-start off1`, `--b-steps`): a
+deliberately damaged checkpoint with A's answer format and a wrong rule (held-out reward about 0.03).
+`--b-start base` starts B from the shipped model itself instead (it answers 1-digit problems with 2-3 digit
+numbers: another format than A's), `--b-start earlier` from an earlier checkpoint of A's fine-tune. Both
+nodes generate and train on X. A trains on its own 8 groups per round in every arm, so A's run is the same
+in all of them. B trains on 8 groups per round:
 
 - `none`: 8 own groups (no sharing);
 - `gated` / `onpolicy`: 4 own + 4 of A's (SAPO 4/4), with the foreign-text mode of that name;
@@ -41,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pnyx.swarm.experiment import Family, specialize, transfer_run  # noqa: E402
+from pnyx.swarm.experiment import Family, mechanism_starts, transfer_run  # noqa: E402
 
 FAMILIES = {
     "add3": Family("add3", "arith", {"digits": 3, "ops": ["+"]}),
@@ -150,16 +151,16 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="base model folder (default: the shipped tiny base model)")
     ap.add_argument("--family", choices=sorted(FAMILIES), default="pm1")
     ap.add_argument("--a-steps", type=int, default=100, help="fine-tuning steps of A's start checkpoint")
-    ap.add_argument("--b-steps", type=int, default=0, help="fine-tuning steps of B's (0: the base model)")
-    ap.add_argument("--spec-lr", type=float, default=1e-3)
-    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--b-start", choices=("off1", "base", "earlier"), default="off1")
+    ap.add_argument("--b-steps", type=int, default=300, help="fine-tuning steps of B's start (off1, earlier)")
+    ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--modes", default="gated,onpolicy", help="foreign-text modes of the sharing arms")
     ap.add_argument(
-        "--late", type=int, default=30, help="the late arm: B joins at this swarm round (0 = no arm)"
+        "--late", type=int, default=20, help="the late arm: B joins at this swarm round (0 = no arm)"
     )
     ap.add_argument("--lr", type=float, default=2e-4, help="A's learning rate")
-    ap.add_argument("--b-lr", type=float, default=1e-3, help="B's learning rate")
+    ap.add_argument("--b-lr", type=float, default=3e-4, help="B's learning rate")
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-tasks", type=int, default=64)
@@ -181,18 +182,7 @@ def main() -> None:
     args.model = args.model or str(shipped_model_path())
     args.out_dir.mkdir(parents=True, exist_ok=True)
     fam = FAMILIES[args.family]
-    a = specialize(
-        args.model, args.work / f"spec-{fam.label}-s{args.a_steps}", fam, steps=args.a_steps, lr=args.spec_lr
-    )
-    b = Path(args.model)
-    if args.b_steps:
-        b = specialize(
-            args.model,
-            args.work / f"spec-{fam.label}-s{args.b_steps}",
-            fam,
-            steps=args.b_steps,
-            lr=args.spec_lr,
-        )
+    a, b = mechanism_starts(args.model, args.work, fam, args.a_steps, args.b_start, args.b_steps)
     t0 = time.perf_counter()
     k, n = (int(x) for x in args.shard.split("/"))
     for seed, arm in [(seed, arm) for seed in range(args.seeds) for arm in arms(args)][k::n]:
@@ -206,7 +196,7 @@ def main() -> None:
                   flush=True)  # fmt: skip
     results = [json.loads(p.read_text()) for p in sorted(args.out_dir.glob("*-s*.json"))]
     print(
-        f"\nfamily={args.family} A=spec {args.a_steps} steps, B=spec {args.b_steps} steps (0: base), "
+        f"\nfamily={args.family} A=spec {args.a_steps} steps, B={args.b_start} ({args.b_steps} steps), "
         f"rounds={args.rounds}, lr A {args.lr} B {args.b_lr}; this invocation {time.perf_counter() - t0:.0f}s, all runs "
         f"{sum(r['seconds'] for r in results):.0f}s"
     )

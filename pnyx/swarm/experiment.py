@@ -124,6 +124,35 @@ def specialize(
     return out
 
 
+def off_by_one(task: Any) -> str:
+    """A deliberately wrong label for integer-answer families (arith): `<answer>{answer + 1}</answer>`.
+
+    A checkpoint fine-tuned on it keeps the answer format and learns a systematically wrong rule.
+    """
+    return f"<answer>{int(task.answer) + 1}</answer>"
+
+
+def mechanism_starts(
+    base: str | Path, work: str | Path, family: Family, a_steps: int, b_start: str, b_steps: int
+) -> tuple[Path, Path]:
+    """(A's, B's) start checkpoints for the mechanism experiment, built once under `work`.
+
+    A: `a_steps` fine-tuning steps on `family`. B: `"base"` (the base model itself), `"earlier"` (`b_steps`
+    steps of A's fine-tune) or `"off1"` (`b_steps` steps on `off_by_one` labels: a damaged checkpoint).
+    """
+    work = Path(work)
+    a = specialize(base, work / f"spec-{family.label}-s{a_steps}", family, steps=a_steps)
+    if b_start == "base":
+        return a, Path(base)
+    if b_start == "earlier":
+        return a, specialize(base, work / f"spec-{family.label}-s{b_steps}", family, steps=b_steps)
+    if b_start == "off1":
+        return a, specialize(
+            base, work / f"off1-{family.label}-s{b_steps}", family, steps=b_steps, label=off_by_one
+        )
+    raise ConfigError(f"b_start must be base, earlier or off1, got {b_start!r}")
+
+
 # --- held-out evaluation --------------------------------------------------------------------------------
 
 
