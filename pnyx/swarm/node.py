@@ -310,9 +310,7 @@ class SwarmNode:
 
     def step(self, groups: list[ScoredGroup]) -> StepStats | None:
         """One optimizer step on the groups that carry a signal; None (and no step) if none does."""
-        live = [
-            g for g in groups if not is_zero_variance(g.rewards) and any(s.tokens for s in g.group.samples)
-        ]
+        live = trainable(groups)
         if not live:
             return None
         longest = max(len(s.tokens) for g in live for s in g.group.samples)
@@ -345,9 +343,10 @@ class SwarmNode:
         stats.zero_variance = sum(is_zero_variance(g.rewards) for g in mix)
         self.drops["zero_variance"] += stats.zero_variance
         stats.local_groups, stats.external_groups = len(local), len(external)
-        stats.trained_local = sum(not is_zero_variance(g.rewards) for g in mix[: len(local)])
-        stats.trained_external = sum(not is_zero_variance(g.rewards) for g in external)
-        stats.trained_groups = stats.trained_local + stats.trained_external
+        live = trainable(mix)  # exactly what `step` trains on: the counts say what the update consumed
+        stats.trained_local = sum(g.worker_id == self.name for g in live)
+        stats.trained_external = len(live) - stats.trained_local
+        stats.trained_groups = len(live)
         stats.local_reward = _mean([float(s.reward) for g in local for s in g.samples])
         stats.external_reward = _mean([r for g in external for r in g.rewards])
         stats.forged = sum(c.forged for c in picked)
@@ -453,6 +452,11 @@ def _ensure_trainable(model: Any) -> None:
         log.warning(
             "%d parameters were inference-mode tensors after generation (engine regression?); copied", fixed
         )
+
+
+def trainable(groups: list[ScoredGroup]) -> list[ScoredGroup]:
+    """The groups that carry a GRPO signal (rewards that differ) and have completion tokens."""
+    return [g for g in groups if not is_zero_variance(g.rewards) and any(s.tokens for s in g.group.samples)]
 
 
 def _mean(xs: list[float]) -> float:
