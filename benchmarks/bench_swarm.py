@@ -1,20 +1,28 @@
-"""SAPO experiment: cumulative reward of a 4-node swarm for I/J mixes 8/0, 6/2, 4/4, 2/6, and onpolicy vs gated.
+"""SAPO sweep: 8 heterogeneous swarm nodes, I/J in {8/0, 6/2, 4/4, 2/6}, 100+ rounds, 3+ seeds.
 
-Every configuration runs `--nodes` SAPO nodes (pnyx `SwarmNode`s) round-robin in this one process (one
-torch runtime instead of four), meeting through a real local-folder store (a fresh temporary folder per
-run). Each node starts from the same model (default: the shipped tiny base model) and has its own task
-distribution (an `arith` variant per node: other operators and digit counts, all inside what the
-shipped model was pretrained on), so sharing carries
-knowledge a node's own stream does not. Every node trains on I + J = `--batch` groups of `--group-size`
-completions per round; I is also how many groups it generates and shares.
+Nodes know different things, so sharing has something to carry. Start checkpoints: the shipped tiny base
+model (2-digit + and -), and two "specialists" made from it by a short supervised fine-tune
+(`pnyx.swarm.experiment.specialize`, train split only) on 1-digit +/- (`pm1`) and on 1-digit * (`mul1`);
+a specialist learns its family and forgets 2-digit arithmetic. Eight nodes pair start checkpoints with
+local task families (`PLAN`): each family has a node that can solve it and a node that cannot.
 
-Metric (as in SAPO): cumulative reward = Σ over rounds and nodes of the mean reward (the node's own
-verifier) of the completions that node generated in that round. Per configuration: mean over seeds, a
-95% t-interval over seeds, and the ratio to 8/0 with a 95% bootstrap interval (seeds resampled within
-each configuration, 10,000 resamples). Whatever it shows is printed as a markdown table.
+Every node trains on I + J = 8 groups of G = 8 completions per round (I generated locally and shared,
+J drawn from peers; `prefer=variance`, at most `--max-per-peer` per peer). Nodes run round-robin in
+this one process (`RoundRobin`; see `--measure-layouts` for why), meeting through a real local-folder
+store. Metrics:
+- cumulative reward (SAPO's metric): Σ over rounds and nodes of the mean reward (own verifier) of the
+  completions the node generated that round; its ratio to 8/0 with a 95% bootstrap interval (seeds
+  resampled within each configuration);
+- held-out pass@1 per node after the last round, on the union of all nodes' families (test split, fixed
+  tasks, `--eval-tasks` x `--eval-samples` completions at temperature 1 per family);
+- one PNG of per-round rewards per configuration.
 
-    python benchmarks/bench_swarm.py                       # the default experiment (~15 min on 2 loaded cores)
-    python benchmarks/bench_swarm.py --rounds 20 --seeds 5 --configs 8/0:gated,4/4:gated,4/4:onpolicy
+Each (configuration, seed) is written to `--out-dir` as JSON when it finishes; a rerun skips what is
+there, so an interrupted sweep resumes. `--report` only aggregates what is there.
+
+    python benchmarks/bench_swarm.py --rounds 2 --seeds 1 --eval-tasks 8      # smoke run
+    nice -n 19 python benchmarks/bench_swarm.py                                # the full sweep (hours)
+    python benchmarks/bench_swarm.py --measure-layouts 6                        # round-robin vs one process per node
 """
 
 from __future__ import annotations
@@ -22,8 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,14 +42,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-# One task distribution per node (cycled if there are more nodes): same verifier family, other problems.
-NODE_TASKS = [
-    {"digits": 2, "ops": ["+"]},
-    {"digits": 2, "ops": ["-"]},
-    {"digits": 1, "ops": ["+", "-"]},
-    {"digits": [1, 2], "ops": ["+", "-"]},
+from pnyx.swarm.experiment import Family, NodeSpec, RoundRobin, heldout_reward, specialize  # noqa: E402
+
+FAMILIES = {
+    "add2": Family("add2", "arith", {"digits": 2, "ops": ["+"]}),
+    "sub2": Family("sub2", "arith", {"digits": 2, "ops": ["-"]}),
+    "pm1": Family("pm1", "arith", {"digits": 1, "ops": ["+", "-"]}),
+    "mul1": Family("mul1", "arith", {"digits": 1, "ops": ["*"]}),
+}
+SPECIALISTS = ("pm1", "mul1")
+# (start checkpoint, local family) per node: for every family one node that starts able and one that cannot.
+PLAN = [
+    ("base", "add2"),
+    ("base", "sub2"),
+    ("base", "pm1"),
+    ("base", "mul1"),
+    ("pm1", "pm1"),
+    ("mul1", "mul1"),
+    ("pm1", "add2"),
+    ("mul1", "sub2"),
 ]
-DEFAULT_CONFIGS = "8/0:gated,6/2:gated,4/4:gated,2/6:gated,4/4:onpolicy"
+DEFAULT_CONFIGS = "8/0:gated,6/2:gated,4/4:gated,2/6:gated"
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -48,182 +71,289 @@ def parse_configs(text: str, batch: int) -> list[tuple[int, int, str]]:
     for item in text.split(","):
         mix, _, mode = item.partition(":")
         i, j = (int(x) for x in mix.split("/"))
-        if i + j != batch:
-            raise SystemExit(f"config {item}: I + J must equal --batch {batch}")
-        if mode not in ("gated", "onpolicy"):
-            raise SystemExit(f"config {item}: foreign mode must be gated or onpolicy")
+        if i + j != batch or mode not in ("gated", "onpolicy"):
+            raise SystemExit(
+                f"config {item}: need I/J:mode with I + J = --batch {batch}, mode gated|onpolicy"
+            )
         out.append((i, j, mode))
     return out
 
 
-def evaluate(node, n_tasks: int, samples: int, node_index: int) -> float:
-    """Mean reward of `samples` completions per held-out task of this node's own distribution (pass@1).
-
-    The tasks are the same for every configuration and seed (test split, fixed seed), so this compares
-    policies on equal terms, unlike the cumulative metric whose tasks depend on I.
-    """
-    from pnyx.models import render_prompt
-    from pnyx.rollout.engine import SamplingParams
-
-    tasks = node.env.sample("test", 10_000 + node_index, n_tasks)
-    prompts = [render_prompt(node.tokenizer, t.prompt) for t in tasks for _ in range(samples)]
-    w = node.cfg.worker
-    params = SamplingParams(temperature=w.temperature, max_new_tokens=node.max_new_tokens, stop=list(node.env.stop_strings), seed=123)
-    node.model.eval()
-    outs = node.engine.generate(prompts, params)
-    rewards = [node.env.score(tasks[i // samples], o.text).reward for i, o in enumerate(outs)]
-    return statistics.fmean(rewards)
+def starts(args: argparse.Namespace) -> dict[str, Path]:
+    """Start checkpoints by name (specialists are built once and cached under --work)."""
+    out = {"base": Path(args.model)}
+    for name in SPECIALISTS:
+        folder = args.work / f"spec-{name}-s{args.spec_steps}"
+        out[name] = specialize(args.model, folder, FAMILIES[name], steps=args.spec_steps, lr=args.spec_lr)
+    return out
 
 
-def run_once(args: argparse.Namespace, i: int, j: int, mode: str, seed: int) -> dict:
-    """One swarm run; returns per-round, per-node local rewards and step statistics."""
-    from pnyx.config import load_config
-    from pnyx.store import open_store
-    from pnyx.swarm.node import open_node
-
-    with tempfile.TemporaryDirectory(prefix="bench-swarm-") as root:
-        store = open_store(root)
-        nodes = []
-        for k in range(args.nodes):
-            cfg = load_config(
-                overrides={
-                    "run": {"seed": seed},
-                    "env": {"name": "arith", "kwargs": NODE_TASKS[k % len(NODE_TASKS)]},
-                    "worker": {"group_size": args.group_size, "max_new_tokens": args.max_new_tokens},
-                    "trainer": {"lr": args.lr},
-                    "swarm": {
-                        "local_groups": i,
-                        "external_groups": j,
-                        "foreign": mode,
-                        "prefer": args.prefer,
-                        "max_per_peer": args.max_per_peer,
-                        "window_s": 3600.0,
-                        "peer_timeout_s": 3600.0,
-                    },
-                }
-            )
-            nodes.append(open_node(store, f"node{k}", cfg, args.model, accept_envs={"arith"}))
-        rewards = [[0.0] * args.nodes for _ in range(args.rounds)]
-        masked, ext_used, paths, steps = [], 0, {}, 0
-        for r in range(args.rounds):
-            for k, node in enumerate(nodes):
-                st = node.round()
-                rewards[r][k] = st.local_reward
-                ext_used += st.trained_external
-                for p, c in st.paths.items():
-                    paths[p] = paths.get(p, 0) + c
-                if st.step is not None:
-                    steps += 1
-                    masked.append(st.step.masked_frac)
-        held_out = [evaluate(node, args.eval_tasks, args.eval_samples, k) for k, node in enumerate(nodes)] if args.eval_tasks else []
-        drops: dict[str, int] = {}
-        for node in nodes:
-            for reason, c in node.drops.items():
-                drops[reason] = drops.get(reason, 0) + c
+def overrides(args: argparse.Namespace, mode: str, seed: int) -> dict:
     return {
-        "i": i,
-        "j": j,
-        "mode": mode,
-        "seed": seed,
-        "rewards": rewards,
-        "cumulative": sum(map(sum, rewards)),
-        "steps": steps,
-        "external_trained": ext_used,
-        "paths": paths,
-        "masked_frac": statistics.fmean(masked) if masked else 0.0,
-        "drops": drops,
-        "held_out": held_out,
+        "run": {"seed": seed},
+        "worker": {"group_size": args.group_size, "max_new_tokens": args.max_new_tokens},
+        "trainer": {"lr": args.lr},
+        "swarm": {
+            "foreign": mode,
+            "prefer": "variance",
+            "max_per_peer": args.max_per_peer,
+            "recent_per_peer": 8,
+            "window_s": 1e6,
+            "peer_timeout_s": 1e6,
+            "checkpoint_every": 0,
+        },
     }
 
 
-def base_held_out(args: argparse.Namespace) -> float:
-    """The held-out metric of the untrained model (every node), the reference for the column 'after'."""
-    from pnyx.config import load_config
-    from pnyx.store import open_store
-    from pnyx.swarm.node import open_node
-
-    vals = []
-    store = open_store("memory://bench-swarm-base")
-    for k in range(args.nodes):
-        cfg = load_config(
-            overrides={
-                "env": {"name": "arith", "kwargs": NODE_TASKS[k % len(NODE_TASKS)]},
-                "worker": {"group_size": args.group_size, "max_new_tokens": args.max_new_tokens},
-            }
+def union_heldout(node, args: argparse.Namespace) -> dict[str, float]:
+    return {
+        label: heldout_reward(
+            node.engine, node.tokenizer, fam.build(), tasks=args.eval_tasks, samples=args.eval_samples,
+            max_new_tokens=args.max_new_tokens, seed=k,
         )
-        vals.append(evaluate(open_node(store, f"base{k}", cfg, args.model), args.eval_tasks, args.eval_samples, k))
-    return statistics.fmean(vals)
+        for k, (label, fam) in enumerate(FAMILIES.items())
+    }  # fmt: skip
+
+
+def run_once(args: argparse.Namespace, paths: dict[str, Path], i: int, j: int, mode: str, seed: int) -> dict:
+    from pnyx.store import open_store
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-swarm-") as root:
+        specs = [
+            NodeSpec(f"node{k}", paths[start], FAMILIES[fam], i, j)
+            for k, (start, fam) in enumerate(PLAN[: args.nodes])
+        ]
+        rr = RoundRobin(open_store(root), specs, overrides(args, mode, seed), accept_envs={"arith"})
+
+        def progress(r: int, rr: RoundRobin) -> None:
+            if (r + 1) % 20 == 0:
+                mean = statistics.fmean(st.local_reward for st in rr.stats[-1].values())
+                print(f"  {i}/{j} {mode} s{seed}: round {r + 1} reward {mean:.3f} ({time.perf_counter() - t0:.0f}s)",
+                      flush=True)  # fmt: skip
+
+        rr.run(args.rounds, progress)
+        names = [s.name for s in specs]
+        rewards = [[rr.stats[r][n].local_reward for n in names] for r in range(args.rounds)]
+        steps = [st.step for rs in rr.stats for st in rs.values() if st.step is not None]
+        heldout = {n: union_heldout(rr.nodes[n], args) for n in names} if args.eval_tasks else {}
+        drops: dict[str, int] = {}
+        for node in rr.nodes.values():
+            for reason, c in node.drops.items():
+                drops[reason] = drops.get(reason, 0) + c
+        ext = {n: rr.nodes[n].external_trained for n in names}
+    return {
+        "i": i, "j": j, "mode": mode, "seed": seed, "nodes": names, "plan": PLAN[: args.nodes],
+        "rewards": rewards, "cumulative": sum(map(sum, rewards)), "steps": len(steps),
+        "masked_frac": statistics.fmean(s.masked_frac for s in steps) if steps else 0.0,
+        "external_trained": ext, "drops": drops, "heldout": heldout, "seconds": time.perf_counter() - t0,
+    }  # fmt: skip
+
+
+def start_heldout(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, dict[str, float]]:
+    from pnyx.models import load_model, load_tokenizer
+    from pnyx.rollout.engine import Engine
+
+    out = {}
+    for name, path in paths.items():
+        tok = load_tokenizer(path)
+        node = argparse.Namespace(engine=Engine(load_model(path), tok), tokenizer=tok)
+        out[name] = union_heldout(node, args)
+    return out
+
+
+# --- statistics, tables, plots --------------------------------------------------------------------------
 
 
 def t_interval(xs: list[float]) -> tuple[float, float]:
     m = statistics.fmean(xs)
     if len(xs) < 2:
         return m, float("nan")
-    half = T_975.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
-    return m, half
+    return m, T_975.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
-def bootstrap_ratio(xs: list[float], base: list[float], n: int = 10_000, seed: int = 0) -> tuple[float, float]:
+def bootstrap_ratio(
+    xs: list[float], base: list[float], n: int = 10_000, seed: int = 0
+) -> tuple[float, float]:
     rng = random.Random(seed)
-    ratios = []
-    for _ in range(n):
-        a = statistics.fmean(rng.choices(xs, k=len(xs)))
-        b = statistics.fmean(rng.choices(base, k=len(base)))
-        if b > 0:
-            ratios.append(a / b)
-    ratios.sort()
+    ratios = sorted(
+        statistics.fmean(rng.choices(xs, k=len(xs))) / b
+        for _ in range(n)
+        if (b := statistics.fmean(rng.choices(base, k=len(base)))) > 0
+    )
     if not ratios:
         return float("nan"), float("nan")
     return ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios)) - 1]
 
 
-def table(results: list[dict], args: argparse.Namespace) -> str:
-    by_cfg: dict[tuple[int, int, str], list[dict]] = {}
-    for res in results:
-        by_cfg.setdefault((res["i"], res["j"], res["mode"]), []).append(res)
-    base_key = next((k for k in by_cfg if k[1] == 0), None)
-    base = [r["cumulative"] for r in by_cfg[base_key]] if base_key else []
-    base_mean = statistics.fmean(base) if base else float("nan")
+def by_config(results: list[dict]) -> dict[tuple[int, int, str], list[dict]]:
+    out: dict[tuple[int, int, str], list[dict]] = {}
+    for res in sorted(results, key=lambda r: (-r["i"], r["mode"], r["seed"])):
+        out.setdefault((res["i"], res["j"], res["mode"]), []).append(res)
+    return out
+
+
+def node_union(res: dict, name: str) -> float:
+    return statistics.fmean(res["heldout"][name].values())
+
+
+def tables(results: list[dict], before: dict[str, dict[str, float]] | None) -> str:
+    groups = by_config(results)
+    base_key = next((k for k in groups if k[1] == 0), None)
+    base = [r["cumulative"] for r in groups[base_key]] if base_key else []
+    names = results[0]["nodes"]
+    plan = results[0]["plan"]
     lines = [
-        f"| I/J | foreign | seeds | cumulative reward (mean ± 95% t) | per seed | ratio to {args.batch}/0 [95% bootstrap] "
-        "| held-out reward after (mean ± 95% t) | last-round reward | masked | foreign groups trained |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| I/J | foreign | seeds | cumulative reward (mean ± 95% t) | per seed | ratio to 8/0 [95% bootstrap] "
+        "| held-out pass@1, union, mean of nodes (± 95% t) | DPPO-masked | foreign groups trained per node |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for (i, j, mode), rs in by_cfg.items():
+    for (i, j, mode), rs in groups.items():
         cums = [r["cumulative"] for r in rs]
         m, half = t_interval(cums)
         lo, hi = bootstrap_ratio(cums, base) if base else (float("nan"), float("nan"))
-        last = statistics.fmean(statistics.fmean(r["rewards"][-1]) for r in rs)
-        masked = statistics.fmean(r["masked_frac"] for r in rs)
-        ext = statistics.fmean(r["external_trained"] for r in rs)
-        per_seed = ", ".join(f"{c:.2f}" for c in cums)
-        ratio = m / base_mean if base_mean > 0 else float("nan")
-        ho = [statistics.fmean(r["held_out"]) for r in rs if r["held_out"]]
-        ho_m, ho_half = t_interval(ho) if ho else (float("nan"), float("nan"))
+        ratio = m / statistics.fmean(base) if base else float("nan")
+        ho = [statistics.fmean(node_union(r, n) for n in names) for r in rs if r["heldout"]]
+        ho_m, ho_h = t_interval(ho) if ho else (float("nan"), float("nan"))
+        ext = statistics.fmean(statistics.fmean(r["external_trained"].values()) for r in rs)
         lines.append(
-            f"| {i}/{j} | {mode if j else '-'} | {len(rs)} | {m:.2f} ± {half:.2f} | {per_seed} | "
-            f"{ratio:.3f} [{lo:.3f}, {hi:.3f}] | {ho_m:.3f} ± {ho_half:.3f} | {last:.3f} | {100 * masked:.2f}% | {ext:.0f} |"
+            f"| {i}/{j} | {mode if j else '-'} | {len(rs)} | {m:.1f} ± {half:.1f} | "
+            f"{', '.join(f'{c:.1f}' for c in cums)} | {ratio:.3f} [{lo:.3f}, {hi:.3f}] | {ho_m:.3f} ± {ho_h:.3f} | "
+            f"{100 * statistics.fmean(r['masked_frac'] for r in rs):.2f}% | {ext:.0f} |"
         )
+    lines += ["", "Held-out pass@1 per node after the last round (union of families, mean over seeds):", ""]
+    header = "| I/J | " + " | ".join(f"{n} ({s}→{f})" for n, (s, f) in zip(names, plan, strict=True)) + " |"
+    lines += [header, "|" + " --- |" * (len(names) + 1)]
+    if before:
+        lines.append(
+            "| start | " + " | ".join(f"{statistics.fmean(before[s].values()):.3f}" for s, _ in plan) + " |"
+        )
+    for (i, j, mode), rs in groups.items():
+        if rs[0]["heldout"]:
+            cells = [statistics.fmean(node_union(r, n) for r in rs) for n in names]
+            lines.append(f"| {i}/{j} {mode if j else ''} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+    lines += ["", "Held-out pass@1 per family (mean over nodes and seeds):", ""]
+    fams = list(FAMILIES)
+    lines += ["| I/J | " + " | ".join(fams) + " |", "|" + " --- |" * (len(fams) + 1)]
+    if before:
+        lines.append("| start (mean of the 8 nodes) | " + " | ".join(
+            f"{statistics.fmean(before[s][f] for s, _ in plan):.3f}" for f in fams) + " |")  # fmt: skip
+    for (i, j, mode), rs in groups.items():
+        if rs[0]["heldout"]:
+            cells = [statistics.fmean(r["heldout"][n][f] for r in rs for n in names) for f in fams]
+            lines.append(f"| {i}/{j} {mode if j else ''} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
     return "\n".join(lines)
+
+
+def plot(results: list[dict], out_dir: Path, smooth: int = 5) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for (i, j, mode), rs in by_config(results).items():
+        names, plan = rs[0]["nodes"], rs[0]["plan"]
+        rounds = len(rs[0]["rewards"])
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for k, name in enumerate(names):
+            ys = [statistics.fmean(r["rewards"][t][k] for r in rs) for t in range(rounds)]
+            ax.plot(_smooth(ys, smooth), lw=1, label=f"{name} ({plan[k][0]}→{plan[k][1]})")
+        mean = [statistics.fmean(statistics.fmean(r["rewards"][t]) for r in rs) for t in range(rounds)]
+        ax.plot(_smooth(mean, smooth), lw=3, color="black", label="swarm mean")
+        ax.set(xlabel="round", ylabel=f"local reward ({smooth}-round mean)", ylim=(0, 1),
+               title=f"SAPO {i}/{j} {mode if j else ''}: {len(rs)} seeds, mean over seeds")  # fmt: skip
+        ax.legend(fontsize=7, ncol=2, loc="upper left")
+        fig.tight_layout()
+        path = out_dir / f"swarm_sweep_{i}-{j}{'_' + mode if j else ''}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _smooth(ys: list[float], k: int) -> list[float]:
+    return [statistics.fmean(ys[max(0, t - k + 1) : t + 1]) for t in range(len(ys))]
+
+
+# --- layouts: one process, or one process per node ------------------------------------------------------
+
+
+def measure_layouts(args: argparse.Namespace, paths: dict[str, Path], rounds: int) -> None:
+    """Node-rounds per second of 8 nodes as round-robin in one process vs one `pnyx swarm` process each."""
+    from pnyx.store import open_store
+
+    with tempfile.TemporaryDirectory(prefix="bench-swarm-rr-") as root:
+        specs = [
+            NodeSpec(f"node{k}", paths[s], FAMILIES[f], 4, 4) for k, (s, f) in enumerate(PLAN[: args.nodes])
+        ]
+        rr = RoundRobin(open_store(root), specs, overrides(args, "gated", 0), accept_envs={"arith"})
+        rr.run(1)  # model loading and the first round are not what a long run is made of
+        t = time.perf_counter()
+        rr.run(1 + rounds)
+        rr_rate = args.nodes * rounds / (time.perf_counter() - t)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    with tempfile.TemporaryDirectory(prefix="bench-swarm-proc-") as root:
+        procs = []
+        t = time.perf_counter()
+        for k, (s, f) in enumerate(PLAN[: args.nodes]):
+            fam = FAMILIES[f]
+            cmd = [
+                sys.executable, "-m", "pnyx", "swarm", "--store", root, "--node", f"node{k}",
+                f"--run.steps={1 + rounds}", f"--model.path={paths[s]}", f"--env.name={fam.env}",
+                f"--env.kwargs={json.dumps(fam.kwargs)}", f"--worker.group_size={args.group_size}",
+                f"--worker.max_new_tokens={args.max_new_tokens}", f"--trainer.lr={args.lr}",
+                "--swarm.local_groups=4", "--swarm.external_groups=4", '--swarm.accept_envs=["arith"]',
+                f"--swarm.wait_peers={args.nodes - 1}", "--swarm.peer_timeout_s=600", "--swarm.checkpoint_every=0",
+                f"--swarm.max_per_peer={args.max_per_peer}",
+            ]  # fmt: skip
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            )
+        outs = [p.communicate(timeout=3600)[0] for p in procs]
+        wall = time.perf_counter() - t
+        if any(p.returncode for p in procs):
+            raise SystemExit("a node process failed:\n" + "\n".join(o[-2000:] for o in outs))
+        # Per process: the time from its first round's end to its last round's end, from its log lines.
+        spans = [_round_span(o) for o in outs]
+    proc_rate = args.nodes * rounds / max(spans)
+    print(
+        f"layouts ({args.nodes} nodes, I/J 4/4, {rounds} rounds after the first, threads: 1 per process): "
+        f"round-robin in one process {rr_rate:.2f} node-rounds/s; one process per node {proc_rate:.2f} "
+        f"node-rounds/s (slowest node's rounds; whole command {wall:.0f}s incl. start-up); "
+        f"ratio per-process / round-robin = {proc_rate / rr_rate:.2f}"
+    )
+
+
+def _round_span(log: str) -> float:
+    """Seconds between the first and the last round line of a node's log (HH:MM:SS stamps)."""
+    stamps = [line.split()[0] for line in log.splitlines() if " round=" in line]
+    secs = [int(h) * 3600 + int(m) * 60 + int(s) for h, m, s in (x.split(":") for x in stamps)]
+    return max(1.0, (secs[-1] - secs[0]) % 86400)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="model folder (default: the shipped tiny base model)")
-    ap.add_argument("--nodes", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--model", default=None, help="base model folder (default: the shipped tiny base model)")
+    ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--shard", default="0/1", help="K/N: run every N-th (seed, config) from the K-th")
     ap.add_argument("--batch", type=int, default=8, help="I + J groups per step")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list of I/J:foreign")
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=2e-4)
-    ap.add_argument("--prefer", choices=("uniform", "variance"), default="variance")
+    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--max-per-peer", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--eval-tasks", type=int, default=32, help="held-out tasks per node at the end (0 = skip)")
-    ap.add_argument("--eval-samples", type=int, default=4, help="samples per held-out task")
-    ap.add_argument("--out", type=Path, default=None, help="write all per-run results here as JSON")
+    ap.add_argument("--spec-steps", type=int, default=100, help="fine-tuning steps of each specialist")
+    ap.add_argument("--spec-lr", type=float, default=1e-3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--eval-tasks", type=int, default=32, help="held-out tasks per family (0 = skip)")
+    ap.add_argument("--eval-samples", type=int, default=4)
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pnyx-bench-swarm")
+    ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results" / "swarm_sweep")
+    ap.add_argument("--report", action="store_true", help="only aggregate the results in --out-dir")
+    ap.add_argument("--measure-layouts", type=int, default=0, metavar="ROUNDS")
     args = ap.parse_args()
 
     import logging
@@ -235,31 +365,45 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     logging.getLogger("pnyx").setLevel(logging.WARNING)
     args.model = args.model or str(shipped_model_path())
-    configs = parse_configs(args.configs, args.batch)
-    if args.eval_tasks:
-        print(f"held-out reward of the base model: {base_held_out(args):.3f}", flush=True)
-    results = []
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    paths = starts(args)
+    if args.measure_layouts:
+        measure_layouts(args, paths, args.measure_layouts)
+        return
+    before_file = args.out_dir / "start_heldout.json"
+    if args.eval_tasks and not before_file.exists() and not args.report:
+        before_file.write_text(json.dumps(start_heldout(args, paths), indent=1))
     t0 = time.perf_counter()
-    for seed in range(args.seeds):
-        for i, j, mode in configs:
-            t = time.perf_counter()
-            res = run_once(args, i, j, mode, seed)
-            results.append(res)
+    k, n = (int(x) for x in args.shard.split("/"))
+    todo = [(seed, cfg) for seed in range(args.seeds) for cfg in parse_configs(args.configs, args.batch)]
+    for seed, (i, j, mode) in todo[k::n]:
+        if not args.report:
+            out = args.out_dir / f"{i}-{j}-{mode}-s{seed}.json"
+            if out.exists():
+                continue
+            res = run_once(args, paths, i, j, mode, seed)
+            res["settings"] = {key: str(v) for key, v in vars(args).items()}
+            out.write_text(json.dumps(res))
             print(
-                f"seed={seed} {i}/{j} {mode}: cumulative={res['cumulative']:.2f} steps={res['steps']} "
-                f"ext={res['external_trained']} paths={res['paths']} masked={100 * res['masked_frac']:.2f}% "
-                f"({time.perf_counter() - t:.0f}s)",
+                f"seed={seed} {i}/{j} {mode}: cumulative={res['cumulative']:.1f} steps={res['steps']} "
+                f"masked={100 * res['masked_frac']:.2f}% ({res['seconds']:.0f}s)",
                 flush=True,
             )
-    print()
+    results = [json.loads(p.read_text()) for p in sorted(args.out_dir.glob("*-s*.json"))]
+    if not results:
+        return
+    before = json.loads(before_file.read_text()) if before_file.exists() else None
+    r0 = results[0]
     print(
-        f"model={Path(args.model).name} nodes={args.nodes} rounds={args.rounds} seeds={args.seeds} "
-        f"G={args.group_size} max_new_tokens={args.max_new_tokens} lr={args.lr} prefer={args.prefer} "
-        f"threads={args.threads} wall={time.perf_counter() - t0:.0f}s"
+        f"\nmodel={Path(args.model).name} nodes={len(r0['nodes'])} rounds={len(r0['rewards'])} "
+        f"runs={len(results)} G={args.group_size} max_new_tokens={args.max_new_tokens} lr={args.lr} "
+        f"this invocation {time.perf_counter() - t0:.0f}s; all runs {sum(r['seconds'] for r in results):.0f}s "
+        f"of run time"
     )
-    print(table(results, args))
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+    print(tables(results, before))
+    for p in plot(results, args.out_dir.parent):
+        print(f"plot: {p.relative_to(REPO) if p.is_relative_to(REPO) else p}")
 
 
 if __name__ == "__main__":

@@ -206,6 +206,15 @@ class SwarmConfig(_Section):
     accept_envs: list[str] | None = None
     """Environment names this node rebuilds foreign tasks for (None: only its own env). Peers choose the env
     kwargs of what they share, so only listed environments are ever constructed from a peer's record."""
+    recent_per_peer: Annotated[int, Field(ge=1, le=4096)] = 8
+    """At most this many of each live peer's newest uploads are fetched per round (older ones are skipped)."""
+    wait_peers: Annotated[int, Field(ge=0, le=4096)] = 0
+    """Before its first round, wait until this many peers are live (at most peer_timeout_s); 0 = start at once."""
+    checkpoint_every: Annotated[int, Field(ge=0, le=1_000_000)] = 10
+    """Checkpoint the node (weights, optimizer, counters, RNG, peer cursor) every this many rounds; 0 = only at
+    the end of the run."""
+    resume: bool = True
+    """Start from this node's checkpoint in the store when it has one (False: from the model, same sequence)."""
 
 
 class PnyxConfig(_Section):

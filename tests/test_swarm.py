@@ -1,8 +1,7 @@
 """Swarm mode (SAPO) in one process: the mix, re-scoring, the text path across tokenizers, garbage uploads.
 
-Nodes here are real `SwarmNode`s with tiny random Qwen2 models meeting in a real (memory) store. A random
-model never solves arithmetic, so most tests use `swarm_len`, a test environment whose verifier rewards
-the completion's length modulo 5: random text then gives groups with reward variance, i.e. a GRPO signal.
+Nodes here are real `SwarmNode`s with tiny random Qwen2 models meeting in a real (memory) store; most
+tests use the `swarm_len` environment of `swarm_support` (random text gets a GRPO signal there).
 """
 
 from __future__ import annotations
@@ -11,29 +10,15 @@ import math
 
 import pytest
 import torch
+from swarm_support import open_test_node as _node
+from swarm_support import swarm_cfg as _cfg
 
-from pnyx.config import load_config
-from pnyx.envs import register
-from pnyx.envs.arith import ArithEnv
-from pnyx.envs.base import Score
 from pnyx.errors import ConfigError
 from pnyx.protocol import layout
 from pnyx.store import open_store
 from pnyx.swarm.records import NodeHeartbeat, SwarmGroup, SwarmSample, encode_swarm_group
 
 torch.set_num_threads(1)
-
-
-class LengthEnv(ArithEnv):
-    """Arithmetic prompts; reward = (len(text) mod 5) / 4, so random completions disagree."""
-
-    name = "swarm_len"
-
-    def grade(self, task, text):
-        return Score(reward=(len(text) % 5) / 4, parts={"correct": 0.0, "format": 0.0})
-
-
-register("swarm_len", LengthEnv)
 
 
 @pytest.fixture(scope="module")
@@ -49,23 +34,6 @@ def model_b(tmp_path_factory):
     from pnyx.models.testing import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("model_b"), vocab=400, seed=1)
-
-
-def _cfg(env: str = "swarm_len", **swarm):
-    sw = {"local_groups": 2, "external_groups": 2, "max_per_peer": 4} | swarm
-    return load_config(
-        overrides={
-            "env": {"name": env, "kwargs": {"digits": 1}},
-            "worker": {"group_size": 4, "max_new_tokens": 10},
-            "swarm": sw,
-        }
-    )
-
-
-def _node(store, name, cfg, model_dir, **kwargs):
-    from pnyx.swarm.node import open_node
-
-    return open_node(store, name, cfg, model_dir, **kwargs)
 
 
 def _fake_upload(store, node: str, seq: int, group: SwarmGroup | bytes, next_seq: int | None = None) -> None:
@@ -287,7 +255,9 @@ def test_gated_mode_downweights_and_gates_implausible_foreign_tokens():
 def test_garbage_uploads_are_rejected_and_counted(model_a):
     store = open_store("memory://")
     me = _node(store, "me", _cfg(local_groups=1, external_groups=2), model_a)
-    good = _text_group("mallory", 1, me.env.sample("train", 0, 1)[0].id, ["<answer>1</answer>", "x"], [0.0, 0.0])
+    good = _text_group(
+        "mallory", 1, me.env.sample("train", 0, 1)[0].id, ["<answer>1</answer>", "x"], [0.0, 0.0]
+    )
     _fake_upload(store, "mallory", 0, b"\x00garbage" * 10, next_seq=4)
     impostor = _text_group("eve", 1, good.task_id, ["a", "b"], [0.0, 0.0])  # stored under mallory's prefix
     store.put(layout.swarm_key("mallory", 1), encode_swarm_group(impostor))
@@ -325,7 +295,7 @@ def test_late_joiner_fetches_only_the_newest_uploads(model_a):
     early = _node(store, "early", _cfg(local_groups=2, external_groups=0), model_a)
     for _ in range(4):
         early.round()  # 8 uploads
-    late = _node(store, "late", _cfg(local_groups=1, external_groups=1), model_a, recent_per_peer=3)
+    late = _node(store, "late", _cfg(local_groups=1, external_groups=1, recent_per_peer=3), model_a)
     late.heartbeat()
     late.refresh()
     assert [layout.parse_swarm_key(c.key)[1] for c in late.pool.candidates()] == [5, 6, 7]

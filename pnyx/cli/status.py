@@ -19,11 +19,17 @@ def status_main(store: str, watch: bool) -> None:
     from rich.live import Live
 
     from pnyx.cli.common import fail
-    from pnyx.cli.live import RunWatcher, render
+    from pnyx.cli.live import RunWatcher
+    from pnyx.cli.live import render as render_run
+    from pnyx.cli.status_swarm import with_swarm
     from pnyx.errors import ConfigError, StoreError
     from pnyx.store import open_store
 
     console = Console()
+
+    def render(snap, title):  # the run view, plus swarm nodes when the store has any
+        return with_swarm(render_run(snap, title=title), watcher.store, snap)
+
     try:
         watcher = RunWatcher(open_store(store))
         snap = watcher.snapshot()

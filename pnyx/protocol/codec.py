@@ -65,7 +65,11 @@ _probe_decoder = msgspec.msgpack.Decoder(_SchemaProbe)
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds a decoded rollout group must respect (defaults fit the shipped configs with headroom)."""
+    """Bounds a decoded record (a rollout group, or a swarm group) must respect.
+
+    The defaults fit the shipped configs with headroom; `pnyx.swarm.records.SWARM_LIMITS` is the same
+    family with tighter byte bounds for groups fetched from untrusted peers.
+    """
 
     max_bytes: int = 8 << 20
     """Largest encoded (compressed) record accepted."""
@@ -77,6 +81,8 @@ class Limits:
     """Longest completion, in tokens (model and tool tokens together)."""
     max_prompt_tokens: int = 4096
     """Longest prompt, in tokens."""
+    max_chars_per_sample: int = 32_768
+    """Longest completion text, in characters (records that carry decoded text)."""
 
 
 DEFAULT_LIMITS = Limits()
@@ -85,10 +91,39 @@ DEFAULT_LIMITS = Limits()
 # --- binary rollout groups -------------------------------------------------------------------------------
 
 
+def encode_frame(record: msgspec.Struct, level: int = ZSTD_LEVEL) -> bytes:
+    """The framed wire bytes of any msgpack record: magic, format, xxh3-128 of the payload, zstd(msgpack)."""
+    payload = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(_encoder.encode(record))
+    return MAGIC + bytes([FORMAT_VERSION]) + xxhash.xxh3_128_digest(payload) + payload
+
+
 def encode_group(group: RolloutGroup, level: int = ZSTD_LEVEL) -> bytes:
     """The framed wire bytes of `group` (does not validate; `decode_group` does)."""
-    payload = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(_encoder.encode(group))
-    return MAGIC + bytes([FORMAT_VERSION]) + xxhash.xxh3_128_digest(payload) + payload
+    return encode_frame(group, level)
+
+
+def decode_frame(data: bytes, decoder: msgspec.msgpack.Decoder, schema: int, limits: Limits) -> Any:
+    """The record inside a frame: size-bounded before allocating, digest-checked, typed by `decoder`.
+
+    Checks the frame only, not the record's own invariants (each record type validates those).
+    Raises RecordRejected("oversize_bytes" | "bad_magic" | "digest_mismatch" | "decode_error" |
+    "wrong_schema" | "bad_field").
+    """
+    if len(data) > limits.max_bytes:
+        raise RecordRejected("oversize_bytes", f"{len(data)} bytes > max_bytes {limits.max_bytes}")
+    check_frame(data)
+    raw = inflate(memoryview(data)[HEADER_SIZE:], limits.max_decompressed_bytes)
+    try:
+        return decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        found = _probe_schema(raw)
+        if found is not None and found != schema:
+            raise RecordRejected(
+                "wrong_schema", f"record schema {found!r}, this reader knows {schema}"
+            ) from exc
+        raise RecordRejected("bad_field", str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise RecordRejected("decode_error", str(exc)) from exc
 
 
 def group_digest(data: bytes) -> str:
@@ -105,17 +140,7 @@ def decode_group(data: bytes, limits: Limits | None = None, vocab_size: int | No
     `vocab_size`, when given, bounds every prompt and completion token id to [0, vocab_size).
     """
     limits = limits or DEFAULT_LIMITS
-    if len(data) > limits.max_bytes:
-        raise RecordRejected("oversize_bytes", f"{len(data)} bytes > max_bytes {limits.max_bytes}")
-    check_frame(data)
-    raw = inflate(memoryview(data)[HEADER_SIZE:], limits.max_decompressed_bytes)
-    try:
-        group = _group_decoder.decode(raw)
-    except msgspec.ValidationError as exc:
-        _reject_schema(_probe_schema(raw), exc)
-        raise RecordRejected("bad_field", str(exc)) from exc
-    except msgspec.DecodeError as exc:
-        raise RecordRejected("decode_error", str(exc)) from exc
+    group = decode_frame(data, _group_decoder, GROUP_SCHEMA, limits)
     validate_group(group, limits, vocab_size)
     return group
 
@@ -180,13 +205,6 @@ def _probe_schema(raw: bytes) -> Any:
         return None
 
 
-def _reject_schema(schema: Any, exc: Exception) -> None:
-    if schema is not None and schema != GROUP_SCHEMA:
-        raise RecordRejected(
-            "wrong_schema", f"group schema {schema!r}, this reader knows {GROUP_SCHEMA}"
-        ) from exc
-
-
 def _check_header_fields(g: RolloutGroup) -> None:
     try:
         check_name(g.worker_id, "worker id")
@@ -194,27 +212,41 @@ def _check_header_fields(g: RolloutGroup) -> None:
         check_name(g.engine, "engine")  # becomes a metrics key on the trainer
     except ValueError as exc:
         raise RecordRejected("bad_field", str(exc)) from exc
-    problems = []
-    if g.seq < 0 or g.seq > 9_999_999_999:
-        problems.append(f"seq {g.seq} outside [0, 9999999999]")
-    if g.policy_version < 0 or g.policy_version > 99_999_999:
-        problems.append(f"policy_version {g.policy_version} outside [0, 99999999]")
-    for name in ("env", "task_id", "weights_digest"):
-        value = getattr(g, name)
-        if not value or len(value) > 256:
-            problems.append(f"{name} must be 1-256 characters")
-    if not (math.isfinite(g.temperature) and g.temperature >= 0):
-        problems.append(f"temperature {g.temperature} must be finite and >= 0")
-    if not (math.isfinite(g.top_p) and 0 < g.top_p <= 1):
-        problems.append(f"top_p {g.top_p} must be in (0, 1]")
-    if g.top_k < 0:
-        problems.append(f"top_k {g.top_k} must be >= 0")
+    problems = header_problems(
+        g.seq,
+        g.policy_version,
+        {"env": g.env, "task_id": g.task_id, "weights_digest": g.weights_digest},
+        g.temperature,
+        g.top_p,
+        g.top_k,
+    )
     for name in ("created_at", "gen_seconds", "score_seconds"):
         value = getattr(g, name)
         if not (math.isfinite(value) and value >= 0):
             problems.append(f"{name} {value} must be finite and >= 0")
     if problems:
         raise RecordRejected("bad_field", "; ".join(problems))
+
+
+def header_problems(
+    seq: int, policy_version: int, names: dict[str, str], temperature: float, top_p: float, top_k: int
+) -> list[str]:
+    """What is wrong with the header fields every group record shares (empty if nothing)."""
+    problems = []
+    if seq < 0 or seq > 9_999_999_999:
+        problems.append(f"seq {seq} outside [0, 9999999999]")
+    if policy_version < 0 or policy_version > 99_999_999:
+        problems.append(f"policy_version {policy_version} outside [0, 99999999]")
+    for name, value in names.items():
+        if not value or len(value) > 256:
+            problems.append(f"{name} must be 1-256 characters")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        problems.append(f"temperature {temperature} must be finite and >= 0")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        problems.append(f"top_p {top_p} must be in (0, 1]")
+    if top_k < 0:
+        problems.append(f"top_k {top_k} must be >= 0")
+    return problems
 
 
 def _check_token_ids(tokens: list[int] | np.ndarray, vocab_size: int | None, where: str) -> None:
@@ -228,30 +260,51 @@ def _check_token_ids(tokens: list[int] | np.ndarray, vocab_size: int | None, whe
 
 
 def _check_sample(s: Sample, i: int, limits: Limits, vocab_size: int | None) -> None:
-    n = len(s.tokens)
+    check_sample_view(
+        i, s.tokens, s.logprobs, s.loss_mask, s.reward, s.finish_reason, s.num_tool_calls, limits, vocab_size
+    )
+    if not all(math.isfinite(v) for v in s.reward_parts.values()):
+        raise RecordRejected("bad_reward", f"sample {i}: reward_parts must be finite")
+
+
+def check_sample_view(
+    i: int,
+    tokens: list[int],
+    logprobs: list[float],
+    loss_mask: list[int],
+    reward: float,
+    finish_reason: str,
+    num_tool_calls: int,
+    limits: Limits,
+    vocab_size: int | None = None,
+) -> None:
+    """Check the token view every group record's sample shares (ids, behaviour logprobs, mask, reward).
+
+    Raises RecordRejected("too_many_tokens" | "length_mismatch" | "bad_mask" | "token_out_of_range" |
+    "bad_logprob" | "bad_reward" | "bad_field").
+    """
+    n = len(tokens)
     if n > limits.max_tokens_per_sample:
         raise RecordRejected("too_many_tokens", f"sample {i} has {n} > {limits.max_tokens_per_sample} tokens")
-    if len(s.logprobs) != n or len(s.loss_mask) != n:
+    if len(logprobs) != n or len(loss_mask) != n:
         raise RecordRejected(
             "length_mismatch",
-            f"sample {i}: {n} tokens, {len(s.logprobs)} logprobs, {len(s.loss_mask)} mask entries",
+            f"sample {i}: {n} tokens, {len(logprobs)} logprobs, {len(loss_mask)} mask entries",
         )
     if n:
         # msgspec has already checked element types; numpy makes the range checks cheap.
-        mask = np.asarray(s.loss_mask, dtype=np.int64)
+        mask = np.asarray(loss_mask, dtype=np.int64)
         if ((mask != 0) & (mask != 1)).any():
             raise RecordRejected("bad_mask", f"sample {i}: loss_mask values must be 0 or 1")
-        _check_token_ids(s.tokens, vocab_size, f"sample {i}")
-        lp = np.asarray(s.logprobs, dtype=np.float64)
+        _check_token_ids(tokens, vocab_size, f"sample {i}")
+        lp = np.asarray(logprobs, dtype=np.float64)
         if not np.isfinite(lp).all() or (lp > 0).any():
             raise RecordRejected("bad_logprob", f"sample {i}: logprobs must be finite and <= 0")
         if (lp[mask == 0] != 0.0).any():
             raise RecordRejected("bad_logprob", f"sample {i}: logprob must be 0.0 where loss_mask is 0")
-    if not (math.isfinite(s.reward) and 0.0 <= s.reward <= 1.0):
-        raise RecordRejected("bad_reward", f"sample {i}: reward {s.reward} must be finite and in [0, 1]")
-    if not all(math.isfinite(v) for v in s.reward_parts.values()):
-        raise RecordRejected("bad_reward", f"sample {i}: reward_parts must be finite")
-    if not s.finish_reason or len(s.finish_reason) > 64 or s.num_tool_calls < 0:
+    if not (math.isfinite(reward) and 0.0 <= reward <= 1.0):
+        raise RecordRejected("bad_reward", f"sample {i}: reward {reward} must be finite and in [0, 1]")
+    if not finish_reason or len(finish_reason) > 64 or num_tool_calls < 0:
         raise RecordRejected("bad_field", f"sample {i}: bad finish_reason or num_tool_calls")
 
 

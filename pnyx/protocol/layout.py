@@ -14,6 +14,7 @@ A store URL points at one run's root; keys are relative to it (DESIGN.md §3):
     trainer/ckpt-{V:08d}/{name}             sharded (DCP) checkpoint objects, COMMIT.json last
     swarm/{node}/{seq:010d}                 swarm-mode shared groups (decoded text)
     swarm/nodes/{node}.json                 swarm-mode node heartbeat
+    swarm/ckpt/{node}.pt                    swarm-mode node checkpoint (overwritten)
     evals/v{V:08d}.json                     held-out evaluation of version V (written by `pnyx run`/`eval`)
 
 Zero-padded numbers make lexicographic order equal numeric order, so `list(start_after=...)` walks
@@ -39,6 +40,7 @@ WORKERS_PREFIX = "workers/"
 TRAINER_PREFIX = "trainer/"
 SWARM_PREFIX = "swarm/"
 SWARM_NODES_PREFIX = "swarm/nodes/"
+SWARM_CKPT_PREFIX = "swarm/ckpt/"
 EVALS_PREFIX = "evals/"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -166,6 +168,10 @@ def parse_swarm_key(key: str) -> tuple[str, int] | None:
 
 def swarm_heartbeat(node: str) -> str:
     return f"{SWARM_NODES_PREFIX}{check_name(node, 'node name')}.json"
+
+
+def swarm_checkpoint(node: str) -> str:
+    return f"{SWARM_CKPT_PREFIX}{check_name(node, 'node name')}.pt"
 
 
 def eval_key(version: int) -> str:

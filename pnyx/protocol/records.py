@@ -23,8 +23,8 @@ PROTOCOL_VERSION = 1
 """The run-layout/commit protocol version recorded in run.json (DESIGN.md §3)."""
 
 
-class Sample(msgspec.Struct, kw_only=True):
-    """One completion of a group, at the token-id level."""
+class TokenView(msgspec.Struct, kw_only=True):
+    """One completion at the token-id level: what every group record's sample carries (rollout and swarm)."""
 
     tokens: list[int]
     """Completion token ids: model tokens and tool/env tokens interleaved, never re-tokenized."""
@@ -33,16 +33,39 @@ class Sample(msgspec.Struct, kw_only=True):
     loss_mask: list[int]
     """1 = the model generated this token (trained on); 0 = a tool/env token (never trained on)."""
     reward: float
-    """The worker's reward in [0, 1]; the trainer re-scores and never trusts it."""
-    reward_parts: dict[str, float] = msgspec.field(default_factory=dict)
-    """Named reward components (e.g. {"correct": 1.0, "format": 0.5})."""
+    """The producer's reward in [0, 1]; every receiver re-scores and never trusts it."""
     finish_reason: str = "stop"
     """"stop" | "length" | "tool_error" | "turn_limit" | ..."""
     num_tool_calls: int = 0
     """How many tool calls the episode made (multi-turn environments)."""
 
 
-class RolloutGroup(msgspec.Struct, kw_only=True):
+class Sample(TokenView, kw_only=True):
+    """One completion of a rollout group."""
+
+    reward_parts: dict[str, float] = msgspec.field(default_factory=dict)
+    """Named reward components (e.g. {"correct": 1.0, "format": 0.5})."""
+
+
+class GroupHeader(msgspec.Struct, kw_only=True):
+    """The fields every group record carries (rollout groups and swarm groups): which task, which policy
+    version, under which sampling settings."""
+
+    seq: int
+    """The producer's sequence number for this group (unique per producer; part of the key)."""
+    policy_version: int
+    """The weights version that generated every sample (a group never spans two versions)."""
+    env: str
+    task_id: str
+    """Rebuilds the task (prompt and hidden answer) via `Environment.task(task_id)`."""
+    temperature: float
+    top_p: float
+    top_k: int
+    created_at: float
+    """Unix time the group was finished (informational; ordering uses versions, not clocks)."""
+
+
+class RolloutGroup(GroupHeader, kw_only=True):
     """G completions of one prompt, produced by one worker under one policy version.
 
     Stored create-only at `layout.rollout_key(policy_version, worker_id, seq)`.
@@ -53,22 +76,10 @@ class RolloutGroup(msgspec.Struct, kw_only=True):
     schema: int = GROUP_SCHEMA
     run_id: str
     worker_id: str
-    seq: int
-    """The worker's sequence number for this group (unique per worker; part of the key)."""
-    policy_version: int
-    """The weights version that generated every sample (a group never spans two versions)."""
     weights_digest: str
     """The chain digest of those weights, so the trainer can tell forked histories apart."""
-    env: str
-    task_id: str
-    """Rebuilds the task (prompt and hidden answer) via `Environment.task(task_id)`."""
     prompt_tokens: list[int]
     samples: list[Sample]
-    temperature: float
-    top_p: float
-    top_k: int
-    created_at: float
-    """Unix time the group was finished (informational; ordering uses versions, not clocks)."""
     gen_seconds: float
     score_seconds: float
     engine: str = "torch"

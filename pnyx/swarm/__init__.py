@@ -4,7 +4,9 @@ Public surface (imported lazily, so `import pnyx.swarm` does not import torch): 
 `RoundStats` (node loop), `SwarmGroup`, `SwarmSample`, `NodeHeartbeat`, `encode_swarm_group`,
 `decode_swarm_group` (wire records), `PeerFeed`, `to_swarm_group`, `check_node_name` (sharing),
 `sample_external`, `Pool` (the mix), `aligned_behaviour`, `char_ends` (cross-tokenizer behaviour
-estimate). See docs/swarm.md. Knows nothing about the central trainer's loop or PULSE.
+estimate), `save_node_checkpoint`, `load_node_checkpoint` (checkpoints), `Family`, `specialize`,
+`heldout_reward`, `RoundRobin`, `transfer_run` (experiments). See docs/swarm.md. Knows nothing about the
+central trainer's loop or PULSE.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ _EXPORTS = {
     "Pool": "pnyx.swarm.sample",
     "aligned_behaviour": "pnyx.swarm.align",
     "char_ends": "pnyx.swarm.align",
+    "save_node_checkpoint": "pnyx.swarm.checkpoint",
+    "load_node_checkpoint": "pnyx.swarm.checkpoint",
+    "Family": "pnyx.swarm.experiment",
+    "specialize": "pnyx.swarm.experiment",
+    "heldout_reward": "pnyx.swarm.experiment",
+    "RoundRobin": "pnyx.swarm.experiment",
+    "transfer_run": "pnyx.swarm.experiment",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -38,7 +38,10 @@ def char_ends(tokenizer: Any, ids: Sequence[int]) -> list[int]:
         return []
     full = len(tokenizer.decode(ids, skip_special_tokens=True))
     if len(ids) <= MAX_PREFIX_DECODE:
-        lengths = [len(t) for t in tokenizer.batch_decode([ids[: i + 1] for i in range(len(ids))], skip_special_tokens=True)]
+        lengths = [
+            len(t)
+            for t in tokenizer.batch_decode([ids[: i + 1] for i in range(len(ids))], skip_special_tokens=True)
+        ]
     else:
         pieces = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=True)
         lengths, total = [], 0

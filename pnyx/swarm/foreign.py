@@ -88,7 +88,9 @@ class EnvCache:
         from pnyx.envs import get_env
 
         if name not in self.accept:
-            raise RecordRejected("unknown_env", f"environment {name!r} is not accepted here ({sorted(self.accept)})")
+            raise RecordRejected(
+                "unknown_env", f"environment {name!r} is not accepted here ({sorted(self.accept)})"
+            )
         key = name + msgspec.json.encode(kwargs).decode()
         env = self._envs.get(key)
         if env is None:
@@ -112,7 +114,9 @@ def rescore(group: SwarmGroup, envs: EnvCache) -> tuple[list[float], int]:
     return rewards, forged
 
 
-def make_candidate(key: str, peer: str, group: SwarmGroup, envs: EnvCache, uploaded: float | None = None) -> Candidate:
+def make_candidate(
+    key: str, peer: str, group: SwarmGroup, envs: EnvCache, uploaded: float | None = None
+) -> Candidate:
     """Re-score a validated foreign group into a `Candidate` (raises RecordRejected)."""
     rewards, forged = rescore(group, envs)
     return Candidate(key, peer, group, rewards, uploaded if uploaded is not None else time.time(), forged)
@@ -141,7 +145,8 @@ def to_rows(
     vocab = len(tokenizer)
     same = g.tokenizer_digest == tokenizer_digest
     if same and all(
-        all(0 <= t < vocab for t in s.tokens) and tokenizer.decode(s.tokens, skip_special_tokens=True) == s.text
+        all(0 <= t < vocab for t in s.tokens)
+        and tokenizer.decode(s.tokens, skip_special_tokens=True) == s.text
         for s in g.samples
     ):
         return ForeignRows(
@@ -152,7 +157,9 @@ def to_rows(
             loss_masks=[list(s.loss_mask) for s in g.samples],
             sender_logprobs=[list(s.logprobs) for s in g.samples],
         )
-    rows = ForeignRows(cand=cand, path="aligned", prompt=prompt, completions=[], loss_masks=[], sender_logprobs=[])
+    rows = ForeignRows(
+        cand=cand, path="aligned", prompt=prompt, completions=[], loss_masks=[], sender_logprobs=[]
+    )
     for s in g.samples:
         ids = _encode_text(tokenizer, s.text)
         if tokenizer.decode(ids, skip_special_tokens=True) != s.text:
@@ -162,7 +169,9 @@ def to_rows(
         eos_lp = float(s.logprobs[-1]) if s.eos and s.tokens and eos_id is not None else None
         comp = ids + ([eos_id] if eos_lp is not None else [])
         if len(comp) > max_tokens:
-            raise RecordRejected("too_many_tokens", f"re-tokenized completion has {len(comp)} > {max_tokens} tokens")
+            raise RecordRejected(
+                "too_many_tokens", f"re-tokenized completion has {len(comp)} > {max_tokens} tokens"
+            )
         rows.completions.append(comp)
         rows.loss_masks.append([1] * len(comp))  # refined by `behaviour` (tool segments)
         rows.sender_view.append(view)
@@ -171,7 +180,9 @@ def to_rows(
     return rows
 
 
-def behaviour(rows: ForeignRows, own: list[list[float]] | None, mode: ForeignMode) -> tuple[list[list[float]], list[list[int]]]:
+def behaviour(
+    rows: ForeignRows, own: list[list[float]] | None, mode: ForeignMode
+) -> tuple[list[list[float]], list[list[int]]]:
     """(behaviour logprobs, loss masks) per sample of a foreign group for the loss, under `mode`.
 
     `own` are our pre-step logprobs of `rows.completions` (detached); required unless the path is
@@ -183,7 +194,9 @@ def behaviour(rows: ForeignRows, own: list[list[float]] | None, mode: ForeignMod
             return rows.sender_logprobs, masks
         if own is None:
             raise ValueError("onpolicy mode needs our own logprobs")
-        return [[lp if m else 0.0 for lp, m in zip(o, mk, strict=True)] for o, mk in zip(own, masks, strict=True)], masks
+        return [
+            [lp if m else 0.0 for lp, m in zip(o, mk, strict=True)] for o, mk in zip(own, masks, strict=True)
+        ], masks
     if own is None:
         raise ValueError("the aligned path needs our own logprobs")
     mus, masks = [], []
@@ -202,7 +215,9 @@ def behaviour(rows: ForeignRows, own: list[list[float]] | None, mode: ForeignMod
     return mus, masks
 
 
-def own_logprobs(model: Any, rows: list[ForeignRows], micro_batch_tokens: int) -> list[list[list[float]] | None]:
+def own_logprobs(
+    model: Any, rows: list[ForeignRows], micro_batch_tokens: int
+) -> list[list[list[float]] | None]:
     """Our detached logprobs of every completion of `rows` (None for groups that do not need them)."""
     import torch
 
@@ -216,9 +231,49 @@ def own_logprobs(model: Any, rows: list[ForeignRows], micro_batch_tokens: int) -
             for r in rows:
                 temp = float(r.cand.group.temperature)
                 prompts = [r.prompt] * len(r.completions)
-                lp, mask, _ = completion_logprobs(model, prompts, r.completions, temperature=temp, max_tokens=micro_batch_tokens)
+                lp, mask, _ = completion_logprobs(
+                    model, prompts, r.completions, temperature=temp, max_tokens=micro_batch_tokens
+                )
                 lp = lp.float().cpu()
                 out.append([lp[i, : len(c)].tolist() for i, c in enumerate(r.completions)])
     finally:
         model.train(was_training)
     return out
+
+
+def scored_group(rows: ForeignRows, mus: list[list[float]], masks: list[list[int]], advantage: Any) -> Any:
+    """The trainer's `ScoredGroup` for a foreign group: our token ids, the chosen behaviour logprobs and
+    masks, our verifier's rewards and advantages (the sender's claimed rewards kept only for the record)."""
+    from pnyx.protocol.records import RolloutGroup, Sample
+    from pnyx.train.advantages import group_advantages
+    from pnyx.train.ingest import ScoredGroup
+
+    g = rows.cand.group
+    samples = [
+        Sample(tokens=comp, logprobs=mu, loss_mask=mk, reward=rew, finish_reason=s.finish_reason)
+        for comp, mu, mk, rew, s in zip(
+            rows.completions, mus, masks, rows.cand.rewards, g.samples, strict=True
+        )
+    ]
+    rec = RolloutGroup(
+        run_id="swarm",
+        worker_id=g.node,
+        seq=g.seq,
+        policy_version=g.policy_version,
+        weights_digest=g.tokenizer_digest,
+        env=g.env,
+        task_id=g.task_id,
+        prompt_tokens=rows.prompt,
+        samples=samples,
+        temperature=g.temperature,
+        top_p=1.0,
+        top_k=0,
+        created_at=g.created_at,
+        gen_seconds=0.0,
+        score_seconds=0.0,
+    )
+    adv = group_advantages(rows.cand.rewards, advantage)
+    claimed = [s.reward for s in g.samples]
+    return ScoredGroup(
+        rows.cand.key, g.policy_version, g.node, g.task_id, rec, rows.cand.rewards, adv, claimed
+    )

@@ -8,10 +8,13 @@ them, and takes one optimizer step on the I + J groups with the trainer's own st
 signal and are dropped (counted); a round whose mix has no signal left takes no step, so `version`
 counts optimizer steps and `rounds` counts rounds.
 
-Invariants: no round waits for a peer (missing peers only shorten the external part of the mix); a
-foreign group trains this node at most once and only with rewards from this node's verifier; every
-dropped object or group is counted by reason in `drops`. Each method is one stage, testable alone.
-Imports torch at module level: only heavy code imports this module.
+Invariants: no round waits for a peer (missing peers only shorten the external part of the mix; only
+`swarm.wait_peers` makes the node wait, once, before its first round, under a deadline); a foreign group
+trains this node at most once and only with rewards from this node's verifier; every dropped object or
+group is counted by reason in `drops`. Every `swarm.checkpoint_every` rounds and at a clean stop the node
+writes its whole state to the store (`pnyx.swarm.checkpoint`) and, restarted under the same name, resumes
+from it. Each method is one stage, testable alone. Imports torch at module level: only heavy code imports
+this module.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from pnyx.config import PnyxConfig, resolve_env_kwargs, resolve_max_new_tokens
 from pnyx.envs.base import stable_hash
 from pnyx.errors import AlreadyExistsError, ConfigError, RecordRejected, StoreError
 from pnyx.protocol import layout
-from pnyx.protocol.records import RolloutGroup, Sample
+from pnyx.protocol.records import RolloutGroup
 from pnyx.swarm import foreign
+from pnyx.swarm.checkpoint import capture, load_node_checkpoint, restore, save_node_checkpoint
 from pnyx.swarm.foreign import Candidate, EnvCache, ForeignRows
 from pnyx.swarm.records import NodeHeartbeat, SwarmGroup
 from pnyx.swarm.sample import Pool, sample_external
@@ -43,7 +47,7 @@ from pnyx.swarm.share import (
 )
 from pnyx.train.advantages import group_advantages, is_zero_variance
 from pnyx.train.ingest import ScoredGroup
-from pnyx.train.loop import loss_settings
+from pnyx.train.settings import loss_settings
 from pnyx.train.step import StepStats, make_optimizer, train_step
 
 log = logging.getLogger("pnyx.swarm")
@@ -107,7 +111,6 @@ class SwarmNode:
         model_dir: str | Path,
         env: Any,
         accept_envs: set[str] | None = None,
-        recent_per_peer: int | None = None,
     ):
         from pnyx.models.tokenizer import eos_token_ids, tokenizer_digest
         from pnyx.rollout.engine import Engine
@@ -125,7 +128,7 @@ class SwarmNode:
         if accept_envs is None:
             accept_envs = set(sw.accept_envs) if sw.accept_envs is not None else {env.name}
         self.envs = EnvCache(accept_envs)
-        recent = recent_per_peer or max(1, sw.max_per_peer, sw.local_groups)
+        recent = sw.recent_per_peer
         self.pool = Pool(sw.window_s, recent)
         self.feed = PeerFeed(store, self.name, self._accept, sw.window_s, sw.peer_timeout_s, recent)
         self.drops = self.feed.drops  # one counter for every reason, fetch-time and mix-time
@@ -137,9 +140,16 @@ class SwarmNode:
         self.version = 0
         self.rounds = 0
         self.uploaded = 0
+        self.local_trained = 0
         self.external_trained = 0
-        self._task_pos = 0
+        self.peers_seen: set[str] = set()
+        self.last_reward = 0.0
+        self.resumed_from = -1
+        self.checkpoint_round = -1
+        self.task_pos = 0
         self.seq = self._resume_seq()
+        if sw.resume:
+            self._restore()
 
     # --- stage 1: generate ------------------------------------------------------------------------
 
@@ -151,8 +161,8 @@ class SwarmNode:
         if n == 0:
             return []
         w = self.cfg.worker
-        tasks = self.env.sample("train", self.task_seed, n, start=self._task_pos)
-        self._task_pos += n
+        tasks = self.env.sample("train", self.task_seed, n, start=self.task_pos)
+        self.task_pos += n
         spec = CohortSpec(
             run_id="swarm",
             worker_id=self.name,
@@ -207,7 +217,13 @@ class SwarmNode:
             rounds=self.rounds,
             next_seq=self.seq,
             groups=self.uploaded,
+            local_trained=self.local_trained,
             external_trained=self.external_trained,
+            peers=sorted(self.feed.peers)[:64],
+            peers_seen=len(self.peers_seen),
+            reward=self.last_reward,
+            resumed_from=self.resumed_from,
+            checkpoint_round=self.checkpoint_round,
             updated_at=time.time(),
             status=status,
             detail=detail[:512],
@@ -233,6 +249,7 @@ class SwarmNode:
             new = []
         self.pool.add(new)
         self.pool.prune(self.feed.now)
+        self.peers_seen.update(self.feed.peers)
         return len(new)
 
     # --- stage 4: sample the mix --------------------------------------------------------------------
@@ -240,7 +257,9 @@ class SwarmNode:
     def sample_mix(self) -> list[Candidate]:
         """Draw J external candidates from the pool (fewer if the pool is short) and mark them used."""
         sw = self.cfg.swarm
-        picked = sample_external(self.pool.candidates(), sw.external_groups, sw.prefer, sw.max_per_peer, self.rng)
+        picked = sample_external(
+            self.pool.candidates(), sw.external_groups, sw.prefer, sw.max_per_peer, self.rng
+        )
         self.pool.take(picked)
         if len(picked) < sw.external_groups:
             self.drops["short_external"] += sw.external_groups - len(picked)
@@ -254,7 +273,8 @@ class SwarmNode:
         for g in groups:
             rewards = [float(s.reward) for s in g.samples]
             adv = group_advantages(rewards, self.cfg.algorithm.advantage)
-            out.append(ScoredGroup(layout.swarm_key(self.name, g.seq), self.version, self.name, g.task_id, g, rewards, adv, rewards))
+            key = layout.swarm_key(self.name, g.seq)
+            out.append(ScoredGroup(key, self.version, self.name, g.task_id, g, rewards, adv, rewards))
         return out
 
     def prepare_external(self, cands: list[Candidate]) -> tuple[list[ScoredGroup], Counter]:
@@ -264,39 +284,26 @@ class SwarmNode:
         rows: list[ForeignRows] = []
         for c in cands:
             try:
-                rows.append(foreign.to_rows(c, self.envs, self.tokenizer, self.tokenizer_digest, self.eos_id, max_tokens))
+                rows.append(
+                    foreign.to_rows(
+                        c, self.envs, self.tokenizer, self.tokenizer_digest, self.eos_id, max_tokens
+                    )
+                )
             except RecordRejected as exc:
                 self.drops[exc.reason] += 1
                 log.info("dropped foreign %s: %s", c.key, exc)
         need = [r for r in rows if r.path == "aligned" or mode == "onpolicy"]
-        own = dict(zip((id(r) for r in need), foreign.own_logprobs(self.model, need, self.cfg.trainer.micro_batch_tokens), strict=True))
+        own = dict(
+            zip(
+                (id(r) for r in need),
+                foreign.own_logprobs(self.model, need, self.cfg.trainer.micro_batch_tokens),
+                strict=True,
+            )
+        )
         out, paths = [], Counter()
         for r in rows:
             mus, masks = foreign.behaviour(r, own.get(id(r)), mode)
-            g = r.cand.group
-            samples = [
-                Sample(tokens=comp, logprobs=mu, loss_mask=mk, reward=rew, finish_reason=s.finish_reason)
-                for comp, mu, mk, rew, s in zip(r.completions, mus, masks, r.cand.rewards, g.samples, strict=True)
-            ]
-            rec = RolloutGroup(
-                run_id="swarm",
-                worker_id=g.node,
-                seq=g.seq,
-                policy_version=g.policy_version,
-                weights_digest=g.tokenizer_digest,
-                env=g.env,
-                task_id=g.task_id,
-                prompt_tokens=r.prompt,
-                samples=samples,
-                temperature=g.temperature,
-                top_p=1.0,
-                top_k=0,
-                created_at=g.created_at,
-                gen_seconds=0.0,
-                score_seconds=0.0,
-            )
-            adv = group_advantages(r.cand.rewards, self.cfg.algorithm.advantage)
-            out.append(ScoredGroup(r.cand.key, g.policy_version, g.node, g.task_id, rec, r.cand.rewards, adv, [s.reward for s in g.samples]))
+            out.append(foreign.scored_group(r, mus, masks, self.cfg.algorithm.advantage))
             paths[r.path] += 1
         return out, paths
 
@@ -304,7 +311,7 @@ class SwarmNode:
 
     def step(self, groups: list[ScoredGroup]) -> StepStats | None:
         """One optimizer step on the groups that carry a signal; None (and no step) if none does."""
-        live = [g for g in groups if not is_zero_variance(g.rewards) and any(s.tokens for s in g.group.samples)]
+        live = trainable(groups)
         if not live:
             return None
         longest = max(len(s.tokens) for g in live for s in g.group.samples)
@@ -337,40 +344,75 @@ class SwarmNode:
         stats.zero_variance = sum(is_zero_variance(g.rewards) for g in mix)
         self.drops["zero_variance"] += stats.zero_variance
         stats.local_groups, stats.external_groups = len(local), len(external)
-        stats.trained_local = sum(not is_zero_variance(g.rewards) for g in mix[: len(local)])
-        stats.trained_external = sum(not is_zero_variance(g.rewards) for g in external)
-        stats.trained_groups = stats.trained_local + stats.trained_external
+        live = trainable(mix)  # exactly what `step` trains on: the counts say what the update consumed
+        stats.trained_local = sum(g.worker_id == self.name for g in live)
+        stats.trained_external = len(live) - stats.trained_local
+        stats.trained_groups = len(live)
         stats.local_reward = _mean([float(s.reward) for g in local for s in g.samples])
         stats.external_reward = _mean([r for g in external for r in g.rewards])
         stats.forged = sum(c.forged for c in picked)
         stats.step = self.step(mix)
         if stats.step is not None:
+            self.local_trained += stats.trained_local
             self.external_trained += stats.trained_external
         self.rounds += 1
+        self.last_reward = stats.local_reward
+        every = self.cfg.swarm.checkpoint_every
+        if every and self.rounds % every == 0:
+            self.checkpoint()
         stats.version = self.version
         stats.seconds = time.perf_counter() - t0
         self.heartbeat()
         log.info(stats.line(self.name))
         return stats
 
-    def run(self, rounds: int, time_budget_s: float | None = None) -> list[RoundStats]:
-        """Run `rounds` rounds (or until the time budget); the heartbeat says "stopped" at the end."""
+    def run(self, total_rounds: int, time_budget_s: float | None = None) -> list[RoundStats]:
+        """Run rounds until the node has completed `total_rounds` (rounds restored from a checkpoint count)
+        or the time budget is spent; checkpoint at a clean stop; the heartbeat says "stopped" at the end."""
         self.heartbeat("starting")
+        sw = self.cfg.swarm
+        if sw.wait_peers:
+            self.feed.wait(sw.wait_peers, sw.peer_timeout_s, lambda: self.heartbeat("waiting"))
         out = []
         t0 = time.monotonic()
         status, detail = "stopped", ""
         try:
-            for _ in range(rounds):
+            while self.rounds < total_rounds:
                 out.append(self.round())
                 if time_budget_s is not None and time.monotonic() - t0 > time_budget_s:
                     detail = "time budget spent"
                     break
-        except BaseException as exc:
+            if self.checkpoint_round != self.rounds:
+                self.checkpoint()
+        except BaseException as exc:  # noqa: BLE001 - recorded in the heartbeat, then re-raised
             status, detail = "error", f"{type(exc).__name__}: {exc}"
             raise
         finally:
             self.heartbeat(status, detail)
         return out
+
+    # --- checkpoint / resume ------------------------------------------------------------------------
+
+    def checkpoint(self) -> str | None:
+        """Write the node's whole state to `swarm/ckpt/{node}.pt`; a store error is counted, not raised."""
+        try:
+            key = save_node_checkpoint(self.store, capture(self), self.model, self.optimizer)
+        except StoreError as exc:
+            self.drops["checkpoint_failed"] += 1
+            log.warning("node=%s checkpoint at round %d failed: %s", self.name, self.rounds, exc)
+            return None
+        self.checkpoint_round = self.rounds
+        return key
+
+    def _restore(self) -> None:
+        blob = load_node_checkpoint(self.store, self.name)
+        if blob is None:
+            return
+        restore(self, blob)
+        self.resumed_from = self.checkpoint_round = self.rounds
+        log.info(
+            "node=%s resumed from its checkpoint at round %d (v=%d)", self.name, self.rounds, self.version
+        )
 
     # --- helpers ------------------------------------------------------------------------------------
 
@@ -408,7 +450,14 @@ def _ensure_trainable(model: Any) -> None:
                 p.data = p.data.clone()
                 fixed += 1
     if fixed:
-        log.warning("%d parameters were inference-mode tensors after generation (engine regression?); copied", fixed)
+        log.warning(
+            "%d parameters were inference-mode tensors after generation (engine regression?); copied", fixed
+        )
+
+
+def trainable(groups: list[ScoredGroup]) -> list[ScoredGroup]:
+    """The groups that carry a GRPO signal (rewards that differ) and have completion tokens."""
+    return [g for g in groups if not is_zero_variance(g.rewards) and any(s.tokens for s in g.group.samples)]
 
 
 def _mean(xs: list[float]) -> float:

@@ -28,8 +28,8 @@ from pnyx.swarm.records import NodeHeartbeat, SwarmGroup, SwarmSample, decode_sw
 
 log = logging.getLogger("pnyx.swarm")
 
-RESERVED_NODE_NAMES = frozenset({"nodes"})
-"""`swarm/nodes/` holds heartbeats: a node with this name would collide with it."""
+RESERVED_NODE_NAMES = frozenset({"nodes", "ckpt"})
+"""`swarm/nodes/` holds heartbeats and `swarm/ckpt/` checkpoints: a node with either name would collide."""
 
 
 def check_node_name(name: str) -> str:
@@ -39,7 +39,9 @@ def check_node_name(name: str) -> str:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if name in RESERVED_NODE_NAMES:
-        raise ConfigError(f"node name {name!r} is reserved (swarm/{name}/ holds heartbeats); pick another name")
+        raise ConfigError(
+            f"node name {name!r} is reserved (swarm/{name}/ holds node state); pick another name"
+        )
     return name
 
 
@@ -166,6 +168,28 @@ class PeerFeed:
         self.peers = live
         return live
 
+    def wait(self, n: int, deadline_s: float, beat: Callable[[], None]) -> int:
+        """Wait until `n` peers are live or `deadline_s` passes (backoff 0.2 s to 2 s); returns how many are.
+
+        `beat()` rewrites our own heartbeat before each look: peers see us, and liveness uses the store's clock.
+        """
+        end = time.monotonic() + deadline_s
+        delay, live = 0.2, 0
+        while True:
+            beat()
+            try:
+                live = len(self.live_peers())
+            except StoreError as exc:
+                log.warning("listing peers failed (%s); retrying", exc)
+            if live >= n or time.monotonic() >= end:
+                if live < n:
+                    log.warning(
+                        "%s starts with %d of %d peers live (waited %.0fs)", self.me, live, n, deadline_s
+                    )
+                return live
+            time.sleep(min(delay, max(0.0, end - time.monotonic())))
+            delay = min(2.0, delay * 1.5)
+
     def refresh(self) -> list[Any]:
         """Fetch, validate and `accept` the new recent uploads of every live peer; return what was accepted."""
         out: list[Any] = []
@@ -187,7 +211,9 @@ class PeerFeed:
         floor = max(seen, peer.heartbeat.next_seq - self.recent_per_peer - 1)
         start_after = layout.swarm_key(peer.name, floor) if floor >= 0 else None
         # The limit bounds the cost of a peer whose heartbeat understates its uploads.
-        metas = self.store.list(layout.swarm_dir(peer.name), start_after=start_after, limit=4 * self.recent_per_peer + 64)
+        metas = self.store.list(
+            layout.swarm_dir(peer.name), start_after=start_after, limit=4 * self.recent_per_peer + 64
+        )
         fresh = []
         for m in metas:
             parsed = layout.parse_swarm_key(m.key)
@@ -207,15 +233,43 @@ class PeerFeed:
             fresh = fresh[-self.recent_per_peer :]
         out = []
         for seq, m in fresh:
-            self._seen[peer.name] = max(self._seen.get(peer.name, -1), seq)
+            out.extend(self._fetch(peer.name, seq, m.key, m.last_modified.timestamp()))
+        return out
+
+    def _fetch(self, peer: str, seq: int, key: str, uploaded: float) -> list[Any]:
+        """Fetch, validate and `accept` one upload ([] and a counted drop if it is unusable)."""
+        self._seen[peer] = max(self._seen.get(peer, -1), seq)
+        try:
+            group = decode_swarm_group(self.store.get(key))
+            if group.node != peer or group.seq != seq:
+                raise RecordRejected("node_mismatch", f"{key} claims node {group.node!r} seq {group.seq}")
+            return [self.accept(key, peer, group, uploaded)]
+        except RecordRejected as exc:
+            self.drops[exc.reason] += 1
+            log.info("dropped %s: %s", key, exc)
+        except NotFoundError:
+            self.drops["vanished"] += 1
+        return []
+
+    # --- checkpoint support -----------------------------------------------------------------------
+
+    def cursor(self) -> dict[str, int]:
+        """Per peer: the highest seq already fetched or dropped (what a checkpoint saves)."""
+        return dict(self._seen)
+
+    def restore(self, cursor: dict[str, int], keys: list[str]) -> list[Any]:
+        """Set the cursor from a checkpoint and fetch again the groups it had fetched but not yet used."""
+        self._seen = dict(cursor)
+        out: list[Any] = []
+        for key in keys:
+            parsed = layout.parse_swarm_key(key)
+            if parsed is None:
+                self.drops["bad_key"] += 1
+                continue
             try:
-                group = decode_swarm_group(self.store.get(m.key))
-                if group.node != peer.name or group.seq != seq:
-                    raise RecordRejected("node_mismatch", f"{m.key} claims node {group.node!r} seq {group.seq}")
-                out.append(self.accept(m.key, peer.name, group, m.last_modified.timestamp()))
-            except RecordRejected as exc:
-                self.drops[exc.reason] += 1
-                log.info("dropped %s: %s", m.key, exc)
+                uploaded = self.store.head(key).last_modified.timestamp()
             except NotFoundError:
                 self.drops["vanished"] += 1
+                continue
+            out.extend(self._fetch(parsed[0], parsed[1], key, uploaded))
         return out

@@ -48,10 +48,10 @@ import torch
 from pnyx.config import PnyxConfig, overlay_changed, resolve_model_source
 from pnyx.errors import ConfigError, FencedError, IntegrityError, NotFoundError, PnyxError, RecordRejected
 from pnyx.train import bootstrap, checkpoint, checkpointer
-from pnyx.train.ingest import Ingestor, IngestSettings, ScoredGroup
-from pnyx.train.losses import LossSettings
+from pnyx.train.ingest import Ingestor, ScoredGroup
 from pnyx.train.prefetch import Prefetcher
 from pnyx.train.progress import Progress, format_line, reward_parts
+from pnyx.train.settings import ingest_settings, loss_settings
 from pnyx.train.step import StepStats, make_optimizer, train_step
 
 log = logging.getLogger("pnyx.train")
@@ -69,29 +69,6 @@ def _crash_point(name: str, version: int) -> None:
     if point == f"{name}:{version}" and (not rank or rank == os.environ.get("RANK", "0")):
         log.warning("test hook %s=%s: SIGKILL", CRASH_ENV, want)
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def loss_settings(cfg: PnyxConfig) -> LossSettings:
-    a = cfg.algorithm
-    return LossSettings(
-        clip_eps_low=a.clip_low,
-        clip_eps_high=a.clip_high,
-        dual_clip=a.dual_clip,
-        tis_cap=a.tis_cap,
-        dppo_delta=a.dppo_delta,
-        aggregation=a.aggregation,
-        kl_coef=a.kl_coef,
-    )
-
-
-def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
-    a = cfg.algorithm
-    return IngestSettings(
-        max_staleness=a.max_staleness,
-        max_reuse=a.max_reuse,
-        max_groups_per_prompt=a.max_groups_per_prompt,
-        advantage=a.advantage,
-    )
 
 
 def published_digests(store: Any, version: int) -> frozenset[str] | None:

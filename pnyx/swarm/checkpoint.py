@@ -1,0 +1,148 @@
+"""Swarm node checkpoints: a node's whole training state as one object in the store, so a killed node resumes.
+
+`swarm/ckpt/{node}.pt` (one per node, overwritten; a single put, so no reader ever sees half of one) holds
+the fp32 model state, the AdamW state, the node's counters (rounds, version, task position, uploads, groups
+trained), its mix-sampling RNG and torch's RNG, and the peer cursor: per peer, the highest seq already
+fetched, plus the keys of fetched groups not yet trained on (refetched on resume, so none is lost).
+
+Why this is consistent: a checkpoint is written at the end of a round, so it is the state that produced
+everything the node did up to that round. After a kill the node loses the rounds since the checkpoint
+(their weight updates and the foreign groups they consumed are rolled back together, and those groups
+are fetched again); its uploads of those rounds stay in the store, and its sequence continues after them
+(`SwarmNode._resume_seq`), so no key is ever reused.
+
+Knows nothing about peers' weights or the node loop's stages; imports torch inside functions.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+from pnyx.errors import ConfigError, IntegrityError, NotFoundError
+from pnyx.protocol import layout
+
+NODE_CKPT_FORMAT = 1
+
+
+COUNTERS = ("rounds", "version", "task_pos", "seq", "uploaded", "local_trained", "external_trained")
+"""`SwarmNode` integer attributes a checkpoint saves and restores by name."""
+
+
+@dataclass
+class NodeState:
+    """Everything a node restores besides the model and optimizer tensors."""
+
+    node: str
+    tokenizer_digest: str
+    counters: dict[str, int]
+    """The node's `COUNTERS` by name."""
+    drops: dict[str, int] = field(default_factory=dict)
+    peers_seen: list[str] = field(default_factory=list)
+    feed_seen: dict[str, int] = field(default_factory=dict)
+    """Per peer: the highest seq already fetched or dropped."""
+    pending: list[str] = field(default_factory=list)
+    """Keys of fetched foreign groups not yet trained on."""
+    sample_rng: str = ""
+    """repr of the mix-sampling `random.Random` state."""
+
+
+def capture(node: Any) -> NodeState:
+    """The state of a `SwarmNode` (duck-typed: its counters, drops, peers, feed cursor, pool and RNG)."""
+    return NodeState(
+        node=node.name,
+        tokenizer_digest=node.tokenizer_digest,
+        counters={k: int(getattr(node, k)) for k in COUNTERS},
+        drops=dict(node.drops),
+        peers_seen=sorted(node.peers_seen),
+        feed_seen=node.feed.cursor(),
+        pending=[c.key for c in node.pool.candidates()],
+        sample_rng=repr(node.rng.getstate()),
+    )
+
+
+def restore(node: Any, blob: dict[str, Any]) -> NodeState:
+    """Put a checkpoint back into a freshly built `SwarmNode`: tensors, RNGs, counters, drops, peer cursor,
+    and the pending foreign groups (fetched again). The node's seq only moves forward (uploads made after
+    the checkpoint keep their keys)."""
+    st = restore_into(blob, node.model, node.optimizer, node.tokenizer_digest)
+    seq = node.seq
+    for k, v in st.counters.items():
+        setattr(node, k, v)
+    node.seq = max(seq, st.counters.get("seq", 0))
+    node.drops.update(st.drops)
+    node.peers_seen = set(st.peers_seen)
+    node.rng.setstate(ast.literal_eval(st.sample_rng))
+    node.pool.add(node.feed.restore(st.feed_seen, st.pending))
+    node.model.eval()
+    return st
+
+
+def save_node_checkpoint(store: Any, state: NodeState, model: Any, optimizer: Any) -> str:
+    """Write the node's state as one object (atomic put). Returns its key."""
+    import torch
+
+    blob = {
+        "format": NODE_CKPT_FORMAT,
+        "state": {k: v for k, v in state.__dict__.items()},
+        "model": {k: v.detach().to("cpu") for k, v in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+    }
+    buf = io.BytesIO()
+    torch.save(blob, buf)
+    key = layout.swarm_checkpoint(state.node)
+    store.put(key, buf.getvalue(), mode="overwrite")
+    return key
+
+
+def load_node_checkpoint(store: Any, node: str) -> dict[str, Any] | None:
+    """The node's checkpoint (tensors on CPU), or None if it has none. Raises IntegrityError if unreadable."""
+    import torch
+
+    key = layout.swarm_checkpoint(node)
+    try:
+        data = store.get(key)
+    except NotFoundError:
+        return None
+    try:
+        blob = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise IntegrityError(
+            f"{key} is not a readable node checkpoint ({exc}); delete it to start fresh"
+        ) from exc
+    if not isinstance(blob, dict) or blob.get("format") != NODE_CKPT_FORMAT:
+        raise IntegrityError(
+            f"{key} has format {blob.get('format') if isinstance(blob, dict) else '?'}; "
+            f"this reader knows {NODE_CKPT_FORMAT}"
+        )
+    blob["state"] = NodeState(**blob["state"])
+    return blob
+
+
+def restore_into(blob: dict[str, Any], model: Any, optimizer: Any, tokenizer_digest: str) -> NodeState:
+    """Load a checkpoint's tensors into `model` and `optimizer` and restore torch's RNG; returns its state.
+
+    Raises ConfigError when the checkpoint belongs to another tokenizer or model shape (a node name reused
+    for another model): the caller names the way out.
+    """
+    import torch
+
+    state: NodeState = blob["state"]
+    if state.tokenizer_digest != tokenizer_digest:
+        raise ConfigError(
+            f"the checkpoint of node {state.node!r} was made with another tokenizer; run this model under "
+            "another --node name, or pass --swarm.resume=false to start it from its model"
+        )
+    try:
+        model.load_state_dict(blob["model"], strict=True)
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"the checkpoint of node {state.node!r} does not fit this model ({str(exc).splitlines()[0]}); "
+            "use another --node name or --swarm.resume=false"
+        ) from None
+    optimizer.load_state_dict(blob["optimizer"])
+    torch.set_rng_state(blob["torch_rng"])
+    return state
