@@ -73,11 +73,15 @@ def worker(
     int8: bool = typer.Option(False, "--int8", help="Run the model from the int8 actor plane."),
     max_groups: int | None = typer.Option(None, "--max-groups", min=1, help="Stop after uploading this many groups."),
     threads: int | None = typer.Option(None, "--threads", min=1, help="Torch CPU threads."),
+    spool_dir: str | None = typer.Option(
+        None, "--spool-dir", help="Spool root (default $PNYX_SPOOL_DIR, else ~/.cache/pnyx/spool); per run and worker."
+    ),
 ):
     """Join a run from its run.json alone: follow the weights, generate, score and upload rollout groups."""
     _lazy("pnyx.cli.worker", "worker_main")(
-        store=store, worker_id=worker_id, device=device, int8=int8, max_groups=max_groups, threads=threads
-    )
+        store=store, worker_id=worker_id, device=device, int8=int8, max_groups=max_groups, threads=threads,
+        spool_dir=spool_dir,
+    )  # fmt: skip
 
 
 @app.command(context_settings=EXTRA_ARGS)

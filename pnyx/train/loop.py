@@ -35,6 +35,7 @@ from pnyx.train import bootstrap, checkpoint
 from pnyx.train.ingest import Cursor, Ingestor, IngestSettings, ScoredGroup
 from pnyx.train.losses import LossSettings
 from pnyx.train.step import StepStats, make_optimizer, train_step
+from pnyx.train.supply import DemandPublisher
 
 log = logging.getLogger("pnyx.train")
 
@@ -136,6 +137,7 @@ class Trainer:
             self.model, cfg.trainer.lr, tuple(cfg.trainer.betas), cfg.trainer.weight_decay
         )
         self.publisher = Publisher(self.store, anchor_every=cfg.trainer.anchor_every, int8_plane=cfg.worker.int8)
+        self.supply = DemandPublisher(self.store, cfg.trainer.groups_per_step, cfg.algorithm.max_staleness)
         vocab = int(self.model.config.vocab_size)
         self.model_info = {
             "name": model_dir.name,
@@ -420,6 +422,8 @@ class Trainer:
                 log.info(format_line(m))
                 if r.version % self.cfg.trainer.checkpoint_every == 0:
                     self.checkpoint()
+                # supply control: tell workers what the next step can use (usable groups waiting now)
+                self.supply.after_publish(r.version, waiting=self.ingestor.poll(r.version))
         finally:
             for sink in sinks:
                 sink.close()
