@@ -28,8 +28,6 @@ import time
 from types import FrameType
 from typing import Any
 
-import typer
-
 from pnyx.cli.common import fail, setup_logging
 from pnyx.errors import ConfigError, PnyxError
 
@@ -105,9 +103,11 @@ def worker_main(
             _exit(0)
     error = outcome.get("error")
     if isinstance(error, ConfigError):
-        raise fail(str(error)) from None
+        fail(str(error))
+        _exit(2)
     if isinstance(error, PnyxError):
-        raise fail(f"worker {worker.worker_id} stopped on an error: {error}", code=1) from None
+        fail(f"worker {worker.worker_id} stopped on an error: {error}")
+        _exit(1)
     if error is not None:
         raise error
     summary = outcome["summary"]
@@ -117,9 +117,8 @@ def worker_main(
         summary.groups_skipped_zero_variance, summary.groups_expired, summary.groups_dropped, summary.rollouts,
         _ranges(sorted(set(summary.versions))),
     )  # fmt: skip
-    sys.stdout.flush()
-    if summary.status == "error":
-        raise typer.Exit(1)
+    # Exit now: a store thread still stuck in a retry (the store is down) must not hold the process up.
+    _exit(1 if summary.status == "error" else 0)
 
 
 def _exit(code: int) -> None:

@@ -118,12 +118,11 @@ class Courier:
             demand_at = 0.0 if self.on_demand is not None else float("inf")
             beat_at = 0.0
             while not self.stop.is_set() and not self._finish.is_set():
-                now = time.monotonic()
-                if len(self.spool) and now >= self._retry_at:
-                    self._flush(self.flush_deadline_s, stop=self.stop)
-                if time.monotonic() >= demand_at:
+                if time.monotonic() >= demand_at:  # first: what the trainer can use decides what to upload
                     self._read_demand()
                     demand_at = time.monotonic() + self.demand_poll_s()
+                if len(self.spool) and time.monotonic() >= self._retry_at:
+                    self._flush(self.flush_deadline_s, stop=self.stop)
                 if time.monotonic() >= beat_at:
                     self._beat(final=False)
                     beat_at = time.monotonic() + self.heartbeat_s

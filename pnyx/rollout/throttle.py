@@ -15,7 +15,7 @@ made. On each new demand version it
   are slow or gone, takes on more);
 - forgives debt beyond one step plus one cohort, so a worker that cannot keep up never bursts later.
 It may generate while made < target. The trainer never waits for a worker to *notice* a version: the target
-already covers the next step's batch (lead ≥ 1), and the owner polls the demand at a quarter of the
+already covers the next step's batch (lead ≥ 1), and the owner polls the demand at an eighth of the
 trainer's step time (`poll_interval`).
 
 Liveness: the trainer rewrites its demand only when it publishes, so a trainer waiting for data cannot ask
@@ -147,10 +147,10 @@ class Throttle:
         return max(MIN_POLL_S, min(self.stall_after() - (self._clock() - self._news_at), 1.0))
 
     def poll_interval(self, default_s: float) -> float:
-        """How often to read the demand: a quarter of the trainer's step, within [0.05 s, default_s]."""
+        """How often to read the demand: an eighth of the trainer's step, within [0.05 s, default_s]."""
         if self.step_s <= 0:
             return default_s
-        return max(MIN_POLL_S, min(default_s, self.step_s / 4))
+        return max(MIN_POLL_S, min(default_s, self.step_s / 8))
 
     def expired(self, version: int) -> bool:
         """True if a group of `version` can no longer reach a trainer step: the trainer announced a version

@@ -33,6 +33,7 @@ every backend, so even SIGKILL never leaves a partial object. Knows nothing abou
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -123,6 +124,7 @@ class Worker:
         self._last_heartbeat = 0.0
         self._stop_reason = ""
         self._made: dict[int, int] = {}  # groups spooled per policy version (the max_groups_per_version cap)
+        self._kept_frac = 1.0  # recent share of groups not skipped as zero-variance (sizes throttled cohorts)
         self.spool: Spool | None = None
         self.syncer: Any = None
         self.throttle: Throttle | None = None
@@ -273,7 +275,8 @@ class Worker:
                 self._set_status("waiting", why)
                 self._pause(hint)
                 return
-            n = min(n, allowed)
+            # prompts for `allowed` uploadable groups, given how many recently had zero variance
+            n = min(n, math.ceil(allowed / max(0.25, self._kept_frac)))
         if self.opts.max_groups is not None:
             n = min(n, self.opts.max_groups - self.spool.stats.uploaded - len(self.spool))
             if n <= 0:  # the quota is spooled: wait for the courier to upload it
@@ -290,6 +293,7 @@ class Worker:
         self._set_status("generating", f"v={self.version} tasks={n}")
         result = generate_cohort(self.engine, self.tokenizer, self.env, tasks, spec, lambda: 0)
         kept = self._spool_groups(result.groups)
+        self._kept_frac = 0.8 * self._kept_frac + 0.2 * kept / max(1, len(result.groups))
         self.rollouts += sum(len(g.samples) for g in result.groups)
         self.tokens += result.tokens
         self._update_rates()

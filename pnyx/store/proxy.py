@@ -8,6 +8,7 @@ Point a store URL's `endpoint=` at the proxy and every request of every process 
     url = f"s3://bucket/run?endpoint={proxy.url}&region=us-east-1"
     proxy.faults = Faults(down=True)     # the store is unreachable (every connection reset) ...
     proxy.faults = Faults()              # ... and back
+    proxy.inject("lost_reply", methods={"PUT"})   # exactly the next PUT: forwarded, its reply lost
     proxy.counts["PUT"], proxy.counts["fault:lost_reply"]
     proxy.stop()
 
@@ -44,7 +45,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 HOP_BY_HOP = frozenset(
-    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers", "transfer-encoding", "upgrade"}
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
 )
 SLOW_DOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
@@ -85,7 +95,9 @@ def request_kind(method: str, path: str) -> str:
 class FaultProxy:
     """The proxy server; `start()` serves from a background thread on 127.0.0.1."""
 
-    def __init__(self, upstream: str, faults: Faults | None = None, *, port: int = 0, seed: int | None = None):
+    def __init__(
+        self, upstream: str, faults: Faults | None = None, *, port: int = 0, seed: int | None = None
+    ):
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"upstream must be an http://host:port URL, got {upstream!r}")
@@ -93,9 +105,10 @@ class FaultProxy:
         self.faults = faults or Faults()
         self.counts: Counter[str] = Counter()
         self._rng = random.Random(seed)
+        self._queued: list[tuple[str, frozenset[str] | None, str]] = []
         self._lock = threading.Lock()
         self._local = threading.local()
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
+        self._server = _Server(("127.0.0.1", port), _Handler)
         self._server.daemon_threads = True
         self._server.proxy = self  # type: ignore[attr-defined]
         self._thread: threading.Thread | None = None
@@ -106,7 +119,9 @@ class FaultProxy:
         return f"http://{host}:{port}"
 
     def start(self) -> FaultProxy:
-        self._thread = threading.Thread(target=self._server.serve_forever, name="pnyx-fault-proxy", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="pnyx-fault-proxy", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -120,21 +135,40 @@ class FaultProxy:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def inject(self, kind: str, count: int = 1, methods: set[str] | None = None, where: str = "") -> None:
+        """Give exactly the next `count` requests of `methods` (None: any) whose path contains `where` the
+        fault `kind`: "error", "reset" or "lost_reply". Deterministic, for tests; before the random faults."""
+        if kind not in ("error", "reset", "lost_reply"):
+            raise ValueError(f"unknown fault {kind!r}: use 'error', 'reset' or 'lost_reply'")
+        with self._lock:
+            self._queued.extend([(kind, frozenset(methods) if methods else None, where)] * count)
+
     # -- used by the handler threads --
 
-    def plan(self, method: str, kind: str) -> tuple[str | None, float]:
+    def plan(self, method: str, path: str) -> tuple[str | None, float]:
         """(fault to inject or None, latency in seconds) for one request; counts it."""
+        kind = request_kind(method, path)
         f = self.faults
         with self._lock:
             self.counts["requests"] += 1
             self.counts[kind] += 1
             latency = self._rng.uniform(*f.latency_s) if f.latency_s[1] > 0 else 0.0
             fault = None
+            queued = next(
+                (i for i, (_, m, w) in enumerate(self._queued) if (m is None or method in m) and w in path),
+                None,
+            )
             if f.down:
                 fault = "down"
+            elif queued is not None:
+                fault = self._queued.pop(queued)[0]
             elif f.methods is None or method in f.methods:
                 roll = self._rng.random()
-                for name, rate in (("error", f.error_rate), ("reset", f.reset_rate), ("lost_reply", f.lost_reply_rate)):
+                for name, rate in (
+                    ("error", f.error_rate),
+                    ("reset", f.reset_rate),
+                    ("lost_reply", f.lost_reply_rate),
+                ):
                     if roll < rate:
                         fault = name
                         break
@@ -143,7 +177,9 @@ class FaultProxy:
                 self.counts[f"fault:{fault}"] += 1
         return fault, latency
 
-    def forward(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
+    def forward(
+        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes
+    ) -> tuple[int, str, list[tuple[str, str]], bytes]:
         """Send one request upstream on this thread's keep-alive connection (reconnecting once)."""
         for attempt in (0, 1):
             conn = getattr(self._local, "conn", None)
@@ -167,6 +203,15 @@ class FaultProxy:
         raise AssertionError("unreachable")
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A client that hung up (killed, timed out) is part of the weather here, not an error to print."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "pnyx-fault-proxy"
@@ -182,7 +227,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         proxy: FaultProxy = self.server.proxy  # type: ignore[attr-defined]
         body = self._read_body()
-        fault, latency = proxy.plan(self.command, request_kind(self.command, self.path))
+        fault, latency = proxy.plan(self.command, self.path)
         if latency:
             time.sleep(latency)
         if fault in ("down", "reset"):
@@ -191,7 +236,9 @@ class _Handler(BaseHTTPRequestHandler):
         if fault == "error":
             self._reply(503, "Slow Down", [("Content-Type", "application/xml")], SLOW_DOWN)
             return
-        headers = [(k, v) for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP | {"content-length"}]
+        headers = [
+            (k, v) for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP | {"content-length"}
+        ]
         try:
             status, reason, resp_headers, data = proxy.forward(self.command, self.path, headers, body)
         except (http.client.HTTPException, OSError):
@@ -254,7 +301,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--error-rate", type=float, default=0.0, help="503 SlowDown probability per request")
     ap.add_argument("--reset-rate", type=float, default=0.0, help="reset-before-forwarding probability")
     ap.add_argument("--lost-reply-rate", type=float, default=0.0, help="forward-then-reset probability")
-    ap.add_argument("--latency", type=float, nargs=2, default=(0.0, 0.0), metavar=("LO", "HI"), help="seconds")
+    ap.add_argument(
+        "--latency", type=float, nargs=2, default=(0.0, 0.0), metavar=("LO", "HI"), help="seconds"
+    )
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
     faults = Faults(args.error_rate, args.reset_rate, args.lost_reply_rate, tuple(args.latency))

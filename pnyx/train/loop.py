@@ -415,6 +415,8 @@ class Trainer:
                 r = self.step()
                 if r is None:
                     break
+                # supply control, first thing after a publish: tell workers what the next step can use
+                self.supply.after_publish(r.version, waiting=self.ingestor.poll(r.version))
                 m = self.metrics(r)
                 checkpoint.write_metrics(self.store, r.version, m)
                 for sink in sinks:
@@ -422,8 +424,6 @@ class Trainer:
                 log.info(format_line(m))
                 if r.version % self.cfg.trainer.checkpoint_every == 0:
                     self.checkpoint()
-                # supply control: tell workers what the next step can use (usable groups waiting now)
-                self.supply.after_publish(r.version, waiting=self.ingestor.poll(r.version))
         finally:
             for sink in sinks:
                 sink.close()
