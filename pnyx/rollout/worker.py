@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pnyx.errors import ConfigError, StoreError
+from pnyx.errors import ConfigError, PnyxError, StoreError
 from pnyx.protocol import layout
 from pnyx.rollout.courier import Courier
 from pnyx.rollout.joining import check_run_model, cold_join, default_worker_id, read_run_manifest, resume_seq
@@ -354,8 +354,22 @@ class Worker:
     def _take_demand(self, demand: Any) -> None:
         with self._lock:
             news = self.throttle.observe(demand)
-        if news:
-            self._wake.set()
+        if not news:
+            return
+        if self.version is not None and demand.version > self.version:
+            # Fetch the announced version now rather than at the prefetcher's next poll, so the groups this
+            # demand asks for come from the newest weights (fresher groups go stale later). Fail-closed: a
+            # version that does not verify is not staged, and the prefetch thread retries it.
+            try:
+                self.syncer.prefetch_once()
+            except PnyxError as e:
+                log.info(
+                    "worker %s: early fetch of v%d failed (%s); the prefetcher retries",
+                    self.worker_id,
+                    demand.version,
+                    e,
+                )
+        self._wake.set()
 
     def _demand_poll_s(self) -> float:
         with self._lock:
