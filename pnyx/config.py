@@ -95,11 +95,19 @@ class WorkerConfig(_Section):
     """How often a worker polls the weights HEAD for a newer version (with backoff on errors)."""
     heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
     """How often a worker rewrites its heartbeat object."""
+    supply_control: bool = True
+    """Make only what the trainer can consume: each worker paces itself by the trainer's demand
+    (`weights/DEMAND`: groups per step, groups waiting, workers live) instead of generating flat out."""
+    supply_lead: Annotated[float, Field(ge=1, le=100)] = 1.25
+    """Supply control's target, in trainer steps: groups waiting when the trainer publishes, as a multiple of
+    trainer.groups_per_step (1 = exactly the next batch; more = fewer trainer waits, more stale drops)."""
+    skip_zero_variance: bool = True
+    """Do not upload groups whose samples all have the same reward (the trainer, re-scoring with the same
+    verifier, would drop them); they are counted in the worker's heartbeat instead."""
     max_groups_per_version: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    """Back-pressure: make at most this many groups per policy version, then wait for the next (None = no
-    cap). trainer.groups_per_step × (algorithm.max_staleness + 1) is the most any trainer step could use.
-    Off by default: on 2 cores a cap of 32 cut stale drops 7x but made `pnyx run` slower (129 s vs 90 s),
-    because the trainer then waits while the worker notices each new version."""
+    """Hard cap: make at most this many groups per policy version, then wait for the next (None = no cap).
+    Superseded by supply_control; kept for fleets that want a fixed cap. Measured slower on 2 cores (the
+    trainer waits while the worker notices each new version)."""
     spool_max_groups: Annotated[int, Field(ge=0, le=1_000_000)] = 256
     """Generated groups kept in the local spool while the store is unreachable (oldest dropped beyond)."""
     int8: bool = False

@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -25,6 +26,18 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Workers spool to disk by default under the user's cache; tests (and the processes they start) use a
+# throwaway root instead. Each run and worker gets its own folder below it.
+_OWN_SPOOL_ROOT = None if os.environ.get("PNYX_SPOOL_DIR") else tempfile.mkdtemp(prefix="pnyx-test-spool-")
+if _OWN_SPOOL_ROOT is not None:
+    os.environ["PNYX_SPOOL_DIR"] = _OWN_SPOOL_ROOT
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_own_spool_root():
+    yield
+    if _OWN_SPOOL_ROOT is not None:
+        shutil.rmtree(_OWN_SPOOL_ROOT, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -149,6 +149,9 @@ def fleet_run(tmp_path_factory):
     common = [
         "--no-live", "--workers", "2", f"--run.name={NAME}", f"--run.steps={steps}", "--run.time_budget_s=150",
         "--run.eval_every=0", "--run.eval_tasks=100", "--run.seed=0", "--worker.heartbeat_interval_s=0.5",
+        # every group uploaded: test_training_reward_rises samples the policy's rewards, not only the groups
+        # with reward variance (skipping all-0 and all-1 groups pulls early and late means together)
+        "--worker.skip_zero_variance=false",
     ] + ([f"--model.path={model}"] if model else [])
     watcher = Watcher(store_dir)
     watcher.start()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from worker_support import logprob_error, make_run, rollout_groups
+from worker_support import logprob_error, make_run, rollout_groups, wait_for
 
 from pnyx.protocol import Heartbeat, decode_json, layout
 from pnyx.rollout.worker import Worker, WorkerOptions
@@ -136,9 +136,12 @@ def test_store_outage_spools_groups_and_uploads_all_after_recovery(tmp_path, tin
     worker.join()
 
     def outage(call: int) -> None:
-        if call == 0:  # rollout uploads fail for two whole cohorts
+        if call == 0:  # rollout uploads fail while two whole cohorts are generated
             faulty.fail_when(lambda op, key: op == "put" and key.startswith(layout.ROLLOUTS_PREFIX))
-        if call == 2:
+        if call == 2:  # uploads run in the courier thread: end the outage once it has given up at least once
+            deadline = time.monotonic() + 60
+            while not worker.spool.stats.failed_flushes and time.monotonic() < deadline:
+                time.sleep(0.02)
             faulty.clear()
 
     _on_generate(worker, outage)
@@ -207,12 +210,16 @@ def test_back_pressure_waits_for_the_next_version_instead_of_making_stale_groups
     run = make_run(str(tmp_path / "run"), tiny_model_dir, max_groups_per_version=2)
     worker = Worker(run.store, WorkerOptions(worker_id="w1", max_groups=4))
     worker.join()
-    worker.step()  # one cohort of 2 groups at v0: the cap is reached
-    worker.step()  # must wait, not generate
-    assert worker.status == "waiting" and len(rollout_groups(run.store)) == 2
-    run.publish(1)
-    assert worker.syncer.prefetch_once() == 1
-    worker.step()  # swaps to v1 and generates again
+    try:
+        worker.step()  # one cohort of 2 groups at v0: the cap is reached
+        worker.step()  # must wait, not generate
+        assert worker.status == "waiting" and worker.spool.stats.uploaded + len(worker.spool) == 2
+        run.publish(1)
+        assert worker.syncer.prefetch_once() == 1
+        worker.step()  # swaps to v1 and generates again
+        wait_for(lambda: len(rollout_groups(run.store)) == 4, 60, "the courier's uploads")
+    finally:
+        worker.close()
     versions = sorted(g.policy_version for _, g in rollout_groups(run.store))
     assert versions == [0, 0, 1, 1]
 

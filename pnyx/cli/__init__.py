@@ -79,11 +79,14 @@ def worker(
     model: str | None = typer.Option(
         None, "--model", help="This machine's copy of the run's model (folder, .gguf, hub id); checked at join."
     ),
+    spool_dir: str | None = typer.Option(
+        None, "--spool-dir", help="Spool root (default $PNYX_SPOOL_DIR, else ~/.cache/pnyx/spool); per run and worker."
+    ),
 ):
     """Join a run from its run.json alone: follow the weights, generate, score and upload rollout groups."""
     _lazy("pnyx.cli.worker", "worker_main")(
         store=store, worker_id=worker_id, device=device, int8=int8, max_groups=max_groups, threads=threads,
-        model=model, engine=engine,
+        model=model, engine=engine, spool_dir=spool_dir,
     )  # fmt: skip
 
 

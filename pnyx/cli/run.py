@@ -274,6 +274,7 @@ class Orchestrator:
         self.observed: dict[int, float] = {}
         self.t_start = time.time()
         self.evals: Any = None  # the EvalLoop, once the fleet is up
+        self.supply: dict[str, Any] | None = None  # groups generated vs consumed, once the fleet stopped
 
     def say(self, text: str) -> None:
         self.console.print(text, highlight=False)
@@ -418,8 +419,13 @@ class Orchestrator:
         if after is None and records:
             after = max(records, key=lambda r: r.get("version", -1))
         snap = RunWatcher(store, evals_path=self.plan.evals_path).snapshot(evals=records)
+        self.supply = _supply_report(store)
         self._write_outputs(snap, records, before, after, outcome)
         self.console.print(before_after_table(before, after, self.plan.cfg.env.name))
+        if self.supply is not None:
+            from pnyx.train.supply import format_report
+
+            self.say(format_report(self.supply))
         self.say(f"learning curve: {self.plan.folder / CURVE_FILE}")
         self.say(f"summary: {self.plan.folder / SUMMARY_FILE}   logs: {self.plan.logs}/")
         if final_version is not None:
@@ -456,9 +462,22 @@ class Orchestrator:
             "before": before,
             "after": after,
             "ratio": pass_ratio(before, after),
+            "supply": self.supply,
             "train": train_points,
         }
         (self.plan.folder / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _supply_report(store: Any) -> dict[str, Any] | None:
+    """Groups the workers generated vs the trainer consumed (`pnyx.train.supply`); None if unreadable."""
+    from pnyx.errors import PnyxError
+    from pnyx.train.supply import supply_report
+
+    try:
+        return supply_report(store)
+    except PnyxError as e:
+        print(f"note: supply accounting not available: {e}", flush=True)
+        return None
 
 
 def _sigterm_as_interrupt(signum: int, frame: Any) -> None:

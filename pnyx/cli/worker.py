@@ -1,27 +1,39 @@
 """`pnyx worker --store URL`: the body of the worker command (signals, threads, logging, exit codes).
 
 Everything about the run comes from its run.json; this module only turns the command's flags into
-`WorkerOptions`, installs SIGINT/SIGTERM handlers that ask the loop to stop at the next cohort boundary
-(a second signal exits at once, which is still safe: puts are atomic), and maps errors to exit codes:
-0 after a clean stop, 1 on a fatal error, 2 on a configuration error (an `--engine` whose package or
-hardware is missing is one: checked at join, before any model loads). torch and the model stack are
-imported only here, inside the function, so `pnyx --help` stays instant.
+`WorkerOptions`, runs the worker in a background thread and keeps the main thread free for signals, so
+a stop never waits for the store:
 
-PNYX_SPOOL_DIR (keep an on-disk copy of the upload spool there) comes from the environment; so may the
-model (PNYX_MODEL_PATH, the same as `--model`: this machine's copy of the run's model, checked at join).
+- the first SIGINT/SIGTERM asks the worker to stop: its courier makes one final flush bounded by
+  `final_flush_s`, writes the final heartbeat, and the process exits 0; if the store hangs (or a cohort
+  is still being generated) the process exits anyway `HARD_STOP_S` seconds after the signal, abandoning
+  what is left: every group not uploaded is in the spool folder, and the next start of this worker id
+  uploads it;
+- a second signal exits at once (code 130), which is still safe: every put is atomic.
+
+Exit codes: 0 after a stop or a finished quota, 1 on a fatal error, 2 on a configuration error (an
+`--engine` whose package or hardware is missing is one: checked at join, before any model loads). torch
+and the model stack are imported only here, inside the function, so `pnyx --help` stays instant.
+PNYX_MODEL_PATH (the same as `--model`: this machine's copy of the run's model, checked at join) and
+PNYX_SPOOL_DIR (the spool root, when --spool-dir is not given) come from the environment.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
+import threading
+import time
 from types import FrameType
-
-import typer
+from typing import Any
 
 from pnyx.cli.common import fail, setup_logging
 from pnyx.errors import ConfigError, PnyxError
+
+HARD_STOP_S = 3.0
+"""Seconds after the final flush's own bound (`final_flush_s`) at which a stopping worker exits regardless."""
 
 
 def worker_main(
@@ -33,6 +45,7 @@ def worker_main(
     threads: int | None = None,
     model: str | None = None,
     engine: str | None = None,
+    spool_dir: str | None = None,
 ) -> None:
     """Run one worker until stopped (SIGINT/SIGTERM), `max_groups` uploaded, or a fatal error."""
     log = setup_logging("worker")
@@ -52,33 +65,80 @@ def worker_main(
             engine=engine,
             int8=int8,
             max_groups=max_groups,
-            spool_dir=os.environ.get("PNYX_SPOOL_DIR") or None,
+            spool_dir=spool_dir,
             model_path=model or os.environ.get("PNYX_MODEL_PATH") or None,
         )
         worker = Worker(open_store(store), opts)
     except (ConfigError, ValueError) as e:
         raise fail(str(e)) from None
 
+    outcome: dict[str, Any] = {}
+    finished = threading.Event()
+    stop_by: list[float] = []  # the hard deadline, once a stop was asked for
+
+    def body() -> None:
+        try:
+            outcome["summary"] = worker.run()
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread below
+            outcome["error"] = e
+        finally:
+            finished.set()
+
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
         if worker.stopping:  # second signal: leave now (every put is atomic, nothing partial remains)
-            log.warning("second signal: exiting without the final flush")
-            os._exit(130)
-        log.info("signal %s: finishing the current cohort, then stopping", signal.Signals(signum).name)
-        worker.request_stop(f"stopped by {signal.Signals(signum).name}")
+            log.warning("second signal (%s): exiting now; unsent groups stay in the spool folder", name)
+            _exit(130)
+        log.info("signal %s: stopping (final flush of at most %.0fs)", name, opts.final_flush_s)
+        worker.request_stop(f"stopped by {name}")
+        stop_by.append(time.monotonic() + opts.final_flush_s + HARD_STOP_S)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    try:
-        summary = worker.run()
-    except ConfigError as e:
-        raise fail(str(e)) from None
-    except PnyxError as e:
-        raise fail(f"worker {worker.worker_id} stopped on an error: {e}", code=1) from None
+    threading.Thread(target=body, name="pnyx-worker", daemon=True).start()
+    while not finished.wait(0.2):  # short waits: signal handlers run in this thread between them
+        if stop_by and time.monotonic() > stop_by[0]:
+            pending = len(worker.spool) if worker.spool is not None else 0
+            where = worker.spool.folder if worker.spool is not None else "(not joined yet)"
+            log.warning(
+                "worker %s: the store did not answer in time; exiting with %d group(s) kept in %s for the next start",
+                worker.worker_id, pending, where,
+            )  # fmt: skip
+            _exit(0)
+    error = outcome.get("error")
+    if isinstance(error, ConfigError):
+        fail(str(error))
+        _exit(2)
+    if isinstance(error, PnyxError):
+        fail(f"worker {worker.worker_id} stopped on an error: {error}")
+        _exit(1)
+    if error is not None:
+        raise error
+    summary = outcome["summary"]
     log.info(
-        "worker %s %s: uploaded=%d pending=%d dropped=%d rollouts=%d versions=%s",
+        "worker %s %s: uploaded=%d pending=%d skipped_zero_variance=%d expired=%d dropped=%d rollouts=%d versions=%s",
         summary.worker_id, summary.status, summary.groups_uploaded, summary.groups_pending,
-        summary.groups_dropped, summary.rollouts, sorted(set(summary.versions)),
+        summary.groups_skipped_zero_variance, summary.groups_expired, summary.groups_dropped, summary.rollouts,
+        _ranges(sorted(set(summary.versions))),
     )  # fmt: skip
+    # Exit now: a store thread still stuck in a retry (the store is down) must not hold the process up.
+    _exit(1 if summary.status == "error" else 0)
+
+
+def _exit(code: int) -> None:
+    """Leave the process now, after flushing the logs (threads stuck in a store call are abandoned)."""
+    logging.shutdown()
     sys.stdout.flush()
-    if summary.status == "error":
-        raise typer.Exit(1)
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _ranges(versions: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8' (a long run uses hundreds of versions)."""
+    out: list[str] = []
+    for v in versions:
+        if out and v == int(out[-1].split("-")[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{v}"
+        else:
+            out.append(str(v))
+    return ",".join(out) or "none"

@@ -19,10 +19,12 @@ from pnyx.protocol.codec import (
     validate_group,
 )
 from pnyx.protocol.records import (
+    DEMAND_SCHEMA,
     GROUP_SCHEMA,
     HEARTBEAT_SCHEMA,
     PROTOCOL_VERSION,
     RUN_SCHEMA,
+    Demand,
     Heartbeat,
     RolloutGroup,
     RunManifest,
@@ -31,11 +33,13 @@ from pnyx.protocol.records import (
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "DEMAND_SCHEMA",
     "GROUP_SCHEMA",
     "HEARTBEAT_SCHEMA",
     "PROTOCOL_VERSION",
     "REASONS",
     "RUN_SCHEMA",
+    "Demand",
     "Heartbeat",
     "Limits",
     "RolloutGroup",

@@ -4,6 +4,7 @@ A store URL points at one run's root; keys are relative to it (DESIGN.md §3):
 
     run.json                                create-only run manifest
     weights/HEAD                            hint pointer {version, digest}
+    weights/DEMAND                          the trainer's demand for rollouts (hint, rewritten per publish)
     weights/v{V:08d}/manifest.json          create-only weight manifest (written after its payload)
     weights/v{V:08d}/{name}                 payload objects (anchor shards, delta chunks)
     rollouts/v{V:08d}/{ms:013d}~{worker}-{seq:010d}
@@ -35,6 +36,8 @@ import time
 RUN_MANIFEST = "run.json"
 WEIGHTS_PREFIX = "weights/"
 WEIGHTS_HEAD = "weights/HEAD"
+WEIGHTS_DEMAND = "weights/DEMAND"
+"""Next to HEAD because every worker may already read `weights/*` (docs/fleet.md's bucket policy)."""
 ROLLOUTS_PREFIX = "rollouts/"
 WORKERS_PREFIX = "workers/"
 TRAINER_PREFIX = "trainer/"

@@ -19,6 +19,7 @@ import msgspec
 GROUP_SCHEMA = 1
 RUN_SCHEMA = 1
 HEARTBEAT_SCHEMA = 1
+DEMAND_SCHEMA = 1
 PROTOCOL_VERSION = 1
 """The run-layout/commit protocol version recorded in run.json (DESIGN.md §3)."""
 
@@ -119,9 +120,46 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     rollouts: int = 0
     """Completions uploaded so far."""
     groups: int = 0
-    """Groups uploaded so far."""
+    """Groups uploaded so far (by this process)."""
+    groups_skipped_zero_variance: int = 0
+    """Groups generated but not uploaded because every sample had the same reward (the trainer, which
+    re-scores with the same verifier, would drop them as zero-variance)."""
+    groups_pending: int = 0
+    """Groups generated and spooled (on disk), not uploaded yet."""
+    groups_expired: int = 0
+    """Spooled groups never uploaded because the trainer had moved past their version's staleness window."""
+    started_at: float = 0.0
+    """Unix time this worker process started (tells one life of a worker id from the next)."""
     tokens_per_s: float = 0.0
     rollouts_per_s: float = 0.0
     status: str = "running"
     """"starting" | "syncing" | "generating" | "uploading" | "waiting" | "running" | "stopped" | "error"."""
     detail: str = ""
+
+
+class Demand(msgspec.Struct, kw_only=True):
+    """`weights/DEMAND`: what the trainer can consume, rewritten after every publish (a hint, like HEAD).
+
+    Workers read it to make only what the trainer will use (`pnyx.rollout.throttle`). Nothing depends on
+    it for correctness: a missing, old or unreadable demand only makes workers fall back to a slow,
+    bounded production.
+    """
+
+    SCHEMA: ClassVar[int] = DEMAND_SCHEMA
+
+    schema: int = DEMAND_SCHEMA
+    version: int
+    """The newest version the trainer has published."""
+    groups_per_step: int
+    """Groups one trainer step consumes (trainer.groups_per_step)."""
+    max_staleness: int
+    """The trainer uses a group of version v only while its own version is at most v + max_staleness."""
+    waiting: int
+    """Usable groups waiting for the next step when `version` was published (the step takes
+    `groups_per_step` of them; fewer means the trainer is about to wait)."""
+    step_s: float = 0.0
+    """Seconds per trainer step (moving average; 0 until measured), so workers pace and poll to it."""
+    workers: int = 1
+    """Workers whose heartbeat is recent (at least 1): each worker's share of the demand is 1/workers."""
+    updated_at: float
+    """Unix time of this record (informational: workers pace by their own clock)."""

@@ -1,26 +1,30 @@
-"""The worker's upload spool: a bounded FIFO of encoded rollout groups waiting for the store.
+"""The worker's upload spool: a bounded FIFO of encoded rollout groups waiting for the store, kept on disk.
 
-A worker never loses a group it generated just because the store is briefly down: each encoded group
-enters the spool, and `flush` uploads from the head with create-only puts until the spool is empty, a
-put fails transiently (the store is down: try again later), or a deadline passes. The spool is bounded
-(`max_groups`); past the bound the *oldest* group is dropped and counted, since the trainer's staleness
-window would discard it first anyway.
+A worker never loses a group it generated because the store is down or because it was stopped: each
+encoded group enters the spool, and `flush` uploads from the head with create-only puts until the spool
+is empty, a put fails transiently (the store is down: try again later), a deadline passes or a stop is
+requested. The worker stops generating while the spool is full, so nothing is dropped for space; only a
+spool without a folder drops its *oldest* group past the bound (and counts it).
 
-Optional on-disk copy (`folder=`): each pending group is also written to a file (temp file + rename, so
-a crash never leaves a half file), removed once uploaded. A restarted worker with the same folder loads
-the files and uploads them, so even a restart loses nothing generated. Off by default.
+On disk (`folder=`, the worker's default): each pending group is also a file (temp file + rename, so a
+crash never leaves a half file), removed once the store has it. A worker restarted with the same folder
+loads the files and uploads them first, so neither a stop, a crash nor SIGKILL loses what was generated.
+`spool_folder` gives the default folder: per run and per worker under the user's cache.
 
 Knows nothing about models, envs or weights: entries are (key, bytes) plus a `rekey` callback the owner
 supplies for the one case where a key has to change (a create-only collision with *different* bytes,
-i.e. a duplicate worker id or a seq bug). Invariants: every group is uploaded at most once and stays in
-the spool until the store has it; a put that was retried and landed (the store returns our own bytes)
-counts as uploaded, never as a duplicate.
+i.e. a duplicate worker id or a seq bug), and an optional `expired(key)` predicate for groups the trainer
+can no longer use. Invariants: every group is uploaded at most once and stays in the spool (and on disk)
+until the store has it or it is counted as expired; a put that was retried and landed (the store returns
+our own bytes) counts as uploaded, never as a duplicate. Thread-safe for one flushing thread and any number
+of adding threads.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,6 +40,23 @@ log = logging.getLogger("pnyx.worker")
 Rekey = Callable[[str, bytes], tuple[str, bytes]]
 """Given a key that collided and its bytes, return a fresh (key, bytes) to upload instead."""
 
+SPOOL_ENV = "PNYX_SPOOL_DIR"
+"""Environment variable naming the spool root (overridden by `pnyx worker --spool-dir`)."""
+
+
+def default_spool_root() -> Path:
+    """$PNYX_SPOOL_DIR, else $XDG_CACHE_HOME/pnyx/spool, else ~/.cache/pnyx/spool."""
+    if os.environ.get(SPOOL_ENV):
+        return Path(os.environ[SPOOL_ENV]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "pnyx" / "spool"
+
+
+def spool_folder(root: str | Path | None, run_id: str, worker_id: str) -> Path:
+    """`<root>/<run_id>/<worker_id>/`: one folder per run and worker, so a spool never leaks into another run."""
+    base = Path(root).expanduser() if root is not None else default_spool_root()
+    return base / layout.check_name(run_id, "run id") / layout.check_name(worker_id, "worker id")
+
 
 @dataclass
 class SpoolStats:
@@ -45,6 +66,9 @@ class SpoolStats:
     dropped: int = 0
     collisions: int = 0
     failed_flushes: int = 0
+    expired: int = 0
+    loaded: int = 0
+    """Groups found on disk at start (left by a previous life of this worker)."""
 
 
 class Spool:
@@ -58,61 +82,95 @@ class Spool:
         self.rekey = rekey
         self.stats = SpoolStats()
         self._items: deque[tuple[str, bytes]] = deque()
+        self._lock = threading.Lock()
+        self._flushing = threading.Lock()  # one flush at a time: it owns the head while uploading it
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._load()
 
     def __len__(self) -> int:
-        return len(self._items)
+        with self._lock:
+            return len(self._items)
 
     def pending_keys(self) -> list[str]:
         """The pending keys, oldest first."""
-        return [k for k, _ in self._items]
+        with self._lock:
+            return [k for k, _ in self._items]
 
     def add(self, key: str, data: bytes) -> None:
-        """Queue one encoded group; drops (and counts) the oldest pending group past the bound."""
+        """Queue one encoded group (on disk first, if the spool has a folder).
+
+        A spool without a folder drops (and counts) its oldest group past the bound; one with a folder
+        never drops: the owner is expected to stop generating while `len(spool)` is at the bound.
+        """
         if layout.parse_rollout_key(key) is None:
             raise ValueError(f"spool key {key!r} is not a rollout key (build it with pnyx.protocol.layout)")
-        self._items.append((key, data))
         self._save(key, data)
-        while len(self._items) > self.max_groups:
-            old, _ = self._items.popleft()
-            self._unlink(old)
-            self.stats.dropped += 1
-            log.warning("spool full (%d groups): dropped the oldest pending group %s", self.max_groups, old)
+        with self._lock:
+            self._items.append((key, data))
+            while self.folder is None and len(self._items) > self.max_groups:
+                old, _ = self._items.popleft()
+                self.stats.dropped += 1
+                log.warning(
+                    "spool full (%d groups): dropped the oldest pending group %s", self.max_groups, old
+                )
 
-    def flush(self, store: Store, deadline_s: float | None = None) -> int:
+    def flush(
+        self,
+        store: Store,
+        deadline_s: float | None = None,
+        *,
+        expired: Callable[[str], bool] | None = None,
+        stop: threading.Event | None = None,
+    ) -> int:
         """Upload pending groups oldest first; return how many were uploaded by this call.
 
-        Stops early, leaving the rest queued, when the store is unavailable (after its own retries) or
-        the deadline passes. A permission error is not transient: it propagates (fix the policy).
+        Stops early, leaving the rest queued, when the store is unavailable (after its own retries), the
+        deadline passes or `stop` is set. Groups for which `expired(key)` is true are removed and counted
+        instead of uploaded. A permission error is not transient: it propagates (fix the policy).
         """
         end = None if deadline_s is None else time.monotonic() + deadline_s
         done = 0
-        while self._items:
-            if end is not None and time.monotonic() > end:
-                break
-            key, data = self._items[0]
-            try:
+        with self._flushing:
+            while True:
+                if (end is not None and time.monotonic() > end) or (stop is not None and stop.is_set()):
+                    break
+                with self._lock:
+                    if not self._items:
+                        break
+                    key, data = self._items[0]
+                if expired is not None and expired(key):
+                    self._remove(key)
+                    self.stats.expired += 1
+                    log.info("expired %s: the trainer has moved past its version's staleness window", key)
+                    continue
                 try:
-                    store.put(key, data, mode="create")
-                except AlreadyExistsError:
-                    # resolving reads the key: an outage there must leave the group spooled, like one here
-                    if not self._resolve_collision(store, key, data):
-                        continue  # re-keyed in place; try the new key
-            except StoreUnavailableError as e:
-                self.stats.failed_flushes += 1
-                log.warning("store unavailable, %d group(s) stay spooled: %s", len(self._items), e)
-                break
-            except StorePermissionError:
-                raise
-            self._items.popleft()
-            self._unlink(key)
-            self.stats.uploaded += 1
-            done += 1
+                    try:
+                        store.put(key, data, mode="create")
+                    except AlreadyExistsError:
+                        # resolving reads the key: an outage there must leave the group spooled, like one here
+                        if not self._resolve_collision(store, key, data):
+                            continue  # re-keyed in place; try the new key
+                except StoreUnavailableError as e:
+                    self.stats.failed_flushes += 1
+                    log.warning("store unavailable, %d group(s) stay spooled: %s", len(self), e)
+                    break
+                except StorePermissionError:
+                    raise
+                self._remove(key)
+                self.stats.uploaded += 1
+                done += 1
         return done
 
     # -- internals --
+
+    def _remove(self, key: str) -> None:
+        with self._lock:
+            if self._items and self._items[0][0] == key:
+                self._items.popleft()
+            else:  # dropped for space meanwhile (folder-less spool only)
+                self._items = deque(item for item in self._items if item[0] != key)
+        self._unlink(key)
 
     def _resolve_collision(self, store: Store, key: str, data: bytes) -> bool:
         """True if the key already holds our bytes (done); else re-key the head item and return False."""
@@ -129,9 +187,10 @@ class Spool:
             )
         new_key, new_data = self.rekey(key, data)
         log.error("key collision on %s (duplicate worker id or seq bug): re-keyed to %s", key, new_key)
-        self._items[0] = (new_key, new_data)
-        self._unlink(key)
         self._save(new_key, new_data)
+        with self._lock:
+            self._items = deque((new_key, new_data) if k == key else (k, d) for k, d in self._items)
+        self._unlink(key)
         return False
 
     def _file(self, key: str) -> Path | None:
@@ -161,5 +220,10 @@ class Spool:
                 log.warning("ignoring foreign file %s in the spool folder", path)
                 continue
             self._items.append((key, path.read_bytes()))
+        self.stats.loaded = len(self._items)
         if self._items:
-            log.info("spool: %d group(s) from a previous run will be uploaded", len(self._items))
+            log.info(
+                "spool %s: %d group(s) left by a previous run will be uploaded first",
+                self.folder,
+                len(self._items),
+            )

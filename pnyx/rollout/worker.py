@@ -7,47 +7,49 @@ Life of a worker: read `run.json` (model, env and sampling settings all come fro
 needs only the store URL); load the local model folder and tokenizer; cold-join the newest verified
 weights (anchor + deltas); then loop over cohorts. At each cohort boundary it swaps to the newest
 prefetched version (never inside a cohort, so every group carries the one version that produced it),
-samples tasks from its own seeded stream, generates G completions per task, scores them, encodes each
-group and hands it to the spool, which uploads create-only under `rollouts/v{V}/{worker}-{seq}`. A
-heartbeat (`workers/{worker}.json`) reports status, version, digest and throughput.
+asks supply control how many groups the trainer can still use (`throttle.py`: it paces itself by the
+trainer's `weights/DEMAND`), samples tasks from its own seeded stream, generates G completions per task,
+scores them, skips groups whose samples all got the same reward (the trainer would drop them; counted in
+the heartbeat), and hands the rest to the on-disk spool. After the join, the generating thread never
+touches the store: the courier thread (`courier.py`) uploads the spool create-only under
+`rollouts/v{V}/{worker}-{seq}`, reads the demand and writes the heartbeat (`workers/{worker}.json`:
+status, version, digest, throughput, uploaded / skipped / pending counts).
 
-Seq numbers are resume-safe: at start the worker lists the rollout prefixes of the newest few versions
-for its own id (and its on-disk spool, if any) and continues after the highest seq it finds; a worker
-that restarts with the same id cannot write into an older version than the newest at its restart, so
-that is enough. A create-only collision with different bytes (two live workers sharing an id) is logged
-and the group re-keyed with the next seq. Task streams are seeded by (run seed, worker id, first seq of
-the cohort), so workers never duplicate each other and a restarted worker does not replay its tasks.
+Seq numbers are resume-safe and contiguous: a group gets its seq only when it is spooled (skipped groups
+take none), and at start the worker lists the rollout prefixes of the newest few versions for its own id
+(and its spool folder) and continues after the highest seq it finds; a worker that restarts with the same
+id cannot write into an older version than the newest at its restart, so that is enough. A create-only
+collision with different bytes (two live workers sharing an id) is logged and the group re-keyed. Task
+streams are seeded by (run seed, worker id, seq, groups skipped), so workers never duplicate each other and
+a restarted worker does not replay its tasks.
 
-Store outages: every store call retries under the store's deadline; groups that still fail stay in the
-bounded spool and are retried with backoff; while the spool is full the worker waits instead of
-generating. Stop (`request_stop`): the current cohort is finished and spooled, the spool flushed under a
-deadline, and a final heartbeat with status "stopped" written. Puts are atomic in every backend, so even
-SIGKILL never leaves a partial object. Knows nothing about training.
+Store outages: the courier retries with backoff; groups wait in the spool (on disk, per run and worker
+under the user's cache: `spool.py`); while it is full the worker stops generating. Stop (`request_stop`):
+the courier makes one final flush bounded by `final_flush_s` and writes a heartbeat with status
+"stopped"; whatever is not uploaded stays on disk for the next start of this worker id. Puts are atomic in
+every backend, so even SIGKILL never leaves a partial object. Knows nothing about training.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import random
-import re
-import socket
+import math
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pnyx.errors import ConfigError, IntegrityError, NotFoundError, StoreUnavailableError
+from pnyx.errors import ConfigError, IntegrityError, PnyxError, StoreError
 from pnyx.protocol import layout
-from pnyx.rollout.spool import Spool
+from pnyx.rollout.courier import Courier
+from pnyx.rollout.joining import cold_join, default_worker_id, read_run_manifest, resume_seq
+from pnyx.rollout.spool import Spool, spool_folder
+from pnyx.rollout.throttle import Throttle
 from pnyx.store import Store
 
 log = logging.getLogger("pnyx.worker")
 
 Status = Literal["starting", "syncing", "generating", "uploading", "waiting", "stopped", "error"]
-
-SEQ_LOOKBACK_VERSIONS = 4
-"""How many versions below the newest a starting worker scans for its own highest seq."""
 
 
 @dataclass
@@ -65,14 +67,17 @@ class WorkerOptions:
     max_groups: int | None = None
     """Stop after this many groups are uploaded (None: run until stopped)."""
     spool_dir: str | None = None
-    """Optional folder for an on-disk copy of the spool, so a restart still uploads pending groups."""
+    """Root of the on-disk spool; the worker's folder is `<root>/<run_id>/<worker_id>/` (None: $PNYX_SPOOL_DIR,
+    else $XDG_CACHE_HOME/pnyx/spool, else ~/.cache/pnyx/spool)."""
     model_path: str | None = None
     """This machine's copy of the run's model (folder, .gguf or hub id) instead of what run.json names; its
     files must be the run's (checked at join)."""
     join_timeout_s: float = 600.0
     """How long to wait for run.json and the first verified weights before giving up."""
     flush_deadline_s: float = 30.0
-    """How long one flush (and the final flush at stop) may keep uploading."""
+    """How long one flush may keep uploading (also the final flush after `max_groups`)."""
+    final_flush_s: float = 3.0
+    """How long the final flush after a stop request may keep uploading; the rest stays on disk."""
     max_backoff_s: float = 30.0
     """Largest wait between retries while the store is unreachable."""
 
@@ -85,80 +90,17 @@ class WorkerSummary:
     groups_uploaded: int
     groups_pending: int
     groups_dropped: int
+    groups_skipped_zero_variance: int
+    groups_expired: int
     rollouts: int
     tokens: int
     versions: list[int] = field(default_factory=list)
     status: Status = "stopped"
-
-
-def default_worker_id() -> str:
-    """`<hostname>-<pid>`, reduced to the characters a key allows (letters, digits, `_.-`, ≤64)."""
-    host = socket.gethostname().split(".")[0]
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{host}-{os.getpid()}").strip("-._") or f"worker-{os.getpid()}"
-    if not name[0].isalnum():
-        name = "w" + name
-    return layout.check_name(name[-64:].lstrip("-._") or f"w{os.getpid()}", "worker id")
-
-
-def resume_seq(store: Store, worker_id: str, newest_version: int, lookback: int = SEQ_LOOKBACK_VERSIONS) -> int:
-    """The first unused seq for `worker_id`: one past the highest it wrote in the newest few versions."""
-    highest = -1
-    for v in range(max(0, newest_version - lookback), newest_version + 1):
-        for meta in store.list(layout.rollouts_dir(v)):
-            parsed = layout.parse_rollout_key(meta.key)
-            if parsed is not None and parsed[1] == worker_id:
-                highest = max(highest, parsed[2])
-    return highest + 1
-
-
-def read_run_manifest(store: Store, deadline_s: float, stop: threading.Event) -> Any:
-    """The run's RunManifest, waiting (with backoff) for a trainer that has not created the run yet."""
-    from pnyx.protocol import RunManifest, decode_json
-
-    end = time.monotonic() + deadline_s
-    delay = 0.2
-    while True:
-        try:
-            return decode_json(store.get(layout.RUN_MANIFEST), RunManifest)
-        except (NotFoundError, StoreUnavailableError) as e:
-            if time.monotonic() + delay > end:
-                raise ConfigError(
-                    f"{store.url} has no readable {layout.RUN_MANIFEST} after {deadline_s:g}s ({e}). Start the "
-                    "trainer on this store first (`pnyx trainer --store ...`) or check the URL."
-                ) from e
-            log.info("waiting for %s in %s", layout.RUN_MANIFEST, store.url)
-        if stop.wait(delay):
-            raise InterruptedError("stopped while waiting for run.json")
-        delay = min(5.0, delay * 1.5)
-
-
-def cold_join(syncer: Any, deadline_s: float, poll_s: float, stop: threading.Event) -> tuple[int, dict[str, Any]]:
-    """(version, tensors) of the newest verified version, waiting with backoff for the first publish.
-
-    Fail-closed: a version that does not verify is never returned; after `deadline_s` without one this
-    raises StoreUnavailableError (the trainer is not publishing, or the store is unreachable).
-    """
-    end = time.monotonic() + deadline_s
-    delay = min(poll_s, 0.5)
-    last: BaseException | None = None
-    while True:
-        try:
-            return syncer.sync()
-        except (NotFoundError, IntegrityError, StoreUnavailableError) as e:
-            last = e
-            log.info("cold join: %s; retrying", e)
-        if time.monotonic() + delay > end:
-            raise StoreUnavailableError(
-                f"no verified weights within {deadline_s:g}s (last error: {last}). Is the trainer running and "
-                "publishing to this store URL?"
-            )
-        if stop.wait(delay * (0.5 + random.random() / 2)):
-            raise InterruptedError("stopped while waiting for the first weights")
-        delay = min(10.0, delay * 1.5)
+    spool_folder: str | None = None
 
 
 class Worker:
-    """One rollout worker of one run. Not thread-safe: call `run` from one thread; `request_stop` from any."""
+    """One rollout worker of one run. Call `run` (or `join` + `step`) from one thread; `request_stop` from any."""
 
     def __init__(self, store: Store, options: WorkerOptions | None = None):
         self.store = store
@@ -172,23 +114,34 @@ class Worker:
         self.versions_used: list[int] = []
         self.rollouts = 0
         self.tokens = 0
+        self.skipped_zero_variance = 0
+        self.started_at = time.time()
         self._seq = 0
+        self._seq_lock = threading.Lock()  # seqs are also taken by the courier (re-keying a collision)
+        self._lock = threading.Lock()  # the throttle, shared with the courier
+        self._wake = threading.Event()  # wakes the generating thread: spool space, a new demand, a stop
         self._joined = False
         self._window = (time.monotonic(), 0, 0)  # (start, rollouts, tokens) of the throughput window
         self._rates = (0.0, 0.0)
         self._last_heartbeat = 0.0
         self._stop_reason = ""
-        self._waits = 0  # consecutive waits for the store (the backoff exponent)
-        self._made: dict[int, int] = {}  # groups generated per policy version (back-pressure)
+        self._made: dict[int, int] = {}  # groups spooled per policy version (the max_groups_per_version cap)
+        self._kept_frac = 1.0  # recent share of groups not skipped as zero-variance (sizes throttled cohorts)
         self.spool: Spool | None = None
         self.syncer: Any = None
+        self.throttle: Throttle | None = None
+        self.courier: Courier | None = None
 
     # -- control --
 
     def request_stop(self, reason: str = "stop requested") -> None:
-        """Ask the loop to stop at the next boundary (signal-safe: only sets an event)."""
+        """Ask the worker to stop: the courier makes its final flush now; generation ends at the next boundary.
+        Signal-safe from the main thread (sets events only)."""
         self._stop_reason = reason
         self.stop_event.set()
+        self._wake.set()
+        if self.courier is not None:
+            self.courier.wake()
 
     @property
     def stopping(self) -> bool:
@@ -197,7 +150,8 @@ class Worker:
     # -- joining --
 
     def join(self) -> None:
-        """Read run.json, load model + tokenizer + env, cold-join the weights, find the resume seq."""
+        """Read run.json, load model + tokenizer + env, cold-join the weights, find the resume seq, start the
+        courier (the store thread)."""
         from pnyx.config import config_from_dict, resolve_env_kwargs, resolve_max_new_tokens
         from pnyx.envs import get_env
         from pnyx.models import load_tokenizer, resolve_run_model
@@ -229,27 +183,40 @@ class Worker:
             engine, path, self.tokenizer, dtype=self.cfg.model.dtype, device=self.opts.device, plane=self.plane
         )  # fmt: skip
         capacity = max(w.spool_max_groups, w.prompts_per_cohort)  # 0 in config: hold one cohort at most
-        self.spool = Spool(capacity, folder=self.opts.spool_dir, rekey=self._rekey)
+        folder = spool_folder(self.opts.spool_dir, self.run_id, self.worker_id)
+        self.spool = Spool(capacity, folder=folder, rekey=self._rekey)
+        self.throttle = Throttle(self.cfg.trainer.groups_per_step, w.supply_lead, w.prompts_per_cohort)
 
         self._set_status("syncing", "cold join")
-        self._heartbeat(force=True)
+        self._write_heartbeat()
         self.syncer = Syncer(
             self.store,
             plane=self.plane,
             max_backoff_s=self.opts.max_backoff_s,
             poll_interval_s=w.poll_interval_s,
         )
-        version, tensors = cold_join(self.syncer, self.opts.join_timeout_s, w.poll_interval_s, self.stop_event)
+        version, tensors = cold_join(
+            self.syncer, self.opts.join_timeout_s, w.poll_interval_s, self.stop_event
+        )
         self._load(version, tensors)
         pending = [layout.parse_rollout_key(k) for k in self.spool.pending_keys()]
         spooled = max((p[2] for p in pending if p and p[1] == self.worker_id), default=-1)
         self._seq = max(resume_seq(self.store, self.worker_id, version), spooled + 1)
         log.info(
-            "worker %s joined run %s: engine=%s env=%s v=%d digest=%s (%s proof) seq=%d",
+            "worker %s joined run %s: engine=%s env=%s v=%d digest=%s (%s proof) seq=%d spool=%s "
+            "(%d left by a previous run)",
             self.worker_id, self.run_id, self.engine.name, self.env.name, version, self.digest[:12],
-            self.engine.proof_kind, self._seq,
+            self.engine.proof_kind, self._seq, folder, self.spool.stats.loaded,
         )  # fmt: skip
         self.syncer.start()  # background prefetch; swapped in only at cohort boundaries
+        self.courier = Courier(
+            self.store, self.spool, heartbeat=self._heartbeat_bytes,
+            heartbeat_key=layout.worker_heartbeat(self.worker_id), heartbeat_s=w.heartbeat_interval_s,
+            stop=self.stop_event, on_demand=self._take_demand, demand_poll_s=self._demand_poll_s,
+            expired=self._expired, on_progress=self._wake.set, flush_deadline_s=self.opts.flush_deadline_s,
+            final_flush_s=self.opts.final_flush_s, max_backoff_s=self.opts.max_backoff_s,
+        )  # fmt: skip
+        self.courier.start()
         self._window = (time.monotonic(), self.rollouts, self.tokens)
         self._joined = True
 
@@ -281,23 +248,24 @@ class Worker:
             log.info("worker %s stopped before it joined", self.worker_id)
         except BaseException as e:
             self._set_status("error", f"{type(e).__name__}: {e}"[:500])
-            self._heartbeat(force=True)
+            self._end_courier(self.opts.final_flush_s)
             raise
         finally:
             if self.syncer is not None:
-                self.syncer.stop()
+                self.syncer.stop(timeout_s=1.0)  # a fetch in flight is abandoned (daemon thread)
             if getattr(self, "engine", None) is not None:
                 self.engine.close()
         return self._shutdown()
 
     def step(self) -> None:
-        """One cohort boundary: maybe swap weights, then generate, spool and flush one cohort."""
+        """One cohort boundary: maybe swap weights, then (if supply control and the spool allow) generate one
+        cohort and spool its groups. Never calls the store: the courier uploads."""
         from pnyx.envs import stable_hash
-        from pnyx.protocol import encode_group
         from pnyx.rollout.cohort import CohortSpec, generate_cohort
 
-        if self.spool is None or self.syncer is None:
+        if self.spool is None or self.syncer is None or self.courier is None:
             raise RuntimeError("Worker.step() before join(): call run() or join() first")
+        self.courier.check()  # re-raises a fatal error of the store thread
         fresh = self.syncer.swap()  # re-raises a fatal error of the prefetch thread
         if fresh is not None:
             self._load(*fresh)
@@ -305,22 +273,35 @@ class Worker:
         w = self.cfg.worker
         cap = w.max_groups_per_version
         if cap is not None and self._groups_at_version() >= cap:
-            # Back-pressure: groups beyond this would only go stale in the trainer's window; on a shared
-            # machine the cycles are better spent by the trainer. Wait for the next version instead.
             self._set_status("waiting", f"v={self.version}: {cap} groups made, waiting for the next version")
-            self._heartbeat()
-            self.stop_event.wait(w.poll_interval_s)
-            return
-        if len(self.spool) + w.prompts_per_cohort > self.spool.max_groups:
-            self._wait_for_store()  # spool full: never generate what we would have to drop
+            self._pause(w.poll_interval_s)
             return
         n = w.prompts_per_cohort
+        if len(self.spool) + n > self.spool.max_groups:
+            # never generate what could not be spooled; the courier is retrying the store
+            self._set_status("waiting", f"store unreachable, {len(self.spool)} group(s) spooled")
+            self._pause(1.0)
+            return
+        if w.supply_control:
+            with self._lock:
+                allowed, hint, why = (
+                    self.throttle.allowance(),
+                    self.throttle.wait_hint(),
+                    self.throttle.describe(),
+                )
+            if allowed <= 0:
+                self._set_status("waiting", why)
+                self._pause(hint)
+                return
+            # prompts for `allowed` uploadable groups, given how many recently had zero variance
+            n = min(n, math.ceil(allowed / max(0.25, self._kept_frac)))
         if self.opts.max_groups is not None:
             n = min(n, self.opts.max_groups - self.spool.stats.uploaded - len(self.spool))
-        if n <= 0:
-            self._wait_for_store()
-            return
-        seed = stable_hash(self.cfg.run.seed, self.worker_id, self._seq) % (2**31)
+            if n <= 0:  # the quota is spooled: wait for the courier to upload it
+                self._set_status("uploading", f"pending={len(self.spool)}")
+                self._pause(0.5)
+                return
+        seed = stable_hash(self.cfg.run.seed, self.worker_id, self._seq, self.skipped_zero_variance) % (2**31)
         if self.curriculum is not None:
             tasks = self.curriculum.sample(seed, n)
         else:
@@ -331,28 +312,52 @@ class Worker:
             max_new_tokens=self.max_new_tokens, seed=seed,
         )  # fmt: skip
         self._set_status("generating", f"v={self.version} tasks={n}")
-        result = generate_cohort(self.engine, self.tokenizer, self.env, tasks, spec, self._next_seq)
+        result = generate_cohort(self.engine, self.tokenizer, self.env, tasks, spec, lambda: 0)
         if self.curriculum is not None:
             self.curriculum.observe(tasks, result.groups)
-        self._made[self.version] = self._made.get(self.version, 0) + len(result.groups)
-        for group in result.groups:
-            self.spool.add(layout.rollout_key(group.policy_version, self.worker_id, group.seq), encode_group(group))
+        kept = self._spool_groups(result.groups)
+        self._kept_frac = 0.8 * self._kept_frac + 0.2 * kept / max(1, len(result.groups))
         self.rollouts += sum(len(g.samples) for g in result.groups)
         self.tokens += result.tokens
-        self._set_status("uploading", f"v={self.version} pending={len(self.spool)}")
-        self.spool.flush(self.store, self.opts.flush_deadline_s)
         self._update_rates()
         rewards = [s.reward for g in result.groups for s in g.samples]
         log.info(
-            "worker=%s v=%d groups=%d pending=%d reward=%.3f rollouts/s=%.2f tok/s=%.1f",
-            self.worker_id, self.version, self.spool.stats.uploaded, len(self.spool),
+            "worker=%s v=%d groups=%d pending=%d skipped=%d reward=%.3f rollouts/s=%.2f tok/s=%.1f",
+            self.worker_id, self.version, self.spool.stats.uploaded, len(self.spool), self.skipped_zero_variance,
             sum(rewards) / max(1, len(rewards)), *self._rates,
         )  # fmt: skip
-        if len(self.spool):
-            self._wait_for_store()
-        else:
-            self._waits = 0
-        self._heartbeat()
+        if kept:
+            self._set_status("uploading", f"v={self.version} pending={len(self.spool)}")
+
+    def _spool_groups(self, groups: list[Any]) -> int:
+        """Number and spool the groups worth uploading; skip (and count) zero-variance ones. Returns how many
+        were spooled."""
+        import msgspec
+
+        from pnyx.protocol import encode_group
+        from pnyx.train.advantages import is_zero_variance  # the trainer's own test: same verifier, same drop
+
+        kept = 0
+        for group in groups:
+            if self.cfg.worker.skip_zero_variance and is_zero_variance([s.reward for s in group.samples]):
+                self.skipped_zero_variance += 1
+                continue
+            group = msgspec.structs.replace(group, seq=self._next_seq())  # seqs stay contiguous
+            self.spool.add(
+                layout.rollout_key(group.policy_version, self.worker_id, group.seq), encode_group(group)
+            )
+            kept += 1
+        if kept:
+            self._made[self.version] = self._made.get(self.version, 0) + kept
+            with self._lock:
+                self.throttle.note_made(kept)
+            self.courier.wake()
+        return kept
+
+    def _pause(self, seconds: float) -> None:
+        """Wait up to `seconds`, returning early on a stop, spool progress or a new demand."""
+        self._wake.wait(seconds)
+        self._wake.clear()
 
     def _groups_at_version(self) -> int:
         return self._made.get(self.version, 0) if self.version is not None else 0
@@ -361,50 +366,105 @@ class Worker:
         return self.spool.stats.uploaded if self.spool is not None else 0
 
     def _quota_reached(self) -> bool:
-        return self.opts.max_groups is not None and self.spool is not None and (
-            self.spool.stats.uploaded >= self.opts.max_groups
+        return (
+            self.opts.max_groups is not None
+            and self.spool is not None
+            and (self.spool.stats.uploaded >= self.opts.max_groups)
         )
 
-    def _wait_for_store(self) -> None:
-        """Back off while groups are pending, retrying the flush; returns early on stop."""
-        if self.spool is None:
+    # -- supply control (called by the courier thread) --
+
+    def _take_demand(self, demand: Any) -> None:
+        with self._lock:
+            news = self.throttle.observe(demand)
+        if not news:
             return
-        self._set_status("waiting", f"store unreachable, {len(self.spool)} group(s) spooled")
-        self._heartbeat()
-        self._waits += 1
-        delay = min(self.opts.max_backoff_s, 0.25 * 2 ** min(self._waits, 10)) * (0.5 + random.random() / 2)
-        if self.stop_event.wait(delay):
+        if self.version is not None and demand.version > self.version:
+            # Fetch the announced version now rather than at the prefetcher's next poll, so the groups this
+            # demand asks for come from the newest weights (fresher groups go stale later). Fail-closed: a
+            # version that does not verify is not staged, and the prefetch thread retries it.
+            try:
+                self.syncer.prefetch_once()
+            except PnyxError as e:
+                log.info(
+                    "worker %s: early fetch of v%d failed (%s); the prefetcher retries",
+                    self.worker_id,
+                    demand.version,
+                    e,
+                )
+        self._wake.set()
+
+    def _demand_poll_s(self) -> float:
+        with self._lock:
+            return self.throttle.poll_interval(self.cfg.worker.poll_interval_s)
+
+    def _expired(self, key: str) -> bool:
+        parsed = layout.parse_rollout_key(key)
+        with self._lock:
+            return parsed is not None and self.throttle.expired(parsed[0])
+
+    # -- the end --
+
+    def _end_courier(self, wait_s: float) -> None:
+        """Stop the courier (its final flush and heartbeat) and wait up to `wait_s` + 2 s for it."""
+        if self.courier is None:
+            self._write_heartbeat()
             return
-        self.spool.flush(self.store, self.opts.flush_deadline_s)
+        self.stop_event.set()
+        self.courier.wake()
+        if not self.courier.join(wait_s + 2.0):
+            log.warning(
+                "worker %s: the store thread is still busy after %.0fs; leaving it",
+                self.worker_id,
+                wait_s + 2,
+            )
+        elif not self.courier.final_heartbeat_written:
+            self._write_heartbeat()
 
     def _shutdown(self) -> WorkerSummary:
-        if self.spool is not None and len(self.spool):
-            self._set_status("uploading", f"final flush of {len(self.spool)} group(s)")
-            self.spool.flush(self.store, self.opts.flush_deadline_s)
-            if len(self.spool):
-                where = f"kept in {self.opts.spool_dir}" if self.opts.spool_dir else "lost"
-                log.warning("worker %s: %d group(s) not uploaded at stop (%s)", self.worker_id, len(self.spool), where)
+        if self.courier is not None and not self.stopping:  # max_groups reached: upload everything first
+            self.courier.finish(self.opts.flush_deadline_s)
+            self.courier.join(self.opts.flush_deadline_s + 2.0)
         if self.status != "error":
             self._set_status("stopped", self._stop_reason or "done")
-            self._heartbeat(force=True)
-        stats = self.spool.stats if self.spool is not None else None
+        self._end_courier(self.opts.final_flush_s)
+        spool = self.spool
+        if spool is not None and len(spool):
+            log.warning(
+                "worker %s: %d group(s) not uploaded at stop, kept in %s: the next start of this worker id "
+                "uploads them", self.worker_id, len(spool), spool.folder,
+            )  # fmt: skip
+        stats = spool.stats if spool is not None else None
         return WorkerSummary(
             worker_id=self.worker_id,
             groups_uploaded=stats.uploaded if stats else 0,
-            groups_pending=len(self.spool) if self.spool is not None else 0,
+            groups_pending=len(spool) if spool is not None else 0,
             groups_dropped=stats.dropped if stats else 0,
+            groups_skipped_zero_variance=self.skipped_zero_variance,
+            groups_expired=stats.expired if stats else 0,
             rollouts=self.rollouts,
             tokens=self.tokens,
             versions=list(self.versions_used),
             status=self.status,
+            spool_folder=str(spool.folder) if spool is not None and spool.folder is not None else None,
         )
+
+    def close(self) -> None:
+        """Stop the background threads without a goodbye (for callers that used `join` + `step` only)."""
+        self.stop_event.set()
+        if self.courier is not None:
+            self.courier.wake()
+            self.courier.join(self.opts.final_flush_s + 2.0)
+        if self.syncer is not None:
+            self.syncer.stop(timeout_s=1.0)
 
     # -- seq numbers --
 
     def _next_seq(self) -> int:
-        seq = self._seq
-        self._seq += 1
-        return seq
+        with self._seq_lock:
+            seq = self._seq
+            self._seq += 1
+            return seq
 
     def _rekey(self, key: str, data: bytes) -> tuple[str, bytes]:
         import msgspec
@@ -428,34 +488,48 @@ class Worker:
             return
         rates = ((self.rollouts - r0) / (now - start), (self.tokens - t0) / (now - start))
         old = self._rates
-        self._rates = rates if old == (0.0, 0.0) else tuple(0.5 * a + 0.5 * b for a, b in zip(old, rates, strict=True))
+        self._rates = (
+            rates if old == (0.0, 0.0) else tuple(0.5 * a + 0.5 * b for a, b in zip(old, rates, strict=True))
+        )
         self._window = (now, self.rollouts, self.tokens)
 
-    def _heartbeat(self, force: bool = False) -> None:
-        """Overwrite workers/<id>.json (at most every heartbeat_interval_s unless forced); never fatal."""
+    def _heartbeat_bytes(self, final: bool = False) -> bytes:
+        """This worker's heartbeat record; `final` reports the end (stopped, or error) whatever the
+        generating thread is doing."""
         from pnyx.protocol import HEARTBEAT_SCHEMA, Heartbeat, encode_json
 
-        now = time.monotonic()
-        interval = self.cfg.worker.heartbeat_interval_s if hasattr(self, "cfg") else 0.0
-        if not force and now - self._last_heartbeat < interval:
-            return
-        fields: dict[str, Any] = dict(
+        status, detail = self.status, self.detail
+        if final and status != "error":
+            status, detail = "stopped", self._stop_reason or "done"
+        if final and self.spool is not None and len(self.spool):
+            detail = f"{detail}; {len(self.spool)} group(s) kept in {self.spool.folder}"
+        group_size = self.cfg.worker.group_size if hasattr(self, "cfg") else 0
+        spool = self.spool
+        hb = Heartbeat(
             schema=HEARTBEAT_SCHEMA,
             worker_id=self.worker_id,
             role="worker",
             version=self.version if self.version is not None else -1,
             updated_at=time.time(),
-            rollouts=self._uploaded() * (self.cfg.worker.group_size if hasattr(self, "cfg") else 0),
+            rollouts=self._uploaded() * group_size,
             groups=self._uploaded(),
+            groups_skipped_zero_variance=self.skipped_zero_variance,
+            groups_pending=len(spool) if spool is not None else 0,
+            groups_expired=spool.stats.expired if spool is not None else 0,
+            started_at=self.started_at,
             tokens_per_s=round(self._rates[1], 3),
             rollouts_per_s=round(self._rates[0], 3),
-            status=self.status,
-            detail=self.detail,
+            status=status,
+            detail=detail[:500],
             digest=self.digest,
         )
-        hb = Heartbeat(**fields)
+        return encode_json(hb)
+
+    def _write_heartbeat(self) -> None:
+        """Write the heartbeat from this thread (before the courier runs, or after it ended); never fatal."""
         try:
-            self.store.put(layout.worker_heartbeat(self.worker_id), encode_json(hb))
-            self._last_heartbeat = now
-        except StoreUnavailableError as e:
-            log.warning("heartbeat not written (store unavailable): %s", e)
+            self.store.put(
+                layout.worker_heartbeat(self.worker_id), self._heartbeat_bytes(final=self.status == "stopped")
+            )
+        except StoreError as e:
+            log.warning("heartbeat not written (%s): %s", type(e).__name__, e)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -326,8 +327,19 @@ class Store:
         def note_retry(attempt: int, exc: BaseException) -> None:
             retried[0] = True
 
+        def attempt() -> PutResult:
+            try:
+                return self._backend.put(key, data, mode)
+            except FileNotFoundError as exc:
+                if not self._backend.remote or _missing_bucket(exc):
+                    raise
+                # A put never legitimately answers "not found": this is a multipart upload whose completion
+                # landed but whose reply was lost, so the client's abort met NoSuchUpload. Try it again.
+                # (the message leaves out the inner 404, which the classifier would read as final)
+                raise OSError(errno.EIO, f"put of {key} ended ambiguously (its upload was gone)") from exc
+
         try:
-            return self._call(f"put {key}", lambda: self._backend.put(key, data, mode), on_retry=note_retry)
+            return self._call(f"put {key}", attempt, on_retry=note_retry)
         except (AlreadyExistsError, PreconditionError):
             if retried[0] and self._holds(key, data):
                 return PutResult(etag=self.head(key).etag)

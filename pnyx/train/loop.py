@@ -53,6 +53,7 @@ from pnyx.train.prefetch import Prefetcher
 from pnyx.train.progress import Progress, format_line, reward_parts
 from pnyx.train.settings import ingest_settings, loss_settings
 from pnyx.train.step import StepStats, make_optimizer, train_step
+from pnyx.train.supply import DemandPublisher
 
 log = logging.getLogger("pnyx.train")
 
@@ -185,6 +186,7 @@ class Trainer:
             self.store, self.dist, checkpointer.local_folder(t.checkpoint_dir, self.store.url), t.keep_checkpoints,
             t.async_checkpoint, hook=_crash_point,
         )  # fmt: skip
+        self.supply = DemandPublisher(self.store, t.groups_per_step, cfg.algorithm.max_staleness)
         vocab = int(self.model.config.vocab_size)
         self.model_info = {
             "name": source.name,
@@ -507,6 +509,8 @@ class Trainer:
                 if r is None:
                     break
                 if self.dist.is_main:
+                    # supply control, first thing after a publish: tell workers what the next step can use
+                    self.supply.after_publish(r.version, waiting=self.ingestor.poll(r.version))
                     m = self.metrics(r)
                     checkpoint.write_metrics(self.store, r.version, m)
                     for sink in sinks:

@@ -1,0 +1,169 @@
+"""Supply control, the worker's side: how many more groups this worker may make, from the trainer's demand.
+
+The trainer rewrites `weights/DEMAND` after every publish (`pnyx.train.supply`): its version V, the groups
+one step consumes (B), how many usable groups were waiting when it published (`waiting`), how many workers
+are live (N) and its seconds per step. The aim: when the trainer publishes, about `lead × B` usable groups
+wait for it: enough for its next step without waiting, few enough that none goes stale under its
+freshest-first selection (a group it leaves behind is never picked while fresher ones arrive).
+
+Each worker keeps a *target*: how many groups (uploaded ones: zero-variance skips are free) it should have
+made. On each new demand version it
+- adds its quota `q` once per step the trainer took (feed-forward: a step consumes B, this worker's part
+  starts at B/N);
+- adds `gain_p × (lead·B − waiting) / N` once (proportional: refill a short queue, let a long one drain);
+- moves `q` by `gain_i × (lead·B − waiting) / N` (integral: a worker faster than its share, or whose peers
+  are slow or gone, takes on more);
+- forgives debt beyond one step plus one cohort, so a worker that cannot keep up never bursts later.
+It may generate while made < target. The trainer never waits for a worker to *notice* a version: the target
+already covers the next step's batch (lead ≥ 1), and the owner polls the demand at an eighth of the
+trainer's step time (`poll_interval`).
+
+Liveness: the trainer rewrites its demand only when it publishes, so a trainer waiting for data cannot ask
+for more. When the target is reached and no new demand came for two steps, the worker is granted one more
+cohort; the wait doubles at each grant (up to a minute) and resets with the next demand. A starving trainer
+is therefore always fed; a dead one costs at most a cohort per minute per worker. Before the first demand
+(the trainer has not stepped yet, or is too old to write one) the target is `lead × B`, then the same grants.
+
+Knows nothing about the store, models or threads: the owner feeds it demands, counts and a clock, under its
+own lock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+GAIN_P = 0.25
+"""Share of the queue's error refilled (or drained) at once, per demand."""
+GAIN_I = 0.1
+"""Share of the queue's error added to the per-step quota, per demand."""
+STALL_CAP_S = 60.0
+"""Longest wait between two stall grants."""
+MIN_POLL_S = 0.05
+"""Shortest demand poll interval."""
+
+
+class Throttle:
+    """One worker's allowance under supply control (see the module docstring for the control law)."""
+
+    def __init__(
+        self,
+        groups_per_step: int,
+        lead: float,
+        cohort: int,
+        *,
+        gain_p: float = GAIN_P,
+        gain_i: float = GAIN_I,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if groups_per_step < 1 or cohort < 1 or lead < 1:
+            raise ValueError(
+                f"Throttle needs groups_per_step, cohort >= 1 and lead >= 1, got {groups_per_step}, {cohort}, {lead}"
+            )
+        self.groups_per_step = groups_per_step
+        self.lead = lead
+        self.cohort = cohort
+        self.gain_p = gain_p
+        self.gain_i = gain_i
+        self._clock = clock
+        self.made = 0
+        """Groups made (spooled for upload) since this worker started."""
+        self.target = lead * groups_per_step
+        """Groups this worker should have made by now."""
+        self.quota: float | None = None
+        """This worker's groups per trainer step (None before the first demand)."""
+        self.version: int | None = None
+        """The newest trainer version a demand announced."""
+        self.max_staleness: int | None = None
+        self.step_s = 0.0
+        self.workers = 1
+        self.waiting: int | None = None
+        self.grants = 0
+        """Cohorts granted because the demand stalled (see the module docstring)."""
+        self._news_at = clock()
+        self._stalls = 0
+
+    # -- inputs --
+
+    def observe(self, demand: Any) -> bool:
+        """Take a demand record (`pnyx.protocol.Demand`); True if it was news (a newer version)."""
+        if self.version is not None and demand.version <= self.version:
+            return False
+        b = max(1, int(demand.groups_per_step))
+        workers = max(1, int(demand.workers))
+        share = 1.0 / workers
+        if self.quota is None:
+            self.quota, steps = share * b, 1
+            self.target = float(self.made)  # the pre-demand allowance is spent or forgotten
+        else:
+            if workers != self.workers:
+                self.quota *= self.workers / workers  # the fleet's total stays put; the error term adjusts it
+            steps = max(1, demand.version - self.version)
+        error = self.lead * b - int(demand.waiting)
+        self.target += self.quota * steps + self.gain_p * share * max(
+            error, -b * (int(demand.max_staleness) + 1)
+        )
+        self.quota = min(float(b), max(0.0, self.quota + self.gain_i * share * max(-b, min(b, error))))
+        self.target = min(self.target, self.made + self.quota + self.cohort)  # forgive older debt
+        self.groups_per_step = b
+        self.version = int(demand.version)
+        self.max_staleness = int(demand.max_staleness)
+        self.step_s = max(0.0, float(demand.step_s))
+        self.workers = workers
+        self.waiting = int(demand.waiting)
+        self._news_at = self._clock()
+        self._stalls = 0
+        return True
+
+    def note_made(self, groups: int) -> None:
+        """Count groups made (spooled for upload); skipped zero-variance groups are not counted."""
+        self.made += groups
+
+    # -- outputs --
+
+    def allowance(self) -> int:
+        """Groups this worker may make now (0: wait). Grants a stall cohort when one is due."""
+        left = self.target - self.made
+        if left > 0:
+            return math.ceil(left)
+        now = self._clock()
+        if now - self._news_at >= self.stall_after():
+            self.target = self.made + self.cohort
+            self.grants += 1
+            self._stalls += 1
+            self._news_at = now
+            return self.cohort
+        return 0
+
+    def stall_after(self) -> float:
+        """Seconds without a new demand after which the next stall cohort is granted."""
+        base = max(1.0, 2.0 * self.step_s) if self.step_s > 0 else 2.0
+        return min(STALL_CAP_S, base * 2.0**self._stalls)
+
+    def wait_hint(self) -> float:
+        """How long to wait before asking `allowance` again (a new demand should wake the owner sooner)."""
+        return max(MIN_POLL_S, min(self.stall_after() - (self._clock() - self._news_at), 1.0))
+
+    def poll_interval(self, default_s: float) -> float:
+        """How often to read the demand: an eighth of the trainer's step, within [0.05 s, default_s]."""
+        if self.step_s <= 0:
+            return default_s
+        return max(MIN_POLL_S, min(default_s, self.step_s / 8))
+
+    def expired(self, version: int) -> bool:
+        """True if a group of `version` can no longer reach a trainer step: the trainer announced a version
+        past its staleness window (a group uploaded there is never read)."""
+        if self.version is None or self.max_staleness is None:
+            return False
+        return version < self.version - self.max_staleness
+
+    def describe(self) -> str:
+        """One short line for the heartbeat's detail."""
+        if self.quota is None:
+            return f"supply: made {self.made}/{self.target:.0f} before the trainer's first demand"
+        return (
+            f"supply: made {self.made}/{self.target:.0f} trainer v={self.version} waiting={self.waiting} "
+            f"share=1/{self.workers} quota={self.quota:.1f}/step"
+        )

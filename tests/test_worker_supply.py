@@ -1,0 +1,115 @@
+"""The worker under supply control, in process: zero-variance groups skipped and counted, pacing by the
+trainer's demand, spooled groups the trainer can no longer use expired instead of uploaded.
+
+Real store (a tmp folder), the trainer's own `init_run`, the real PULSE publisher, the real engine and
+`arith` with the tiny random model. Where a test needs groups with and without reward variance, it wraps
+the worker's environment so that half the tasks score alternately 0 and 1 (the random model alone scores 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+from worker_support import make_run, rollout_groups, wait_for
+
+from pnyx.envs import stable_hash
+from pnyx.protocol import Demand, Heartbeat, decode_json, encode_json, layout
+from pnyx.rollout.worker import Worker, WorkerOptions
+from pnyx.train.advantages import is_zero_variance
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    import torch
+
+    torch.set_num_threads(1)
+
+
+class MixedRewards:
+    """The run's env, except rewards: tasks whose id hashes odd alternate 0/1 per sample, the others score 0."""
+
+    def __init__(self, env):
+        self._env = env
+        self.calls = 0
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+    def score(self, task, text):
+        self.calls += 1
+        score = self._env.score(task, text)
+        reward = float(self.calls % 2) if stable_hash(task.id) % 2 else 0.0
+        return dataclasses.replace(score, reward=reward)
+
+
+def _write_demand(store, version: int, waiting: int, staleness: int = 3) -> None:
+    """A trainer's demand; its long step time keeps stall grants (after 2 steps) out of these tests."""
+    d = Demand(
+        version=version, groups_per_step=8, max_staleness=staleness, waiting=waiting, step_s=30.0, workers=1,
+        updated_at=time.time(),
+    )  # fmt: skip
+    store.put(layout.WEIGHTS_DEMAND, encode_json(d))
+
+
+def test_zero_variance_groups_are_skipped_counted_and_leave_no_gap_in_seqs(tmp_path, tiny_model_dir):
+    run = make_run(str(tmp_path / "run"), tiny_model_dir, skip_zero_variance=True, supply_control=False)
+    worker = Worker(run.store, WorkerOptions(worker_id="w1", max_groups=4, spool_dir=str(tmp_path / "spool")))
+    worker.join()
+    worker.env = MixedRewards(worker.env)
+    summary = worker.run()
+
+    groups = [g for _, g in rollout_groups(run.store)]
+    assert len(groups) == 4 and summary.groups_skipped_zero_variance > 0
+    assert not any(is_zero_variance([s.reward for s in g.samples]) for g in groups)
+    assert sorted(g.seq for g in groups) == [0, 1, 2, 3]  # skipped groups take no seq
+    hb = decode_json(run.store.get(layout.worker_heartbeat("w1")), Heartbeat)
+    assert hb.groups == 4 and hb.groups_skipped_zero_variance == summary.groups_skipped_zero_variance
+
+
+def test_worker_waits_for_the_trainers_demand_then_makes_one_more_step(tmp_path, tiny_model_dir):
+    run = make_run(str(tmp_path / "run"), tiny_model_dir)  # supply control on; trainer.groups_per_step 8
+    worker = Worker(run.store, WorkerOptions(worker_id="w1", spool_dir=str(tmp_path / "spool")))
+    worker.join()
+    made = lambda: worker.spool.stats.uploaded + len(worker.spool)  # noqa: E731
+    try:
+        for _ in range(8):
+            worker.step()
+        assert made() == 10  # before any demand: the lead, 1.25 steps of 8
+        worker.step()
+        assert made() == 10 and worker.status == "waiting" and "supply" in worker.detail
+        _write_demand(run.store, version=1, waiting=10)  # the trainer stepped; its queue is on target
+        wait_for(lambda: worker.throttle.version == 1, 30, "the courier to read the demand")
+        for _ in range(8):
+            worker.step()
+        assert made() == 18  # exactly one more step of 8
+        wait_for(lambda: len(rollout_groups(run.store)) == 18, 60, "the uploads")
+    finally:
+        worker.close()
+
+
+def test_spooled_groups_past_the_trainers_window_expire_instead_of_uploading(tmp_path, tiny_model_dir):
+    from pnyx.store import RetryPolicy
+    from pnyx.store.faults import FaultyStore
+
+    run = make_run(str(tmp_path / "run"), tiny_model_dir, supply_control=False)
+    spool = str(tmp_path / "spool")
+    down = FaultyStore(run.store, retry=RetryPolicy(deadline_s=0.05, base_s=0.01, cap_s=0.01))
+    down.fail_when(lambda op, key: op == "put" and key.startswith(layout.ROLLOUTS_PREFIX))
+    first = Worker(down, WorkerOptions(worker_id="w1", spool_dir=spool, final_flush_s=0.2))
+    first.join()
+    first.step()  # 2 groups of v0, spooled, never uploaded
+    first.request_stop("test")
+    assert first.run().groups_pending == 2
+
+    for v in range(1, 6):
+        run.publish(v)
+    _write_demand(run.store, version=5, waiting=10, staleness=3)  # the window is now v2..v5
+    again = Worker(run.store, WorkerOptions(worker_id="w1", spool_dir=spool, max_groups=2))
+    summary = again.run()
+
+    assert summary.groups_expired == 2
+    assert all(g.policy_version == 5 for _, g in rollout_groups(run.store))  # only the new life's groups
+    hb = decode_json(run.store.get(layout.worker_heartbeat("w1")), Heartbeat)
+    assert hb.groups_expired == 2 and hb.groups == 2
