@@ -95,8 +95,15 @@ def run_sync(cfg: Any, window: RewardWindow, budget_s: float, threads: int) -> d
         while len(batch) < cfg.trainer.groups_per_step and time.time() - t0 < budget_s:
             tasks = [next(stream) for _ in range(w.prompts_per_cohort)]
             spec = CohortSpec(
-                run_id="sync", worker_id="sync", version=steps, digest="-", group_size=w.group_size,
-                temperature=w.temperature, top_p=w.top_p, top_k=w.top_k, max_new_tokens=max_new,
+                run_id="sync",
+                worker_id="sync",
+                version=steps,
+                digest="-",
+                group_size=w.group_size,
+                temperature=w.temperature,
+                top_p=w.top_p,
+                top_k=w.top_k,
+                max_new_tokens=max_new,
                 seed=cfg.run.seed * 1_000_003 + cohorts,
             )
             model.eval()
@@ -115,16 +122,25 @@ def run_sync(cfg: Any, window: RewardWindow, budget_s: float, threads: int) -> d
                     continue
                 batch.append(
                     ScoredGroup(
-                        key=f"sync-{g.seq}", version=steps, worker_id="sync", task_id=g.task_id, group=g,
-                        rewards=rewards, advantages=group_advantages(rewards, cfg.algorithm.advantage),
+                        key=f"sync-{g.seq}",
+                        version=steps,
+                        worker_id="sync",
+                        task_id=g.task_id,
+                        group=g,
+                        rewards=rewards,
+                        advantages=group_advantages(rewards, cfg.algorithm.advantage),
                         worker_rewards=rewards,
                     )
                 )
         if len(batch) < cfg.trainer.groups_per_step:
             break
         train_step(
-            model, opt, batch[: cfg.trainer.groups_per_step], settings,
-            micro_batch_tokens=cfg.trainer.micro_batch_tokens, grad_clip=cfg.trainer.grad_clip,
+            model,
+            opt,
+            batch[: cfg.trainer.groups_per_step],
+            settings,
+            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+            grad_clip=cfg.trainer.grad_clip,
             max_len=max_new,
         )
         steps += 1
@@ -154,8 +170,18 @@ def run_fleet(overrides: list[str], window: RewardWindow, budget_s: float, worke
     scratch = Path(tempfile.mkdtemp(prefix="pnyx-bench-async-"))
     name = "bench"
     cmd = [
-        sys.executable, "-m", "pnyx", "run", "--no-live", "--workers", str(workers), f"--run.name={name}",
-        f"--run.time_budget_s={budget_s}", "--run.eval_every=0", "--run.eval_tasks=50", *overrides,
+        sys.executable,
+        "-m",
+        "pnyx",
+        "run",
+        "--no-live",
+        "--workers",
+        str(workers),
+        f"--run.name={name}",
+        f"--run.time_budget_s={budget_s}",
+        "--run.eval_every=0",
+        "--run.eval_tasks=50",
+        *overrides,
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.time()
@@ -179,8 +205,12 @@ def run_fleet(overrides: list[str], window: RewardWindow, budget_s: float, worke
         if proc.poll() is None:
             proc.kill()
     versions = len(list((store_dir / "weights").glob("v*/manifest.json"))) if store_dir.exists() else 0
-    return {"versions": max(0, versions - 1), "seconds": round(time.time() - t0, 1), "folder": str(scratch),
-            "exit_code": proc.returncode}
+    return {
+        "versions": max(0, versions - 1),
+        "seconds": round(time.time() - t0, 1),
+        "folder": str(scratch),
+        "exit_code": proc.returncode,
+    }
 
 
 def main() -> None:
@@ -190,8 +220,12 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420.0, help="give up on a system after this long")
     ap.add_argument("--workers", type=int, default=1, help="fleet worker processes")
     ap.add_argument("--only", choices=["sync", "fleet"], default=None, help="run one system only")
-    ap.add_argument("--sync-threads", type=int, default=1,
-                    help="torch threads of the synchronous loop (1 is fastest for the tiny model on a shared box)")
+    ap.add_argument(
+        "--sync-threads",
+        type=int,
+        default=1,
+        help="torch threads of the synchronous loop (1 is fastest for the tiny model on a shared box)",
+    )
     ap.add_argument("overrides", nargs="*", help="dotted config overrides for both, e.g. --trainer.lr=3e-4")
     args, extra = ap.parse_known_args()
     overrides = [*args.overrides, *extra]
@@ -199,23 +233,33 @@ def main() -> None:
     from pnyx.config import load_config
 
     cfg = load_config(None, overrides)
-    print(f"bench_async: env={cfg.env.name} G={cfg.worker.group_size} groups/step={cfg.trainer.groups_per_step} "
-          f"lr={cfg.trainer.lr} target={args.target} window={args.window} cores={os.cpu_count()} "
-          f"sync_threads={args.sync_threads} fleet_workers={args.workers}", flush=True)
+    print(
+        f"bench_async: env={cfg.env.name} G={cfg.worker.group_size} groups/step={cfg.trainer.groups_per_step} "
+        f"lr={cfg.trainer.lr} target={args.target} window={args.window} cores={os.cpu_count()} "
+        f"sync_threads={args.sync_threads} fleet_workers={args.workers}",
+        flush=True,
+    )
     results: dict[str, Any] = {}
     if args.only in (None, "sync"):
         w = RewardWindow(args.window, args.target)
         info = run_sync(cfg, w, args.budget_s, args.sync_threads)
         results["sync"] = _result(w, info)
-        print(f"sync : time to {args.target} = {_s(w.hit_s)}, after the first rollout {_s(w.after_first_s)}  ({info})",
-              flush=True)
+        print(
+            f"sync : time to {args.target} = {_s(w.hit_s)}, after the first rollout {_s(w.after_first_s)}  ({info})",
+            flush=True,
+        )
     if args.only in (None, "fleet"):
         w = RewardWindow(args.window, args.target)
         info = run_fleet(overrides, w, args.budget_s, args.workers)
         results["fleet"] = _result(w, info)
-        print(f"fleet: time to {args.target} = {_s(w.hit_s)}, after the first rollout {_s(w.after_first_s)}  ({info})",
-              flush=True)
-    for key, label in (("time_to_target_s", "from process start"), ("after_first_rollout_s", "from the first rollout")):
+        print(
+            f"fleet: time to {args.target} = {_s(w.hit_s)}, after the first rollout {_s(w.after_first_s)}  ({info})",
+            flush=True,
+        )
+    for key, label in (
+        ("time_to_target_s", "from process start"),
+        ("after_first_rollout_s", "from the first rollout"),
+    ):
         s, f = (results.get(k, {}).get(key) for k in ("sync", "fleet"))
         if s and f:
             print(f"ratio sync/fleet {label} = {s / f:.2f}x (> 1: the fleet reaches the target sooner)")

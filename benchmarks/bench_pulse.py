@@ -39,7 +39,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--threads", type=int, default=2, help="torch threads for the training steps")
     p.add_argument("--codec-threads", type=int, default=None, help="codec threads (default: the codec's own)")
-    p.add_argument("--level", type=int, default=1, help="zstd level of the delta frames (publisher and codec)")
+    p.add_argument(
+        "--level", type=int, default=1, help="zstd level of the delta frames (publisher and codec)"
+    )
     p.add_argument("--store", type=str, default=None, help="local folder for the store (default: a temp dir)")
     return p.parse_args()
 
@@ -79,9 +81,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = Qwen2Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(512, args.seq), tie_word_embeddings=True,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(512, args.seq),
+        tie_word_embeddings=True,
     )
     model = Qwen2ForCausalLM(cfg)
     nparams = sum(p.numel() for p in model.parameters())
@@ -99,13 +106,17 @@ def main() -> None:
     grid = q8.make_grid(old)
     old8, grid = q8.quantize(old, grid)
     full8 = sum(tb.nbytes for tb in old8.values())
-    print(f"model: Qwen2 {nparams / 1e6:.1f}M params ({len(old)} tensors), full bf16 state {full / 1e6:.1f} MB, "
-          f"int8 plane {full8 / 1e6:.1f} MB; AdamW lr={args.lr:g}, batch {args.batch}x{args.seq}, "
-          f"{args.threads} threads, codec threads {args.codec_threads or default_threads()}, zstd level {args.level}; "
-          f"store {folder}")
-    hdr = (f"{'step':>4} {'changed':>8} {'delta/full':>10} {'bound/full':>10} {'delta/bound':>11} "
-           f"{'values/full':>11} {'delta/values':>12} {'enc GB/s':>8} {'dec GB/s':>8} {'dec reuse':>9} {'memcpy':>7} "
-           f"{'rt/memcpy':>9} {'rt reuse':>8} {'int8 chg':>8} {'int8 d/full':>11} {'train s':>7} {'pub s':>6}")
+    print(
+        f"model: Qwen2 {nparams / 1e6:.1f}M params ({len(old)} tensors), full bf16 state {full / 1e6:.1f} MB, "
+        f"int8 plane {full8 / 1e6:.1f} MB; AdamW lr={args.lr:g}, batch {args.batch}x{args.seq}, "
+        f"{args.threads} threads, codec threads {args.codec_threads or default_threads()}, zstd level {args.level}; "
+        f"store {folder}"
+    )
+    hdr = (
+        f"{'step':>4} {'changed':>8} {'delta/full':>10} {'bound/full':>10} {'delta/bound':>11} "
+        f"{'values/full':>11} {'delta/values':>12} {'enc GB/s':>8} {'dec GB/s':>8} {'dec reuse':>9} {'memcpy':>7} "
+        f"{'rt/memcpy':>9} {'rt reuse':>8} {'int8 chg':>8} {'int8 d/full':>11} {'train s':>7} {'pub s':>6}"
+    )
     print(hdr)
     rows = []
     spare: dict = {}  # the arrays of the state rebuilt one step earlier (nothing reads them any more)
@@ -147,17 +158,29 @@ def main() -> None:
         pub.publish_bits(step, new)
         pub_s = time.perf_counter() - t
         r = dict(
-            changed=stats.changed / stats.elements, delta=delta / full, bound=bound / full,
-            d_bound=delta / bound if bound else float("nan"), values=values / full, d_values=delta / values,
-            enc=full / enc_s / 1e9, dec=full / dec_s / 1e9, dec_r=full / reuse_s / 1e9, mem=mem,
-            rt=(full / (enc_s + dec_s) / 1e9) / mem, rt_r=(full / (enc_s + reuse_s) / 1e9) / mem,
-            int8=int8_changed, int8_d=int8_delta / full8,
+            changed=stats.changed / stats.elements,
+            delta=delta / full,
+            bound=bound / full,
+            d_bound=delta / bound if bound else float("nan"),
+            values=values / full,
+            d_values=delta / values,
+            enc=full / enc_s / 1e9,
+            dec=full / dec_s / 1e9,
+            dec_r=full / reuse_s / 1e9,
+            mem=mem,
+            rt=(full / (enc_s + dec_s) / 1e9) / mem,
+            rt_r=(full / (enc_s + reuse_s) / 1e9) / mem,
+            int8=int8_changed,
+            int8_d=int8_delta / full8,
         )
         rows.append(r)
-        print(f"{step:>4} {100 * r['changed']:>7.3f}% {100 * r['delta']:>9.3f}% {100 * r['bound']:>9.3f}% "
-              f"{r['d_bound']:>11.3f} {100 * r['values']:>10.3f}% {r['d_values']:>12.3f} {r['enc']:>8.2f} "
-              f"{r['dec']:>8.2f} {r['dec_r']:>9.2f} {r['mem']:>7.2f} {r['rt']:>9.3f} {r['rt_r']:>8.3f} {100 * r['int8']:>7.3f}% "
-              f"{100 * r['int8_d']:>10.3f}% {train_s:>7.2f} {pub_s:>6.2f}", flush=True)
+        print(
+            f"{step:>4} {100 * r['changed']:>7.3f}% {100 * r['delta']:>9.3f}% {100 * r['bound']:>9.3f}% "
+            f"{r['d_bound']:>11.3f} {100 * r['values']:>10.3f}% {r['d_values']:>12.3f} {r['enc']:>8.2f} "
+            f"{r['dec']:>8.2f} {r['dec_r']:>9.2f} {r['mem']:>7.2f} {r['rt']:>9.3f} {r['rt_r']:>8.3f} {100 * r['int8']:>7.3f}% "
+            f"{100 * r['int8_d']:>10.3f}% {train_s:>7.2f} {pub_s:>6.2f}",
+            flush=True,
+        )
         old, old8 = new, new8
 
     t = time.perf_counter()
@@ -166,16 +189,20 @@ def main() -> None:
     cold_s = time.perf_counter() - t
     ok = syn.digest == pub._digest
     moved = syn.last_route.nbytes if syn.last_route else 0
-    print(f"cold join: anchor + {version} deltas ({moved / 1e6:.1f} MB) from the local folder in {cold_s:.2f} s, "
-          f"digest {'matches' if ok else 'DIFFERS'}")
+    print(
+        f"cold join: anchor + {version} deltas ({moved / 1e6:.1f} MB) from the local folder in {cold_s:.2f} s, "
+        f"digest {'matches' if ok else 'DIFFERS'}"
+    )
 
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    print(f"median: changed {100 * med['changed']:.3f}%  delta {100 * med['delta']:.3f}% of full  "
-          f"delta/bound {med['d_bound']:.3f} (goal <= 1.2)  delta/values {med['d_values']:.3f} (goal <= 0.65)  "
-          f"enc {med['enc']:.2f} GB/s dec {med['dec']:.2f} GB/s (into reused arrays {med['dec_r']:.2f}) "
-          f"memcpy {med['mem']:.2f} GB/s  round trip/memcpy {med['rt']:.3f} (reused arrays {med['rt_r']:.3f}; "
-          f"goal >= 0.25)  int8 codes changed {100 * med['int8']:.3f}% "
-          f"int8 delta {100 * med['int8_d']:.3f}% of the int8 plane")
+    print(
+        f"median: changed {100 * med['changed']:.3f}%  delta {100 * med['delta']:.3f}% of full  "
+        f"delta/bound {med['d_bound']:.3f} (goal <= 1.2)  delta/values {med['d_values']:.3f} (goal <= 0.65)  "
+        f"enc {med['enc']:.2f} GB/s dec {med['dec']:.2f} GB/s (into reused arrays {med['dec_r']:.2f}) "
+        f"memcpy {med['mem']:.2f} GB/s  round trip/memcpy {med['rt']:.3f} (reused arrays {med['rt_r']:.3f}; "
+        f"goal >= 0.25)  int8 codes changed {100 * med['int8']:.3f}% "
+        f"int8 delta {100 * med['int8_d']:.3f}% of the int8 plane"
+    )
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def test_override_values_parse_as_literals():
 
 
 def test_resolved_config_round_trips_through_toml(tmp_path):
-    cfg = load_config(None, ["--env.name=searchqa", "--env.kwargs={\"top_k\": 2}"])
+    cfg = load_config(None, ["--env.name=searchqa", '--env.kwargs={"top_k": 2}'])
     f = tmp_path / "resolved.toml"
     f.write_text(to_toml(cfg))
     again = load_config(f)

@@ -116,7 +116,9 @@ def test_trainer_and_two_workers_meet_only_in_s3(s3_url, fleet_model, tmp_path):
     from pnyx.weights.manifest import latest_version
 
     settings = [*RUN_SETTINGS, f"--model.path={fleet_model}"]
-    trainer = start([sys.executable, "-m", "pnyx", "trainer", "--store", s3_url, *settings], tmp_path / "trainer.log")
+    trainer = start(
+        [sys.executable, "-m", "pnyx", "trainer", "--store", s3_url, *settings], tmp_path / "trainer.log"
+    )
     workers = [start(worker_command(s3_url, w), tmp_path / f"{w}.log") for w in WORKERS]
     watcher = HeartbeatWatcher(s3_url)
     procs = [trainer, *workers]
@@ -135,7 +137,9 @@ def test_trainer_and_two_workers_meet_only_in_s3(s3_url, fleet_model, tmp_path):
 
         # the workers join whenever they are ready (one may start seconds after the other): the trainer
         # steps on what landed, and within a few steps has trained on groups of both
-        wait_for(lambda: trained_on() >= set(WORKERS) or trainer.poll() is not None, 240, "groups of both trained")
+        wait_for(
+            lambda: trained_on() >= set(WORKERS) or trainer.poll() is not None, 240, "groups of both trained"
+        )
         trainer.send_signal(signal.SIGTERM)
         code = trainer.wait(120)
         assert code == 0, (tmp_path / "trainer.log").read_text(errors="replace")[-3000:]
@@ -143,7 +147,11 @@ def test_trainer_and_two_workers_meet_only_in_s3(s3_url, fleet_model, tmp_path):
         assert newest is not None and newest >= 2
         digest = read_manifest(store, newest).weights.chain_digest
         # both workers follow the trainer to its newest verified version
-        wait_for(lambda: all((newest, digest) in watcher.seen.get(w, set()) for w in WORKERS), 90, "workers at newest")
+        wait_for(
+            lambda: all((newest, digest) in watcher.seen.get(w, set()) for w in WORKERS),
+            90,
+            "workers at newest",
+        )
         for w in workers:
             w.send_signal(signal.SIGTERM)
         for w, name in zip(workers, WORKERS, strict=True):

@@ -149,9 +149,7 @@ def test_constant_normaliser_divides_by_sequences_times_max_len():
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "drgrpo"])
 def test_micro_batches_sum_to_the_full_batch_aggregate(mode):
     full = aggregate(VALUES, MASK, mode, max_len=8)
-    parts = sum(
-        (VALUES[i : i + 1] * token_weights(MASK[i : i + 1], mode, 2, 4, 8)).sum() for i in range(2)
-    )
+    parts = sum((VALUES[i : i + 1] * token_weights(MASK[i : i + 1], mode, 2, 4, 8)).sum() for i in range(2))
     assert parts.item() == pytest.approx(full.item())
 
 

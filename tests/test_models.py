@@ -65,8 +65,15 @@ def test_unavailable_device_is_a_config_error():
 
 
 def test_model_from_config_is_seeded():
-    cfg = {"model_type": "qwen2", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
-           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+    cfg = {
+        "model_type": "qwen2",
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
     a, b, c = model_from_config(cfg, seed=1), model_from_config(cfg, seed=1), model_from_config(cfg, seed=2)
     wa, wb, wc = (m.model.embed_tokens.weight for m in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
@@ -81,7 +88,9 @@ def test_make_tiny_model_dir_is_deterministic(tiny_model_dir, tmp_path):
 
 
 def test_render_string_prompt_encodes_as_is(tokenizer):
-    assert render_prompt(tokenizer, "What is 2+2?") == tokenizer.encode("What is 2+2?", add_special_tokens=False)
+    assert render_prompt(tokenizer, "What is 2+2?") == tokenizer.encode(
+        "What is 2+2?", add_special_tokens=False
+    )
 
 
 def test_render_messages_uses_chat_template_with_generation_prompt(tokenizer):

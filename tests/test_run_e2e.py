@@ -86,8 +86,9 @@ def test_eval_schedule_starts_at_v0_and_skips_ahead_to_the_newest_due_version(tm
 def _pnyx(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(log, "ab") as fh:
-        return subprocess.Popen([sys.executable, "-m", "pnyx", *args], cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
-                                env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "pnyx", *args], cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, env=env
+        )
 
 
 class Watcher(threading.Thread):
@@ -111,7 +112,9 @@ class Watcher(threading.Thread):
                 if (self.store_dir / "run.json").exists():
                     store = open_store(self.store_dir)
                     if not self.planted:
-                        store.put(layout.rollout_key(0, "evil", 0), b"not a rollout group at all", mode="create")
+                        store.put(
+                            layout.rollout_key(0, "evil", 0), b"not a rollout group at all", mode="create"
+                        )
                         self.planted = True
                     for meta in store.list(layout.WORKERS_PREFIX):
                         try:
@@ -147,8 +150,16 @@ def fleet_run(tmp_path_factory):
     store_dir = root / "runs" / NAME
     steps = 40
     common = [
-        "--no-live", "--workers", "2", f"--run.name={NAME}", f"--run.steps={steps}", "--run.time_budget_s=150",
-        "--run.eval_every=0", "--run.eval_tasks=100", "--run.seed=0", "--worker.heartbeat_interval_s=0.5",
+        "--no-live",
+        "--workers",
+        "2",
+        f"--run.name={NAME}",
+        f"--run.steps={steps}",
+        "--run.time_budget_s=150",
+        "--run.eval_every=0",
+        "--run.eval_tasks=100",
+        "--run.seed=0",
+        "--worker.heartbeat_interval_s=0.5",
         # every group uploaded: test_training_reward_rises samples the policy's rewards, not only the groups
         # with reward variance (skipping all-0 and all-1 groups pulls early and late means together)
         "--worker.skip_zero_variance=false",
@@ -256,7 +267,11 @@ def test_corrupt_rollout_object_is_rejected_and_counted_not_fatal(fleet_run):
     assert fleet_run["watcher"].planted
     metrics = read_metrics(open_store(fleet_run["store_dir"]))
     drops = metrics[-1]["drops"]
-    rejected = {k: v for k, v in drops.items() if k in ("bad_magic", "digest_mismatch", "decode_error", "oversize_bytes")}
+    rejected = {
+        k: v
+        for k, v in drops.items()
+        if k in ("bad_magic", "digest_mismatch", "decode_error", "oversize_bytes")
+    }
     assert sum(rejected.values()) >= 1, drops
     assert fleet_run["phase2_rc"] == 0
 

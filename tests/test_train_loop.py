@@ -70,17 +70,34 @@ def write_groups(store, model_dir: Path, version: int, n: int, worker: str = "w"
     keys = []
     for i, task in enumerate(env.sample("train", 0, n)):
         prompt = render_prompt(tok, task.prompt)
-        comps = [tok.encode(f"<answer>{a}</answer>", add_special_tokens=False) for a in (task.answer, task.answer + 1)]
+        comps = [
+            tok.encode(f"<answer>{a}</answer>", add_special_tokens=False)
+            for a in (task.answer, task.answer + 1)
+        ]
         with torch.no_grad():
             logp, _, _ = completion_logprobs(model, [prompt] * 2, comps)
         samples = [
-            Sample(tokens=c, logprobs=logp[j, : len(c)].tolist(), loss_mask=[1] * len(c), reward=float(j == 0))
+            Sample(
+                tokens=c, logprobs=logp[j, : len(c)].tolist(), loss_mask=[1] * len(c), reward=float(j == 0)
+            )
             for j, c in enumerate(comps)
         ]
         g = RolloutGroup(
-            run_id=_run_id(store), worker_id=worker, seq=i, policy_version=version, weights_digest=digest,
-            env="arith", task_id=task.id, prompt_tokens=prompt, samples=samples, temperature=1.0, top_p=1.0,
-            top_k=0, created_at=0.0, gen_seconds=0.0, score_seconds=0.0,
+            run_id=_run_id(store),
+            worker_id=worker,
+            seq=i,
+            policy_version=version,
+            weights_digest=digest,
+            env="arith",
+            task_id=task.id,
+            prompt_tokens=prompt,
+            samples=samples,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            created_at=0.0,
+            gen_seconds=0.0,
+            score_seconds=0.0,
         )
         # A fixed stamp, so two stores prepared alike hold the same keys (the kill tests compare them).
         key = layout.rollout_key(version, worker, i, stamp_ms=STAMP0 + i)
@@ -196,8 +213,20 @@ def test_metrics_report_every_quantity_the_step_line_needs(tmp_path, model_dir):
     write_groups(t.store, model_dir, 0, 2)
     t.run()
     (m,) = checkpoint.read_metrics(t.store)
-    for field in ("loss", "reward", "staleness", "masked_frac", "clip_frac", "iw_mean", "ess", "entropy",
-                  "grad_norm", "tok_s", "drops", "disagreements"):
+    for field in (
+        "loss",
+        "reward",
+        "staleness",
+        "masked_frac",
+        "clip_frac",
+        "iw_mean",
+        "ess",
+        "entropy",
+        "grad_norm",
+        "tok_s",
+        "drops",
+        "disagreements",
+    ):
         assert field in m, field
     assert m["staleness"] == {"0": 2} and m["reward"] == 0.5
 
@@ -250,7 +279,10 @@ def test_steps_follow_the_schedule_and_record_their_rate(tmp_path, model_dir):
     from pnyx.train.schedule import Schedule
 
     t = make_trainer(
-        str(tmp_path / "run"), model_dir, trainer__lr_schedule="cosine", trainer__warmup_steps=1,
+        str(tmp_path / "run"),
+        model_dir,
+        trainer__lr_schedule="cosine",
+        trainer__warmup_steps=1,
         trainer__min_lr_ratio=0.1,
     )
     t.start()
@@ -315,7 +347,11 @@ def _subprocess(url: str, cfg_path: Path, crash: str | None, *extra: str) -> sub
         env["PNYX_TEST_CRASH_AT"] = crash
     return subprocess.run(
         [sys.executable, "-m", "pnyx.train", "--store", url, "--config", str(cfg_path), "--resume", *extra],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=400,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
 
 

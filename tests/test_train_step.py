@@ -34,13 +34,27 @@ def scored_groups(model, tokenizer, n_groups: int = 2, g: int = 3) -> list[Score
         with torch.no_grad():
             logp, mask, _ = completion_logprobs(model, [prompt] * g, comps)
         samples = [
-            Sample(tokens=c, logprobs=logp[i, : len(c)].tolist(), loss_mask=[1] * len(c), reward=float(i == 0))
+            Sample(
+                tokens=c, logprobs=logp[i, : len(c)].tolist(), loss_mask=[1] * len(c), reward=float(i == 0)
+            )
             for i, c in enumerate(comps)
         ]
         rec = RolloutGroup(
-            run_id="r", worker_id="w", seq=gi, policy_version=0, weights_digest="d", env="arith",
-            task_id=f"t{gi}", prompt_tokens=prompt, samples=samples, temperature=1.0, top_p=1.0, top_k=0,
-            created_at=0.0, gen_seconds=0.0, score_seconds=0.0,
+            run_id="r",
+            worker_id="w",
+            seq=gi,
+            policy_version=0,
+            weights_digest="d",
+            env="arith",
+            task_id=f"t{gi}",
+            prompt_tokens=prompt,
+            samples=samples,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            created_at=0.0,
+            gen_seconds=0.0,
+            score_seconds=0.0,
         )
         rewards = [s.reward for s in samples]
         adv = [1.0 if r else -1.0 / (g - 1) for r in rewards]
@@ -89,8 +103,12 @@ def test_on_policy_step_reports_unit_ratios_and_no_masking(tiny):
     model, tokenizer = tiny
     m = copy.deepcopy(model)
     stats = train_step(
-        m, make_optimizer(m, 1e-3, (0.9, 0.99), 0.0), scored_groups(model, tokenizer), LossSettings(),
-        micro_batch_tokens=4096, grad_clip=1.0,
+        m,
+        make_optimizer(m, 1e-3, (0.9, 0.99), 0.0),
+        scored_groups(model, tokenizer),
+        LossSettings(),
+        micro_batch_tokens=4096,
+        grad_clip=1.0,
     )
     assert stats.masked_frac == 0.0 and stats.clip_frac == 0.0
     assert stats.iw_mean == pytest.approx(1.0, abs=1e-4) and stats.ess == pytest.approx(1.0, abs=1e-6)
@@ -106,8 +124,13 @@ def test_lp_gap_exposes_a_worker_whose_logprobs_are_not_its_policys(tiny):
         smp.logprobs = [lp - 1.0 for lp in smp.logprobs]
     m = copy.deepcopy(model)
     stats = train_step(
-        m, make_optimizer(m, 1e-3, (0.9, 0.99), 0.0), [*groups, forged], LossSettings(),
-        micro_batch_tokens=4096, grad_clip=1.0, policy_version=0,
+        m,
+        make_optimizer(m, 1e-3, (0.9, 0.99), 0.0),
+        [*groups, forged],
+        LossSettings(),
+        micro_batch_tokens=4096,
+        grad_clip=1.0,
+        policy_version=0,
     )
     assert stats.lp_gap["w"] < 1e-4
     assert stats.lp_gap["forger"] == pytest.approx(1.0, abs=1e-4)
@@ -128,8 +151,12 @@ def test_one_step_changes_parameters_and_publishes_a_verifiable_delta(tiny):
     pub.publish(0, cast(), force_anchor=True)
     before = {k: v.clone() for k, v in m.state_dict().items()}
     train_step(
-        m, make_optimizer(m, 1e-2, (0.9, 0.99), 0.0), scored_groups(model, tokenizer), LossSettings(),
-        micro_batch_tokens=4096, grad_clip=1.0,
+        m,
+        make_optimizer(m, 1e-2, (0.9, 0.99), 0.0),
+        scored_groups(model, tokenizer),
+        LossSettings(),
+        micro_batch_tokens=4096,
+        grad_clip=1.0,
     )
     assert any(not torch.equal(before[k], v) for k, v in m.state_dict().items())
     pub.publish(1, cast())
@@ -148,8 +175,12 @@ def test_cuda_step_keeps_fp32_master_weights_under_bf16_autocast(tiny):
     m = copy.deepcopy(model).cuda()
     before = {k: v.clone() for k, v in m.state_dict().items()}
     stats = train_step(
-        m, make_optimizer(m, 1e-2, (0.9, 0.99), 0.0), groups, LossSettings(),
-        micro_batch_tokens=4096, grad_clip=1.0,
+        m,
+        make_optimizer(m, 1e-2, (0.9, 0.99), 0.0),
+        groups,
+        LossSettings(),
+        micro_batch_tokens=4096,
+        grad_clip=1.0,
     )
     assert all(p.dtype == torch.float32 for p in m.parameters())
     assert any(not torch.equal(before[k], v) for k, v in m.state_dict().items())
@@ -163,8 +194,12 @@ def test_tokens_outside_the_truncated_support_do_not_make_the_loss_nan(tiny):
     for sg in groups:  # pretend the worker sampled with top_k=1: most recorded tokens are not the argmax
         sg.group.top_k = 1
     stats = train_step(
-        m, make_optimizer(m, 1e-3, (0.9, 0.99), 0.0), groups, LossSettings(),
-        micro_batch_tokens=4096, grad_clip=1.0,
+        m,
+        make_optimizer(m, 1e-3, (0.9, 0.99), 0.0),
+        groups,
+        LossSettings(),
+        micro_batch_tokens=4096,
+        grad_clip=1.0,
     )
     assert all(torch.isfinite(p).all() for p in m.parameters())
     assert torch.isfinite(torch.tensor(stats.loss))

@@ -108,11 +108,18 @@ def test_value_mode_roundtrips_the_same_state():
 
 def test_tensors_that_appear_reshape_or_change_dtype_go_whole():
     rng = np.random.default_rng(2)
-    old = {"keep": rand_bits(rng, "bfloat16", (8, 8)), "gone": rand_bits(rng, "float32", (3,)),
-           "reshaped": rand_bits(rng, "bfloat16", (4, 6)), "retyped": rand_bits(rng, "float16", (5,))}
-    new = {"keep": old["keep"], "born": rand_bits(rng, "int64", (2, 3)),
-           "reshaped": TensorBits("bfloat16", old["reshaped"].data.reshape(6, 4).copy()),
-           "retyped": rand_bits(rng, "float32", (5,))}
+    old = {
+        "keep": rand_bits(rng, "bfloat16", (8, 8)),
+        "gone": rand_bits(rng, "float32", (3,)),
+        "reshaped": rand_bits(rng, "bfloat16", (4, 6)),
+        "retyped": rand_bits(rng, "float16", (5,)),
+    }
+    new = {
+        "keep": old["keep"],
+        "born": rand_bits(rng, "int64", (2, 3)),
+        "reshaped": TensorBits("bfloat16", old["reshaped"].data.reshape(6, 4).copy()),
+        "retyped": rand_bits(rng, "float32", (5,)),
+    }
     stats = DeltaStats()
     chunks = list(encode_delta(old, new, stats=stats))
     assert stats.whole_tensors == {"born", "reshaped", "retyped"}
@@ -184,8 +191,12 @@ def test_safetensors_shards_roundtrip_and_load_in_the_reference_reader():
     import safetensors.torch
     import torch
 
-    state = {"a": torch.randn(3, 4).to(torch.bfloat16), "b": torch.arange(5), "c": torch.tensor(True),
-             "d": torch.randn(2, 2, dtype=torch.float16)}
+    state = {
+        "a": torch.randn(3, 4).to(torch.bfloat16),
+        "b": torch.arange(5),
+        "c": torch.tensor(True),
+        "d": torch.randn(2, 2, dtype=torch.float16),
+    }
     bits = from_torch(state)
     data = write_safetensors(bits)
     assert_same(read_safetensors(data), bits)

@@ -145,4 +145,6 @@ def test_quantize_handles_every_float_dtype(dtype):
     bits = from_torch(t)
     plane, grid = q8.quantize(bits, q8.make_grid(bits))
     back = q8.dequantize(plane)["w"]
-    assert np.abs(back - t["w"].float().numpy()).max() <= np.abs(t["w"].float().numpy()).max() * 2 / 255 + 1e-6
+    assert (
+        np.abs(back - t["w"].float().numpy()).max() <= np.abs(t["w"].float().numpy()).max() * 2 / 255 + 1e-6
+    )

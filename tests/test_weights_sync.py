@@ -24,8 +24,11 @@ class Trainer:
         g = torch.Generator().manual_seed(seed)
         self.noise = noise
         self.g = g
-        self.w = {"emb": torch.randn(96, 64, generator=g) * 0.02, "proj": torch.randn(64, 64, generator=g) * 0.02,
-                  "norm": torch.ones(64)}
+        self.w = {
+            "emb": torch.randn(96, 64, generator=g) * 0.02,
+            "proj": torch.randn(64, 64, generator=g) * 0.02,
+            "norm": torch.ones(64),
+        }
         self.extra = extra or {}
 
     def step(self) -> dict[str, torch.Tensor]:
@@ -41,7 +44,9 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return state_digest(from_torch(a)) == state_digest(from_torch(b))
 
 
-def publish_run(store, n: int, anchor_every: int = 4, **kw) -> tuple[Publisher, list[dict[str, torch.Tensor]]]:
+def publish_run(
+    store, n: int, anchor_every: int = 4, **kw
+) -> tuple[Publisher, list[dict[str, torch.Tensor]]]:
     pub = Publisher(store, anchor_every=anchor_every, **kw)
     tr = Trainer()
     states = []
@@ -91,9 +96,11 @@ def test_warm_follower_never_downloads_an_anchor(tmp_path):
 def test_flipped_byte_anywhere_is_detected_and_keeps_served_weights(tmp_path, where):
     store = open_store(str(tmp_path / "s"))
     pub, states = publish_run(store, 3, anchor_every=10)  # v0 anchor, v1 and v2 deltas
-    keys = {"manifest": [layout.weights_manifest(2)],
-            "delta": [layout.weights_payload(2, o.name) for o in read_manifest(store, 2).weights.delta],
-            "anchor": [layout.weights_payload(0, o.name) for o in read_manifest(store, 0).weights.anchor]}[where]
+    keys = {
+        "manifest": [layout.weights_manifest(2)],
+        "delta": [layout.weights_payload(2, o.name) for o in read_manifest(store, 2).weights.delta],
+        "anchor": [layout.weights_payload(0, o.name) for o in read_manifest(store, 0).weights.anchor],
+    }[where]
     for key in keys:
         size = len(store.get(key))
         for pos in (0, 7, size // 3, size // 2, size - 1):
@@ -241,10 +248,20 @@ def test_other_dtypes_and_tensors_that_appear_vanish_or_reshape(store_url):
     store = open_store(store_url)
     pub = Publisher(store, anchor_every=50)
     syn = Syncer(store, backoff_s=0)
-    s0 = {"h": torch.randn(8, 8, dtype=torch.float16), "f": torch.randn(5), "step": torch.tensor(3),
-          "mask": torch.tensor([True, False]), "gone": torch.randn(3).to(torch.bfloat16)}
-    s1 = {"h": s0["h"] + 1e-3, "f": torch.tensor([float("nan"), float("-inf"), -0.0, 1.0, 2.0]),
-          "step": torch.tensor(4), "mask": torch.tensor([[True], [True]]), "born": torch.zeros(2, 2)}
+    s0 = {
+        "h": torch.randn(8, 8, dtype=torch.float16),
+        "f": torch.randn(5),
+        "step": torch.tensor(3),
+        "mask": torch.tensor([True, False]),
+        "gone": torch.randn(3).to(torch.bfloat16),
+    }
+    s1 = {
+        "h": s0["h"] + 1e-3,
+        "f": torch.tensor([float("nan"), float("-inf"), -0.0, 1.0, 2.0]),
+        "step": torch.tensor(4),
+        "mask": torch.tensor([[True], [True]]),
+        "born": torch.zeros(2, 2),
+    }
     for v, s in enumerate([s0, s1]):
         pub.publish(v, s)
         got = syn.sync()[1]

@@ -176,7 +176,9 @@ def test_late_worker_cold_joins_newest_version_via_anchor_and_deltas(tmp_path, t
     route = worker.syncer.last_route
     assert route.kind == "cold" and [m.version for m in route.steps] == [3, 4, 5]
     groups = [g for _, g in rollout_groups(run.store)]
-    assert len(groups) == 2 and {(g.policy_version, g.weights_digest) for g in groups} == {(5, run.digests[5])}
+    assert len(groups) == 2 and {(g.policy_version, g.weights_digest) for g in groups} == {
+        (5, run.digests[5])
+    }
     assert logprob_error(run.model_at(5), groups[0], groups[0].samples[0]) < MATCH_TOL
 
 

@@ -72,4 +72,6 @@ def test_cohort_packs_tool_episodes_with_mask_zero_on_tool_tokens(tiny_model_dir
             assert all(lp == -0.5 for lp, m in zip(s.logprobs, s.loss_mask, strict=True) if m == 1)
             tool_text = tokenizer.decode([t for t, m in zip(s.tokens, s.loss_mask, strict=True) if m == 0])
             assert tool_text.startswith("<information>") and task.answer[0] in tool_text
-            assert s.reward == searchqa.score(task, tokenizer.decode(s.tokens, skip_special_tokens=True)).reward
+            assert (
+                s.reward == searchqa.score(task, tokenizer.decode(s.tokens, skip_special_tokens=True)).reward
+            )

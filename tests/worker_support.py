@@ -38,7 +38,9 @@ class TinyRun:
         out = {}
         for k, v in self.base.items():
             if v.data_ptr() not in noisy:
-                noisy[v.data_ptr()] = v + NOISE * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+                noisy[v.data_ptr()] = (
+                    v + NOISE * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+                )
             out[k] = noisy[v.data_ptr()].to(torch.bfloat16)
         return out
 

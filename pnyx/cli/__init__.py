@@ -57,7 +57,9 @@ def trainer(
     store: str = typer.Option(..., "--store", "-s", help="Run root URL (folder, s3://, gs://, memory://)."),
     config: Path | None = typer.Option(None, "--config", "-c", help="TOML config file."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the run's last checkpoint."),
-    steps: int | None = typer.Option(None, "--steps", min=1, help="Stop after this many steps (overrides run.steps)."),
+    steps: int | None = typer.Option(
+        None, "--steps", min=1, help="Stop after this many steps (overrides run.steps)."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
 ):
     """Run the trainer of a run: ingest rollouts, take GRPO steps, publish weights."""
@@ -74,13 +76,19 @@ def worker(
         None, "--engine", help="torch, mlx (Apple silicon) or vllm (GPUs). Default: the run's worker.engine."
     ),
     int8: bool = typer.Option(False, "--int8", help="Run the model from the int8 actor plane."),
-    max_groups: int | None = typer.Option(None, "--max-groups", min=1, help="Stop after uploading this many groups."),
+    max_groups: int | None = typer.Option(
+        None, "--max-groups", min=1, help="Stop after uploading this many groups."
+    ),
     threads: int | None = typer.Option(None, "--threads", min=1, help="Torch CPU threads."),
     model: str | None = typer.Option(
-        None, "--model", help="This machine's copy of the run's model (folder, .gguf, hub id); checked at join."
+        None,
+        "--model",
+        help="This machine's copy of the run's model (folder, .gguf, hub id); checked at join.",
     ),
     spool_dir: str | None = typer.Option(
-        None, "--spool-dir", help="Spool root (default $PNYX_SPOOL_DIR, else ~/.cache/pnyx/spool); per run and worker."
+        None,
+        "--spool-dir",
+        help="Spool root (default $PNYX_SPOOL_DIR, else ~/.cache/pnyx/spool); per run and worker.",
     ),
 ):
     """Join a run from its run.json alone: follow the weights, generate, score and upload rollout groups."""
@@ -109,26 +117,45 @@ def eval_(
     model: str | None = typer.Option(
         None, "--model", help="Model folder, .gguf file or hub id (default: the shipped tiny model)."
     ),
-    store: str | None = typer.Option(None, "--store", help="Evaluate a published version of this run instead."),
+    store: str | None = typer.Option(
+        None, "--store", help="Evaluate a published version of this run instead."
+    ),
     version: int | None = typer.Option(None, "--version", help="Version to evaluate (default: newest)."),
     env: str | None = typer.Option(
-        None, "--env", help="Environment (default: the run's or config's, else arith; another drops their env options)."
+        None,
+        "--env",
+        help="Environment (default: the run's or config's, else arith; another drops their env options).",
     ),
     tasks: int = typer.Option(200, "--tasks", min=1, help="Held-out tasks."),
     samples: int = typer.Option(1, "--samples", "-n", min=1, help="Samples per task (pass@k for k<=n)."),
     out: Path | None = typer.Option(None, "--out", help="Write the results as JSON here."),
-    config: Path | None = typer.Option(None, "--config", "-c", help="TOML config (model, env, worker sections)."),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="TOML config (model, env, worker sections)."
+    ),
     max_new_tokens: int | None = typer.Option(
         None, "--max-new-tokens", min=1, max=32768, help="Generation budget per turn (default: the env's)."
     ),
     temperature: float | None = typer.Option(None, "--temperature", min=0.0, max=4.0, help="0 = greedy."),
-    top_p: float | None = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Nucleus truncation (1 = off)."),
+    top_p: float | None = typer.Option(
+        None, "--top-p", min=0.0, max=1.0, help="Nucleus truncation (1 = off)."
+    ),
     top_k: int | None = typer.Option(None, "--top-k", min=0, help="Top-k truncation (0 = off)."),
 ):
     """Evaluate a model folder or a published version on the held-out split: pass@k and env metrics."""
     _lazy("pnyx.cli.eval", "eval_main")(
-        model=model, store=store, version=version, env=env, tasks=tasks, samples=samples, out=out, extra=ctx.args,
-        config=config, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        model=model,
+        store=store,
+        version=version,
+        env=env,
+        tasks=tasks,
+        samples=samples,
+        out=out,
+        extra=ctx.args,
+        config=config,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
     )
 
 
@@ -138,7 +165,9 @@ def export(
     out: Path = typer.Option(..., "--out", "-o", help="Folder to write (must not exist, or be empty)."),
     version: int | None = typer.Option(None, "--version", min=0, help="Version to export (default: newest)."),
     dtype: str | None = typer.Option(None, "--dtype", help="bfloat16, float16 or float32 (default: run's)."),
-    model: str | None = typer.Option(None, "--model", help="This machine's copy of the run's model, if needed."),
+    model: str | None = typer.Option(
+        None, "--model", help="This machine's copy of the run's model, if needed."
+    ),
 ):
     """Verify a published version and write it as a Hugging Face folder (transformers, vLLM load it as is)."""
     _lazy("pnyx.cli.export", "export_main")(store=store, out=out, version=version, dtype=dtype, model=model)

@@ -142,9 +142,16 @@ class Fleet:
 
     def _spawn(self, role: str, args: list[str], threads: int) -> Child:
         log = self.plan.logs / f"{role}.log"
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS=str(threads),
+            MKL_NUM_THREADS=str(threads),
+            TOKENIZERS_PARALLELISM="false",
+        )
         with open(log, "ab") as fh:
-            fh.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} start {role}: pnyx {' '.join(args)}\n".encode())
+            fh.write(
+                f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} start {role}: pnyx {' '.join(args)}\n".encode()
+            )
             fh.flush()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pnyx", *args],
@@ -164,7 +171,15 @@ class Fleet:
 
     def start_workers(self) -> None:
         for i in range(1, self.n_workers + 1):
-            args = ["worker", "--store", self.plan.store_url, "--id", f"local-{i}", "--threads", str(self.worker_threads)]
+            args = [
+                "worker",
+                "--store",
+                self.plan.store_url,
+                "--id",
+                f"local-{i}",
+                "--threads",
+                str(self.worker_threads),
+            ]
             self.workers.append(self._spawn(f"worker-{i}", args, self.worker_threads))
 
     @property
@@ -214,9 +229,17 @@ def _make_evaluator(plan: RunPlan) -> Any:
     # The generation budget the trainer resolved and recorded in run.json, which is what the workers use.
     max_new_tokens = config_from_dict(manifest.config).worker.max_new_tokens
     return VersionEvaluator(
-        store, resolve_model_path(cfg), cfg.env.name, resolve_env_kwargs(cfg), tasks=cfg.run.eval_tasks,
-        samples=1, temperature=cfg.worker.temperature, top_p=cfg.worker.top_p, top_k=cfg.worker.top_k,
-        max_new_tokens=max_new_tokens, seed=cfg.run.seed,
+        store,
+        resolve_model_path(cfg),
+        cfg.env.name,
+        resolve_env_kwargs(cfg),
+        tasks=cfg.run.eval_tasks,
+        samples=1,
+        temperature=cfg.worker.temperature,
+        top_p=cfg.worker.top_p,
+        top_k=cfg.worker.top_k,
+        max_new_tokens=max_new_tokens,
+        seed=cfg.run.seed,
     )
 
 
@@ -317,13 +340,20 @@ class Orchestrator:
             from pnyx.eval.runner import EvalLoop
 
             evals = EvalLoop(
-                lambda: _make_evaluator(plan), plan.evals_path, plan.cfg.env.name, plan.cfg.run.eval_every,
-                self.observed, self._run_t0(watcher), publish=lambda v, r: _store_eval(plan.store_url, v, r),
+                lambda: _make_evaluator(plan),
+                plan.evals_path,
+                plan.cfg.env.name,
+                plan.cfg.run.eval_every,
+                self.observed,
+                self._run_t0(watcher),
+                publish=lambda v, r: _store_eval(plan.store_url, v, r),
             )
             self.evals = evals
             return self._watch(watcher, evals, t0)
         except KeyboardInterrupt:
-            return Outcome("interrupted (Ctrl-C): resume with `pnyx run --resume --run.name=" + self.plan.name + "`")
+            return Outcome(
+                "interrupted (Ctrl-C): resume with `pnyx run --resume --run.name=" + self.plan.name + "`"
+            )
 
     def _run_t0(self, watcher: Any) -> float:
         snap = watcher.snapshot()
@@ -348,7 +378,9 @@ class Orchestrator:
         if rc == 0 and latest is not None and latest >= steps:
             return Outcome(f"the trainer finished its step budget ({steps} steps)")
         if rc == 0:
-            return Outcome(f"the trainer stopped at v{latest} before its step budget of {steps}; see {self.fleet.trainer.log}")
+            return Outcome(
+                f"the trainer stopped at v{latest} before its step budget of {steps}; see {self.fleet.trainer.log}"
+            )
         return Outcome(f"{reason} (exit code {rc}); see {self.fleet.trainer.log}", trainer_failed=True)
 
     def _watch(self, watcher: Any, evals: Any, t0: float) -> Outcome:
@@ -410,7 +442,9 @@ class Orchestrator:
                     evals.join(timeout=60)
                     evals.check()
                 else:
-                    self.say(f"evaluating the final version v{final_version} on {self.plan.cfg.run.eval_tasks} held-out tasks ...")
+                    self.say(
+                        f"evaluating the final version v{final_version} on {self.plan.cfg.run.eval_tasks} held-out tasks ..."
+                    )
                     after = evals.final(final_version, threads=max(1, (os.cpu_count() or 1) // 2))
             except KeyboardInterrupt:
                 self.say("final evaluation interrupted")
@@ -430,14 +464,21 @@ class Orchestrator:
         self.say(f"summary: {self.plan.folder / SUMMARY_FILE}   logs: {self.plan.logs}/")
         if final_version is not None:
             export = f"pnyx export --store {self.plan.store_url} --out {self.plan.folder / 'export'}"
-            self.console.print(f"export it: {export}", highlight=False, soft_wrap=True)  # one line, copy-pastable
+            self.console.print(
+                f"export it: {export}", highlight=False, soft_wrap=True
+            )  # one line, copy-pastable
         if outcome.trainer_failed:
             self.say(f"[red]the trainer failed[/red]: read {self.fleet.trainer.log}")
             return 1
         return 0
 
     def _write_outputs(
-        self, snap: Any, records: list[dict[str, Any]], before: dict | None, after: dict | None, outcome: Outcome
+        self,
+        snap: Any,
+        records: list[dict[str, Any]],
+        before: dict | None,
+        after: dict | None,
+        outcome: Outcome,
     ) -> None:
         from pnyx.cli.live import pass_ratio, reward_of
         from pnyx.eval.plot import plot_learning_curve
@@ -449,7 +490,9 @@ class Orchestrator:
             when = m.get("time") or m.get("timestamp") or self.observed.get(v)
             if v is not None and when is not None:
                 train_points.append({"version": v, "elapsed_s": float(when) - t0, "reward": reward_of(m)})
-        plot_learning_curve(train_points, records, self.plan.folder / CURVE_FILE, title=f"pnyx run {self.plan.name}")
+        plot_learning_curve(
+            train_points, records, self.plan.folder / CURVE_FILE, title=f"pnyx run {self.plan.name}"
+        )
         summary = {
             "run": self.plan.name,
             "store": self.plan.store_url,

@@ -44,14 +44,22 @@ def _print(report, title: str) -> None:
         table.add_column(col, justify="right" if col not in ("kind", "status") else "left")
     for v in report.versions:
         table.add_row(
-            str(v.version), v.kind, "-" if v.parent_version is None else str(v.parent_version), str(v.anchor_version),
-            _size(v.delta_bytes), _size(v.anchor_bytes) if v.anchor_bytes else "-",
-            f"{100 * v.changed_fraction:.2f}%", _size(v.int8_bytes) if v.int8_bytes else "-", v.status,
+            str(v.version),
+            v.kind,
+            "-" if v.parent_version is None else str(v.parent_version),
+            str(v.anchor_version),
+            _size(v.delta_bytes),
+            _size(v.anchor_bytes) if v.anchor_bytes else "-",
+            f"{100 * v.changed_fraction:.2f}%",
+            _size(v.int8_bytes) if v.int8_bytes else "-",
+            v.status,
         )
     console = Console()
     console.print(table)
     head = f"v{report.head.version}" if report.head else "absent"
-    console.print(f"newest manifest: v{report.latest}  HEAD: {head}  chain: {'OK' if report.ok else 'PROBLEMS'}")
+    console.print(
+        f"newest manifest: v{report.latest}  HEAD: {head}  chain: {'OK' if report.ok else 'PROBLEMS'}"
+    )
     for p in report.problems:
         console.print(f"[red]problem:[/red] {p}")
 
@@ -89,7 +97,9 @@ def verify(
 def prune(
     store: str = STORE,
     keep_anchors: int = typer.Option(2, "--keep-anchors", min=1, help="Newest anchors to keep."),
-    window: int = typer.Option(20, "--window", min=0, help="Never delete versions within this many of the head."),
+    window: int = typer.Option(
+        20, "--window", min=0, help="Never delete versions within this many of the head."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted."),
 ) -> None:
     """Delete versions no retained anchor or recent follower can need (see docs/pulse.md)."""

@@ -56,7 +56,9 @@ def _tool_for(env: Environment, task: Task) -> Callable[[str], str | None]:
     return tool
 
 
-def sample_env(engine: Any, env: Environment, prompt_ids: list[list[int]], tasks: Sequence[Task], params: Any) -> list:
+def sample_env(
+    engine: Any, env: Environment, prompt_ids: list[list[int]], tasks: Sequence[Task], params: Any
+) -> list:
     """One completion per prompt (`tasks[i]` is prompt i's task): the engine's tool loop for environments
     with tools, plain generation otherwise. Shared by the worker's cohorts and held-out evaluation."""
     if env.tool_stops:

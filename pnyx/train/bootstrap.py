@@ -42,7 +42,11 @@ def run_defining(config: dict[str, Any], model: dict[str, Any]) -> dict[str, Any
 
 def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """Human-readable differences between two `run_defining` dicts."""
-    return [f"{k}: run has {a.get(k)!r}, this config has {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return [
+        f"{k}: run has {a.get(k)!r}, this config has {b.get(k)!r}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    ]
 
 
 def read_run(store: Any) -> Any | None:

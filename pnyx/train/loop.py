@@ -417,7 +417,9 @@ class Trainer:
         if self.last_checkpoint == self.version:
             return  # (v0 too is checkpointed once stopped: its cursor holds what ingestion already judged)
         cursor = self.ingestor.cursor_json().decode()
-        blocked = self.checkpointer.save(self.version, self.model, self.optimizer, cursor, self.manifest.run_id)
+        blocked = self.checkpointer.save(
+            self.version, self.model, self.optimizer, cursor, self.manifest.run_id
+        )
         self.last_checkpoint = self.version
         if not self.dist.is_main:
             return

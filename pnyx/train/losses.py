@@ -87,9 +87,7 @@ def dppo_gate(
     return ((adv > 0) & (diff > delta)) | ((adv < 0) & (diff < -delta))
 
 
-def truncated_importance_weight(
-    logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float
-) -> torch.Tensor:
+def truncated_importance_weight(logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float) -> torch.Tensor:
     """min(π_t / μ_t, C), detached: a behaviour-correction weight, never a path for gradients."""
     return torch.clamp(torch.exp(logp.detach() - behaviour_logp), max=cap)
 

@@ -72,8 +72,17 @@ def build_rows(groups: list[ScoredGroup]) -> list[Row]:
                 continue
             rows.append(
                 Row(
-                    list(rec.prompt_tokens), list(s.tokens), list(s.logprobs), list(s.loss_mask), adv, sampling,
-                    g.worker_id, g.version, g.key, i, str(getattr(rec, "engine", "torch")),
+                    list(rec.prompt_tokens),
+                    list(s.tokens),
+                    list(s.logprobs),
+                    list(s.loss_mask),
+                    adv,
+                    sampling,
+                    g.worker_id,
+                    g.version,
+                    g.key,
+                    i,
+                    str(getattr(rec, "engine", "torch")),
                 )
             )
     return rows

@@ -102,7 +102,9 @@ def from_torch(tensors: Mapping[str, torch.Tensor], copy: bool = True) -> BitSta
         dtype = str(t.dtype).removeprefix("torch.")
         _, signed, _ = DTYPES.get(dtype, (None, None, None))
         if signed is None:
-            raise ValueError(f"tensor {name!r} has unsupported dtype {t.dtype}; PULSE carries {sorted(DTYPES)}")
+            raise ValueError(
+                f"tensor {name!r} has unsupported dtype {t.dtype}; PULSE carries {sorted(DTYPES)}"
+            )
         t = t.detach().to("cpu").contiguous()
         view = t.view(getattr(torch, np.dtype(signed).name)) if t.dtype != torch.bool else t.view(torch.uint8)
         arr = view.numpy()
@@ -157,7 +159,11 @@ def write_safetensors(state: Mapping[str, TensorBits], metadata: dict[str, str] 
     names = sorted(state)
     for name in names:
         tb = state[name]
-        header[name] = {"dtype": DTYPES[tb.dtype][2], "shape": list(tb.shape), "data_offsets": [offset, offset + tb.nbytes]}
+        header[name] = {
+            "dtype": DTYPES[tb.dtype][2],
+            "shape": list(tb.shape),
+            "data_offsets": [offset, offset + tb.nbytes],
+        }
         offset += tb.nbytes
     hbytes = json.dumps(header, separators=(",", ":")).encode()
     hbytes += b" " * (-len(hbytes) % 8)

@@ -72,7 +72,9 @@ def _manifests(store: Store, report: ChainReport) -> list[WeightManifest]:
     report.head = read_head(store)
     report.latest = out[-1].version if out else None
     if report.head is not None and report.latest is not None and report.head.version > report.latest:
-        report.problems.append(f"HEAD names v{report.head.version} but the newest manifest is v{report.latest}")
+        report.problems.append(
+            f"HEAD names v{report.head.version} but the newest manifest is v{report.latest}"
+        )
     return out
 
 
@@ -90,7 +92,9 @@ def inspect_chain(store: Store) -> ChainReport:
             status = "linked"
         else:
             status = "BROKEN: parent digest mismatch"
-            report.problems.append(f"v{m.version}: parent digest does not match v{parent.version}'s chain digest")
+            report.problems.append(
+                f"v{m.version}: parent digest does not match v{parent.version}'s chain digest"
+            )
         if m.weights.anchor and parent is not None and m.weights.parent_digest != parent.weights.chain_digest:
             status = "anchor (parent digest mismatch)"
             report.problems.append(f"v{m.version}: anchor's parent digest does not match v{parent.version}")
@@ -110,7 +114,9 @@ def verify_chain(store: Store, plane: Literal["weights", "int8"] = "weights") ->
         try:
             p = m.plane(plane)
             pp = prev.plane(plane) if prev is not None else None
-            linked = pp is not None and m.parent_version == prev.version and p.parent_digest == pp.chain_digest
+            linked = (
+                pp is not None and m.parent_version == prev.version and p.parent_digest == pp.chain_digest
+            )
             new: BitState | None = None
             if p.has_delta and linked and state is not None:
                 new = read_delta(store, m.version, p, state)

@@ -67,7 +67,9 @@ def pack_codes(codes: np.ndarray, bits: int) -> bytes:
 
 
 _UNPACK = {
-    bits: ((np.arange(256, dtype=np.uint16)[:, None] >> np.arange(0, 8, bits)) & ((1 << bits) - 1)).astype(np.uint8)
+    bits: ((np.arange(256, dtype=np.uint16)[:, None] >> np.arange(0, 8, bits)) & ((1 << bits) - 1)).astype(
+        np.uint8
+    )
     for bits in (1, 2, 4)
 }  # byte -> its 8/bits codes: one gather unpacks a whole stream
 

@@ -66,7 +66,9 @@ def apply_retention(store: Store, keep_anchors: int = 2, window: int = 0, dry_ru
     deleted: list[str] = []
     for v in sorted(by_version):
         if v in doomed:
-            keys = [layout.weights_manifest(v)] + sorted(k for k in by_version[v] if k != layout.weights_manifest(v))
+            keys = [layout.weights_manifest(v)] + sorted(
+                k for k in by_version[v] if k != layout.weights_manifest(v)
+            )
             keys = [k for k in keys if k in by_version[v]]
         elif v < head:  # orphans: unreferenced payloads of finished versions
             keep = referenced.get(v, set()) | {layout.weights_manifest(v)}
@@ -80,5 +82,10 @@ def apply_retention(store: Store, keep_anchors: int = 2, window: int = 0, dry_ru
                 store.delete(k)
             deleted.append(k)
     if deleted:
-        log.info("retention: %s %d objects (%d versions)", "would delete" if dry_run else "deleted", len(deleted), len(doomed))
+        log.info(
+            "retention: %s %d objects (%d versions)",
+            "would delete" if dry_run else "deleted",
+            len(deleted),
+            len(doomed),
+        )
     return deleted

@@ -217,7 +217,9 @@ class Syncer:
         return Route("cold", list(reversed(chain[: anchor_at + 1])), self._cold_bytes(chain, anchor_at))
 
     def _cold_bytes(self, chain: list[WeightManifest], anchor_at: int) -> int:
-        return self._plane(chain[anchor_at]).anchor_bytes() + sum(self._plane(x).delta_bytes() for x in chain[:anchor_at])
+        return self._plane(chain[anchor_at]).anchor_bytes() + sum(
+            self._plane(x).delta_bytes() for x in chain[:anchor_at]
+        )
 
     def _run(self, route: Route, base: Verified | None) -> Verified:
         cur = base
@@ -255,7 +257,9 @@ class Syncer:
         self._stop.clear()
         self._fatal = None
         interval = self.poll_interval_s if interval_s is None else interval_s
-        self._thread = threading.Thread(target=self._loop, args=(interval,), name="pnyx-weights-prefetch", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, args=(interval,), name="pnyx-weights-prefetch", daemon=True
+        )
         self._thread.start()
 
     def _loop(self, interval: float) -> None:
