@@ -124,7 +124,9 @@ def test_worker_with_curriculum_on_makes_most_groups_at_the_informative_level(tm
         "model": {"path": str(tiny_model_dir)},
         "env": {"name": "arith", "kwargs": {"digits": [1, 2, 3, 4], "ops": ["+"]}},
         "worker": {"group_size": 4, "prompts_per_cohort": 4, "max_new_tokens": 8, "curriculum": True,
-                   "poll_interval_s": 0.05, "heartbeat_interval_s": 5.0},
+                   "poll_interval_s": 0.05, "heartbeat_interval_s": 5.0,
+                   # every group made is uploaded (no trainer paces it; zero-variance ones are counted too)
+                   "supply_control": False, "skip_zero_variance": False},
     })  # fmt: skip
     model = load_model(tiny_model_dir)
     info = {"vocab_size": int(model.config.vocab_size), "tokenizer_digest": tokenizer_digest(tiny_model_dir),
