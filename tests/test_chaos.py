@@ -7,8 +7,9 @@ before forwarding, 2% replies lost after the write landed, 0-50 ms latency on ev
 
 Accounting, from the store alone:
 - trainer side: every uploaded group is consumed (in exactly one batch record), dropped with a reason (the
-  trainer's drop counters in its final checkpoint), or still in the window at the end (unconsumed, not
-  rejected): uploaded = consumed + dropped + waiting, with nothing left over;
+  trainer's drop counters in its final checkpoint), still in the window at the end (unconsumed, not
+  rejected), or in a version that left the window but that the trainer's lazy sweep has not reached yet
+  (counted `stale` when it does): uploaded = consumed + dropped + waiting + unswept, nothing left over;
 - worker side: every seq a worker ever gave a group is in the store, expired (its worker logged it: the
   trainer had moved past its window), or still in its spool folder: no gap, so nothing was lost, and no two
   objects hold the same bytes, so nothing was uploaded twice.
@@ -113,7 +114,8 @@ def _finish(store, fleet: Fleet, trainer) -> None:
 
 
 def _account(store, fleet: Fleet, proxy) -> dict[str, int]:
-    from pnyx.train.checkpoint import load_checkpoint, read_batch_record, read_metrics
+    from pnyx.train import checkpointer
+    from pnyx.train.checkpoint import read_batch_record, read_metrics
     from pnyx.train.ingest import Cursor
     from pnyx.weights.chain import verify_chain
 
@@ -125,18 +127,20 @@ def _account(store, fleet: Fleet, proxy) -> dict[str, int]:
     consumed = [k for v in range(1, STEPS + 1) for k in read_batch_record(store, v).keys]
     assert len(consumed) == len(set(consumed)), "a group was consumed twice"
     assert set(consumed) <= uploaded
-    cursor = Cursor.from_json(load_checkpoint(store, STEPS)["cursor"].encode())
+    cursor = Cursor.from_json(checkpointer.read_commit(store, STEPS).cursor.encode())
     assert cursor.drops == read_metrics(store)[-1]["drops"]
     dropped = sum(cursor.drops.values())
     window = range(STEPS - STALENESS, STEPS + 1)
-    waiting = {
-        k for k in uploaded - set(consumed)
-        if layout.parse_rollout_key(k)[0] in window and k not in cursor.rejected
-    }  # fmt: skip
-    unaccounted = len(uploaded) - len(consumed) - dropped - len(waiting)
+    unused = {k for k in uploaded - set(consumed) if k not in cursor.rejected}
+    waiting = {k for k in unused if layout.parse_rollout_key(k)[0] in window}
+    # versions that left the window but are not swept yet (the sweep batches its listings: see
+    # pnyx/train/listing.py); their unused groups are counted `stale` when it reaches them
+    unswept = {k for k in unused if cursor.swept_below <= layout.parse_rollout_key(k)[0] < window.start}
+    unaccounted = len(uploaded) - len(consumed) - dropped - len(waiting) - len(unswept)
     assert unaccounted == 0, (
-        f"{unaccounted} uploaded group(s) neither consumed, dropped nor waiting: uploaded={len(uploaded)} "
-        f"consumed={len(consumed)} dropped={cursor.drops} waiting={len(waiting)}"
+        f"{unaccounted} uploaded group(s) neither consumed, dropped, waiting nor awaiting the sweep: "
+        f"uploaded={len(uploaded)} consumed={len(consumed)} dropped={cursor.drops} waiting={len(waiting)} "
+        f"unswept={len(unswept)} (versions >= {cursor.swept_below})"
     )
 
     # worker side: every seq is in the store, expired (logged) or still spooled; no bytes uploaded twice
@@ -150,7 +154,7 @@ def _account(store, fleet: Fleet, proxy) -> dict[str, int]:
         logs = fleet.logs(name)
         assert "key collision" not in logs
         stored = {layout.parse_rollout_key(k)[2] for k in uploaded if layout.parse_rollout_key(k)[1] == name}
-        expired = {int(s) for s in re.findall(rf"expired rollouts/v\d+/{name}-(\d+)", logs)}
+        expired = {int(s) for s in re.findall(rf"expired rollouts/v\d+/(?:\d+~)?{name}-(\d+)", logs)}
         spooled = {
             int(p.name.split("-")[-1].split(".")[0]) for p in fleet.spool.glob(f"*/{name}/*.grp")
         }  # fmt: skip
@@ -165,7 +169,10 @@ def _account(store, fleet: Fleet, proxy) -> dict[str, int]:
     rewards = [m["reward"] for m in read_metrics(store)]
     first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
     assert last > first + 0.02, f"reward did not rise: {first:.3f} -> {last:.3f}"
-    return {"uploaded": len(uploaded), "consumed": len(consumed), "dropped": dropped, "waiting": len(waiting)}
+    return {
+        "uploaded": len(uploaded), "consumed": len(consumed), "dropped": dropped, "waiting": len(waiting),
+        "unswept": len(unswept),
+    }  # fmt: skip
 
 
 def test_chaos_worker_sigkilled_and_restarted_loses_and_duplicates_nothing(chaos):
