@@ -4,7 +4,8 @@
     summary = worker.run()          # until max_groups, request_stop() (SIGINT/SIGTERM in the CLI), or a fatal error
 
 Life of a worker: read `run.json` (model, env and sampling settings all come from the run, so the worker
-needs only the store URL); load the local model folder and tokenizer; cold-join the newest verified
+needs only the store URL); pin the trainer's key (`--trust`, or trust on first use: docs/security.md), so
+it follows only weights that key signed; load the local model folder and tokenizer; cold-join the newest verified
 weights (anchor + deltas); then loop over cohorts. At each cohort boundary it swaps to the newest
 prefetched version (never inside a cohort, so every group carries the one version that produced it),
 asks supply control how many groups the trainer can still use (`throttle.py`: it paces itself by the
@@ -45,6 +46,7 @@ from pnyx.rollout.courier import Courier
 from pnyx.rollout.joining import cold_join, default_worker_id, read_run_manifest, resume_seq
 from pnyx.rollout.spool import Spool, spool_folder
 from pnyx.rollout.throttle import Throttle
+from pnyx.security.trust import pin_trainer
 from pnyx.store import Store
 
 log = logging.getLogger("pnyx.worker")
@@ -80,6 +82,12 @@ class WorkerOptions:
     """How long the final flush after a stop request may keep uploading; the rest stays on disk."""
     max_backoff_s: float = 30.0
     """Largest wait between retries while the store is unreachable."""
+    trust: str | None = None
+    """The trainer key fingerprint to require (`--trust`); None: trust run.json's key on first use and pin
+    it (docs/security.md)."""
+    keys_dir: str | None = None
+    """Folder of this worker's key and its pinned trainer keys (None: $PNYX_KEYS_DIR, else
+    $XDG_CACHE_HOME/pnyx/keys, else ~/.cache/pnyx/keys)."""
 
 
 @dataclass
@@ -162,6 +170,7 @@ class Worker:
         self._set_status("starting", "reading run.json")
         manifest = read_run_manifest(self.store, self.opts.join_timeout_s, self.stop_event)
         self.run_id = manifest.run_id
+        self.trust = pin_trainer(manifest, self.opts.trust, self.opts.keys_dir)  # ConfigError: refuse to join
         self.cfg = config_from_dict(manifest.config)
         if self.opts.int8 and not self.cfg.worker.int8:
             raise ConfigError(
@@ -194,6 +203,7 @@ class Worker:
             plane=self.plane,
             max_backoff_s=self.opts.max_backoff_s,
             poll_interval_s=w.poll_interval_s,
+            trust=self.trust,  # only weights the run's trainer key signed: fail-closed otherwise
         )
         version, tensors = cold_join(
             self.syncer, self.opts.join_timeout_s, w.poll_interval_s, self.stop_event
