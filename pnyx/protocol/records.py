@@ -148,6 +148,8 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     status: str = "running"
     """"starting" | "syncing" | "generating" | "uploading" | "waiting" | "running" | "stopped" | "error"."""
     detail: str = ""
+    key: str = ""
+    """Fingerprint of the key this worker signs its groups with ("" before it joined, or an old worker)."""
 
 
 class Demand(msgspec.Struct, kw_only=True):

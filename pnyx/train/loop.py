@@ -213,6 +213,7 @@ class Trainer:
             vocab_size=vocab,
             render=lambda prompt: render_prompt(tok, prompt),
             expected_digest=self._published_digest,
+            require_signatures=True,  # every group signed by its worker's key (docs/security.md)
         )
         if os.environ.get(INGEST_DELAY_ENV):
             self.ingestor.decode = _slow_decode(float(os.environ[INGEST_DELAY_ENV]))

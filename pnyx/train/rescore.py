@@ -42,6 +42,8 @@ class ScoredGroup:
     """What the worker claimed (for disagreement statistics only)."""
     parts: list[dict[str, float]] = field(default_factory=list)
     """The trainer's reward parts per sample (`Score.parts`: `correct`, `format`, ...)."""
+    signer: str = ""
+    """Fingerprint of the worker key that signed the record ("" when the ingestor does not check)."""
 
     @property
     def num_tokens(self) -> int:
