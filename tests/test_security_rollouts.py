@@ -128,3 +128,53 @@ def test_worker_signs_every_group_it_uploads(tmp_path, tiny_model_dir):
     assert len(frames) == 2 and {fingerprint(frame_signer(d)) for d in frames} == {expected}
     hb = msgspec.json.decode(run.store.get(layout.worker_heartbeat("w1")))
     assert hb["key"] == expected
+
+
+# --- sampling settings and budget against run.json ------------------------------------------------------
+
+
+def _sampling_ingestor(store, **sampling) -> Ingestor:
+    settings = IngestSettings(
+        **({"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 32} | sampling)
+    )
+    return Ingestor(store=store, env=ENV, detokenize=detok, settings=settings, run_id=RUN, sweep_grace_s=0.0)
+
+
+def test_groups_claiming_other_sampling_settings_are_dropped_as_sampling_mismatch(tmp_path):
+    store = open_store(tmp_path / "s")
+    honest = _put(store, make_group(0, "w1", 0), None)
+    liar = _put(store, msgspec.structs.replace(make_group(0, "w2", 0, task_index=1), temperature=0.3), None)
+    top_k = _put(store, msgspec.structs.replace(make_group(0, "w3", 0, task_index=2), top_k=20), None)
+    ing = _sampling_ingestor(store)
+    assert ing.poll(0) == 1
+    assert ing.cursor.rejected == {liar: "sampling_mismatch", top_k: "sampling_mismatch"}
+    assert honest not in ing.cursor.rejected
+
+
+def test_a_model_turn_longer_than_the_budget_is_dropped_but_tool_tokens_split_turns(tmp_path):
+    store = open_store(tmp_path / "s")
+    long = _put(store, make_group(0, "w1", 0), None)
+    split = make_group(0, "w2", 0)  # the same completions, as two model turns around one tool token
+    for s in split.samples:
+        half = len(s.tokens) // 2
+        s.loss_mask = [1] * half + [0] + [1] * (len(s.tokens) - half - 1)
+        s.logprobs = [lp if m else 0.0 for lp, m in zip(s.logprobs, s.loss_mask, strict=True)]
+    two_turns = _put(store, split, None)
+    longest = max(len(s.tokens) for s in split.samples)
+    budget = longest - 2  # below one whole completion, above each of its halves
+    assert (longest + 1) // 2 <= budget < longest - 1  # counting all model tokens would drop both groups
+    ing = _sampling_ingestor(store, max_new_tokens=budget)
+    ing.poll(0)
+    assert ing.cursor.rejected == {long: "over_budget"}
+    assert two_turns not in ing.cursor.rejected
+
+
+def test_the_trainer_checks_the_sampling_settings_of_its_run(tmp_path):
+    from pnyx.config import load_config
+    from pnyx.train.settings import ingest_settings
+
+    cfg = load_config(
+        overrides={"worker": {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "max_new_tokens": 64}}
+    )
+    s = ingest_settings(cfg)
+    assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens) == (0.7, 0.9, 40, 64)

@@ -26,7 +26,9 @@ listings, the cursor and the fetched groups; store I/O and scoring run outside i
 Identity (docs/security.md): with `require_signatures` (the trainer's setting) every record must be a signed
 frame; the signature is checked before anything is inflated or decoded (`unsigned`, `bad_signature`), and
 a worker name is bound to the first key whose valid group used it, in the cursor: a later group under that
-name signed by another key is an `id_theft`. Counters per key (`Cursor.by_key`) follow keys, not names.
+name signed by another key is an `id_theft`. With the run's sampling settings in `IngestSettings` (the
+trainer's), a group that claims other settings (`sampling_mismatch`) or a model turn past the budget
+(`over_budget`) is dropped before it is scored. Counters per key (`Cursor.by_key`) follow keys, not names.
 
 Invariants:
 - the `Cursor` (uses and rejections of keys in the window, counters, the sweep mark) is the only state that
@@ -78,6 +80,13 @@ class IngestSettings:
     max_groups_per_prompt: int = 2
     advantage: AdvantageMode = "grpo"
     adv_eps: float = 1e-6
+    temperature: float | None = None
+    """The run's sampling settings and per-turn generation budget (run.json's `worker` section): a group
+    that claims other settings is `sampling_mismatch`, one with a model turn longer than the budget is
+    `over_budget`. None: not checked (tests and tools)."""
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None
 
 
 class Cursor(msgspec.Struct):
@@ -109,6 +118,29 @@ class Cursor(msgspec.Struct):
     @classmethod
     def from_json(cls, data: bytes) -> Cursor:
         return msgspec.json.decode(data, type=cls)
+
+
+def check_sampling(group: Any, settings: IngestSettings) -> None:
+    """Raise RecordRejected unless the group's sampling settings are the run's (`sampling_mismatch`) and
+    every model turn (a run of loss-mask 1 tokens) fits the per-turn budget (`over_budget`)."""
+    want = {"temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k}
+    wrong = [
+        f"{k}={getattr(group, k)!r} (run: {v!r})"
+        for k, v in want.items()
+        if v is not None and getattr(group, k) != v
+    ]
+    if wrong:
+        raise RecordRejected("sampling_mismatch", ", ".join(wrong))
+    budget = settings.max_new_tokens
+    if budget is None:
+        return
+    for i, s in enumerate(group.samples):
+        turn = longest = 0
+        for m in s.loss_mask:
+            turn = turn + 1 if m else 0
+            longest = max(longest, turn)
+        if longest > budget:
+            raise RecordRejected("over_budget", f"sample {i} has a model turn of {longest} > {budget} tokens")
 
 
 def _theft(worker: str, bound: str, fp: str) -> RecordRejected:
@@ -297,9 +329,11 @@ class Ingestor(WindowListings):
         data = self.store.get(key)
         signer = self._signer_of(parsed[1], data) if self.require_signatures else ""
         try:
+            group = self.decode(data, self.vocab_size)
+            check_sampling(group, self.settings)
             scored = rescore(
                 key,
-                self.decode(data, self.vocab_size),
+                group,
                 env=self.env,
                 detokenize=self.detokenize,
                 settings=self.settings,
