@@ -61,7 +61,7 @@ from pnyx.train.advantages import AdvantageMode, is_zero_variance
 from pnyx.train.listing import SWEEP_GRACE_S, VersionListing, WindowListings
 from pnyx.train.pool import DaemonPool
 from pnyx.train.ranking import Plan, ranked
-from pnyx.train.rescore import REWARD_TOL, ScoredGroup, rescore
+from pnyx.train.rescore import REWARD_TOL, ScoredGroup, check_sampling, rescore
 
 log = logging.getLogger("pnyx.train.ingest")
 
@@ -118,29 +118,6 @@ class Cursor(msgspec.Struct):
     @classmethod
     def from_json(cls, data: bytes) -> Cursor:
         return msgspec.json.decode(data, type=cls)
-
-
-def check_sampling(group: Any, settings: IngestSettings) -> None:
-    """Raise RecordRejected unless the group's sampling settings are the run's (`sampling_mismatch`) and
-    every model turn (a run of loss-mask 1 tokens) fits the per-turn budget (`over_budget`)."""
-    want = {"temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k}
-    wrong = [
-        f"{k}={getattr(group, k)!r} (run: {v!r})"
-        for k, v in want.items()
-        if v is not None and getattr(group, k) != v
-    ]
-    if wrong:
-        raise RecordRejected("sampling_mismatch", ", ".join(wrong))
-    budget = settings.max_new_tokens
-    if budget is None:
-        return
-    for i, s in enumerate(group.samples):
-        turn = longest = 0
-        for m in s.loss_mask:
-            turn = turn + 1 if m else 0
-            longest = max(longest, turn)
-        if longest > budget:
-            raise RecordRejected("over_budget", f"sample {i} has a model turn of {longest} > {budget} tokens")
 
 
 def _theft(worker: str, bound: str, fp: str) -> RecordRejected:
