@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pnyx.errors import ConfigError, FencedError, IntegrityError
 from pnyx.protocol import layout
-from pnyx.security.signing import Signer
+from pnyx.security.signing import Signer, Verifier
 from pnyx.security.trust import check_trainer_key, pin_trainer, trainer_key_record
 from pnyx.store import open_store
 from pnyx.train.bootstrap import init_run
@@ -292,3 +292,24 @@ def test_worker_keeps_generating_from_the_last_signed_version_beside_a_forgery(t
     assert len(groups) == 4 and calls[0] >= 2
     assert {(g.policy_version, g.weights_digest) for g in groups} == {(0, run.digests[0])}
     assert summary.versions == [0]
+
+
+def test_a_signed_cold_join_walks_parents_without_listing_each_version(tmp_path):
+    store = open_store(tmp_path / "s")
+    trainer = _signer()
+    pub = Publisher(store, anchor_every=10, signer=trainer)
+    for v in range(6):
+        pub.publish(v, _state(v))
+    prefixes: list[str] = []
+    real = store.list
+
+    def counting(prefix, *args, **kwargs):
+        prefixes.append(prefix)
+        return real(prefix, *args, **kwargs)
+
+    store.list = counting
+    syncer = Syncer(store, trust=Verifier(trainer.verifier.public, RUN))  # a worker's: nothing cached
+    version, tensors = syncer.sync()
+    assert version == 5 and _same(tensors, 5) and syncer.last_route.kind == "cold"
+    assert len(syncer.last_route.steps) == 6  # the anchor v0 and five deltas, each manifest read
+    assert not [p for p in prefixes if p.startswith(layout.weights_dir(0)[:-2])]  # no per-version LIST

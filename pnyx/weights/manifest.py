@@ -97,6 +97,7 @@ class WeightManifest(msgspec.Struct):
     weights: PlaneManifest
     int8: PlaneManifest | None = None
     int8_group: int = 64
+    parent_tag: str = ""  # name tag of the parent's signed manifest (signed readers walk parents unlisted)
     manifest_digest: str = ""  # H(canonical encoding with this field and `signature` empty)
     signature: str = ""  # the trainer's Ed25519 signature (hex) of the encoding with this field empty
 
@@ -246,6 +247,9 @@ def decode_manifest(data: bytes, version: int | None = None, trust: Verifier | N
             f"weight manifest v{m.version} is {'not signed' if not m.signature else 'wrongly signed'}: "
             f"it does not verify under the trainer key {trust.fingerprint}; refused"
         )
+    parent = m.parent_version
+    if trust is not None and parent is not None and m.parent_tag and trust.check_tag(parent, m.parent_tag):
+        trust.manifest_names.setdefault(parent, layout.signed_weights_manifest(parent, m.parent_tag))
     return m
 
 

@@ -398,6 +398,9 @@ class Publisher:
             weights=plane,
             int8=int8_plane,
             int8_group=q8.GROUP,
+            parent_tag=self.signer.manifest_tag(parent)
+            if self.signer is not None and parent is not None
+            else "",
         )
         if self.signer is not None:
             key = layout.signed_weights_manifest(version, self.signer.manifest_tag(version))
