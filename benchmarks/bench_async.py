@@ -204,7 +204,7 @@ def run_fleet(overrides: list[str], window: RewardWindow, budget_s: float, worke
     finally:
         if proc.poll() is None:
             proc.kill()
-    versions = len(list((store_dir / "weights").glob("v*/manifest.json"))) if store_dir.exists() else 0
+    versions = len(list((store_dir / "weights").glob("v*/manifest*.json"))) if store_dir.exists() else 0
     return {
         "versions": max(0, versions - 1),
         "seconds": round(time.time() - t0, 1),

@@ -53,6 +53,9 @@ class StorePermissionError(StoreError, PermissionError):
 class RecordRejected(PnyxError, ValueError):
     """A wire record failed validation (schema, size, ranges, digest). Drop it and count the reason."""
 
+    signer: str = ""
+    """Fingerprint of the key that signed the record, when known (the drop counts against that key)."""
+
     def __init__(self, reason: str, detail: str = ""):
         self.reason = reason
         super().__init__(f"{reason}: {detail}" if detail else reason)

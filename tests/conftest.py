@@ -31,6 +31,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _OWN_SPOOL_ROOT = None if os.environ.get("PNYX_SPOOL_DIR") else tempfile.mkdtemp(prefix="pnyx-test-spool-")
 if _OWN_SPOOL_ROOT is not None:
     os.environ["PNYX_SPOOL_DIR"] = _OWN_SPOOL_ROOT
+# Keys too (the trainer's signing key, workers' keys and their pinned trainer keys): never the user's.
+if not os.environ.get("PNYX_KEYS_DIR"):
+    os.environ["PNYX_KEYS_DIR"] = os.path.join(
+        _OWN_SPOOL_ROOT or tempfile.mkdtemp(prefix="pnyx-test-"), "keys"
+    )
+if not os.environ.get("PNYX_TRAINER_KEY"):
+    os.environ["PNYX_TRAINER_KEY"] = os.path.join(os.environ["PNYX_KEYS_DIR"], "trainer.key")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -13,6 +13,7 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
+from worker_support import create_signed_run
 
 from pnyx.envs import get_env
 from pnyx.rollout.curriculum import Curriculum
@@ -115,7 +116,6 @@ def test_worker_with_curriculum_on_makes_most_groups_at_the_informative_level(tm
     from pnyx.protocol import decode_group, layout
     from pnyx.rollout.worker import Worker, WorkerOptions
     from pnyx.store import open_store
-    from pnyx.train.bootstrap import init_run
     from pnyx.weights.publisher import Publisher
 
     torch.set_num_threads(1)
@@ -131,8 +131,10 @@ def test_worker_with_curriculum_on_makes_most_groups_at_the_informative_level(tm
     model = load_model(tiny_model_dir)
     info = {"vocab_size": int(model.config.vocab_size), "tokenizer_digest": tokenizer_digest(tiny_model_dir),
             "model_type": model.config.model_type}  # fmt: skip
-    init_run(store, cfg.model_dump(mode="json"), info)
-    Publisher(store).publish(0, {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()})
+    _, signer = create_signed_run(store, cfg.model_dump(mode="json"), info)
+    Publisher(store, signer=signer).publish(
+        0, {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    )
 
     worker = Worker(store, WorkerOptions(worker_id="w1"))
     worker.join()

@@ -16,12 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pnyx.config import load_config
 from pnyx.errors import ConfigError, FencedError
 from pnyx.protocol import layout
 from pnyx.protocol.codec import encode_group
 from pnyx.protocol.records import RolloutGroup, Sample
+from pnyx.security.signing import Signer
 from pnyx.store import open_store
 from pnyx.train import checkpoint
 from pnyx.train.loop import Trainer
@@ -30,6 +32,9 @@ from pnyx.weights import read_manifest, verify_chain
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 STAMP0 = 1_700_000_000_000
+WORKER_SIGNER = Signer(Ed25519PrivateKey.from_private_bytes(bytes(range(32))))
+"""A fixed worker key: the trainer refuses unsigned groups, and Ed25519 signatures are deterministic, so
+two stores prepared alike still hold the same bytes (the kill tests compare them)."""
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +106,7 @@ def write_groups(store, model_dir: Path, version: int, n: int, worker: str = "w"
         )
         # A fixed stamp, so two stores prepared alike hold the same keys (the kill tests compare them).
         key = layout.rollout_key(version, worker, i, stamp_ms=STAMP0 + i)
-        store.put(key, encode_group(g), mode="create")
+        store.put(key, encode_group(g, signer=WORKER_SIGNER), mode="create")
         keys.append(key)
     return keys
 

@@ -27,7 +27,7 @@ from pnyx.protocol.records import RolloutGroup, Sample
 from pnyx.store import open_store
 from pnyx.train import checkpoint
 from pnyx.train.progress import STATUS_KEY
-from tests.test_train_loop import STAMP0, _run_id, make_trainer, overrides, write_groups
+from tests.test_train_loop import STAMP0, WORKER_SIGNER, _run_id, make_trainer, overrides, write_groups
 
 REPO = Path(__file__).resolve().parents[1]
 BACKLOG = 240
@@ -65,7 +65,7 @@ def write_zero_variance_backlog(store, model_dir: Path, n: int) -> None:
             created_at=0.0, gen_seconds=0.0, score_seconds=0.0,
         )  # fmt: skip
         key = layout.rollout_key(0, "w", 1000 + seq, stamp_ms=STAMP0 - 10 * n + seq)
-        store.put(key, encode_group(g), mode="create")
+        store.put(key, encode_group(g, signer=WORKER_SIGNER), mode="create")
 
 
 class Trainer:

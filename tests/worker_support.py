@@ -1,7 +1,8 @@
 """Helpers for the worker tests (no tests here): a tiny run in a store, versions of its weights, checks.
 
 A tiny run is what a trainer leaves in the store before any worker joins: `run.json` written by the
-trainer's own `init_run`, and version 0 published by the real PULSE `Publisher`. Each version's weights are
+trainer's own `init_run` (with the trainer's public key), and version 0 published, signed, by the real
+PULSE `Publisher`. Each version's weights are
 the tiny model's plus seeded noise, so two versions give measurably different logprobs and a test can tell
 which weights generated a sample.
 """
@@ -72,6 +73,17 @@ def worker_settings(**over: Any) -> dict[str, Any]:
     return base | over
 
 
+def create_signed_run(store: Any, config: dict[str, Any], info: dict[str, Any]) -> tuple[Any, Any]:
+    """run.json written as the trainer writes it (`init_run` with the trainer's public key) and the
+    trainer's signer bound to the run: (RunManifest, Signer). Workers refuse runs without a key."""
+    from pnyx.security.trust import trainer_key_record, trainer_signer
+    from pnyx.train.bootstrap import init_run
+
+    signer = trainer_signer()  # $PNYX_TRAINER_KEY: a throwaway key (tests/conftest.py)
+    manifest = init_run(store, config, info, trainer_key_record(signer))
+    return manifest, signer.for_run(manifest.run_id)
+
+
 def make_run(url: str, model_dir: Path, anchor_every: int = 20, **worker: Any) -> TinyRun:
     """run.json (via the trainer's init_run) + version 0 in the store at `url`."""
     import torch
@@ -79,7 +91,6 @@ def make_run(url: str, model_dir: Path, anchor_every: int = 20, **worker: Any) -
     from pnyx.config import load_config
     from pnyx.models import load_model, tokenizer_digest
     from pnyx.store import open_store
-    from pnyx.train.bootstrap import init_run
     from pnyx.weights.publisher import Publisher
 
     torch.set_num_threads(1)
@@ -98,10 +109,12 @@ def make_run(url: str, model_dir: Path, anchor_every: int = 20, **worker: Any) -
         "tokenizer_digest": tokenizer_digest(model_dir),
         "model_type": model.config.model_type,
     }
-    init_run(store, cfg.model_dump(mode="json"), info)
+    _, signer = create_signed_run(store, cfg.model_dump(mode="json"), info)
     clones: dict[int, Any] = {}  # clone per storage, so tied tensors stay one tensor
     base = {k: clones.setdefault(v.data_ptr(), v.detach().clone()) for k, v in model.state_dict().items()}
-    run = TinyRun(store, cfg, Path(model_dir), base, Publisher(store, anchor_every=anchor_every))
+    run = TinyRun(
+        store, cfg, Path(model_dir), base, Publisher(store, anchor_every=anchor_every, signer=signer)
+    )
     run.publish(0)
     return run
 

@@ -90,11 +90,16 @@ def worker(
         "--spool-dir",
         help="Spool root (default $PNYX_SPOOL_DIR, else ~/.cache/pnyx/spool); per run and worker.",
     ),
+    trust: str | None = typer.Option(
+        None,
+        "--trust",
+        help="Trainer key fingerprint to require (default: trust run.json's key on first use and pin it).",
+    ),
 ):
     """Join a run from its run.json alone: follow the weights, generate, score and upload rollout groups."""
     _lazy("pnyx.cli.worker", "worker_main")(
         store=store, worker_id=worker_id, device=device, int8=int8, max_groups=max_groups, threads=threads,
-        model=model, engine=engine, spool_dir=spool_dir,
+        model=model, engine=engine, spool_dir=spool_dir, trust=trust,
     )  # fmt: skip
 
 
@@ -168,9 +173,14 @@ def export(
     model: str | None = typer.Option(
         None, "--model", help="This machine's copy of the run's model, if needed."
     ),
+    trust: str | None = typer.Option(
+        None, "--trust", help="Trainer key fingerprint run.json must name (default: run.json's)."
+    ),
 ):
     """Verify a published version and write it as a Hugging Face folder (transformers, vLLM load it as is)."""
-    _lazy("pnyx.cli.export", "export_main")(store=store, out=out, version=version, dtype=dtype, model=model)
+    _lazy("pnyx.cli.export", "export_main")(
+        store=store, out=out, version=version, dtype=dtype, model=model, trust=trust
+    )
 
 
 @app.command()

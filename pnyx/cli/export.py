@@ -1,8 +1,9 @@
 """`pnyx export --store URL --out DIR`: a published version of a run, as a Hugging Face folder.
 
 `export_run` reads run.json, verifies the requested version (default: the newest) through the weights
-`Syncer` (every tensor, the state digest and the hash chain; fail-closed: weights that do not verify are
-never written), resolves the run's model on this machine for its tokenizer and generation config (the run's
+`Syncer` (every tensor, the state digest, the hash chain and the trainer's signature, against the key
+run.json names or the `--trust` fingerprint; fail-closed: weights that do not verify, and the weights of
+an unsigned run, are never written), resolves the run's model on this machine for its tokenizer and generation config (the run's
 tokenizer digest must match), and writes the folder with `pnyx.models.export.write_hf_folder` in the run's
 publish dtype or the one asked for. torch is imported inside the functions, so `pnyx --help` stays instant.
 """
@@ -24,13 +25,19 @@ class ExportResult:
 
 
 def export_run(
-    store: Any, out: Path, version: int | None = None, dtype: str | None = None, model: str | None = None
+    store: Any,
+    out: Path,
+    version: int | None = None,
+    dtype: str | None = None,
+    model: str | None = None,
+    trust: str | None = None,
 ) -> ExportResult:
     """Verify `version` of the run in `store` and write it to `out` (see the module docstring)."""
     from pnyx.config import config_from_dict
     from pnyx.errors import ConfigError
     from pnyx.models.export import EXPORT_DTYPES, check_out_folder, write_hf_folder
     from pnyx.models.source import resolve_run_model
+    from pnyx.security.trust import run_trust
     from pnyx.train.bootstrap import read_run
     from pnyx.weights import Syncer, latest_version
 
@@ -41,12 +48,13 @@ def export_run(
     run = read_run(store)
     if run is None:
         raise ConfigError(f"{store.url} holds no run (no run.json): check the URL")
+    verifier = run_trust(run, trust)  # ConfigError for an unsigned run or another key
     info, cfg = run.model or {}, config_from_dict(run.config)
     source = resolve_run_model(info, cfg.model.path, cfg.model.revision, override=model, check="tokenizer")
-    target = latest_version(store) if version is None else version
+    target = latest_version(store, verifier) if version is None else version
     if target is None:
         raise ConfigError(f"{store.url} has no published weights yet: nothing to export")
-    syncer = Syncer(store)
+    syncer = Syncer(store, trust=verifier)
     got, tensors = syncer.sync(to_version=target)  # IntegrityError if it does not verify: nothing written
     if got != target:
         raise ConfigError(f"asked to export version {target} but the store served version {got}")
@@ -71,7 +79,9 @@ def export_run(
     )
 
 
-def export_main(store: str, out: Path, version: int | None, dtype: str | None, model: str | None) -> None:
+def export_main(
+    store: str, out: Path, version: int | None, dtype: str | None, model: str | None, trust: str | None = None
+) -> None:
     """The `pnyx export` command: export, then say what was written and how to load it."""
     from rich.console import Console
 
@@ -80,7 +90,7 @@ def export_main(store: str, out: Path, version: int | None, dtype: str | None, m
     from pnyx.store import open_store
 
     try:
-        result = export_run(open_store(store), out, version, dtype, model)
+        result = export_run(open_store(store), out, version, dtype, model, trust)
     except ConfigError as e:
         raise fail(str(e)) from None
     except IntegrityError as e:

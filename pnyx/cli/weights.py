@@ -1,8 +1,9 @@
 """`pnyx weights inspect|verify|prune --store URL`: look at, re-verify, and prune a run's published weights.
 
 `inspect` reads manifests only (cheap, safe on a live run); `verify` downloads every payload and rebuilds
-every version from its anchor and deltas, checking all digests (exit 1 on any problem); `prune` applies
-the retention policy. Knows nothing about training; heavy imports stay inside the commands.
+every version from its anchor and deltas, checking all digests and every signature against the trainer
+key named in run.json (or `--trust <fingerprint>`; exit 1 on any problem, an unsigned run included);
+`prune` applies the retention policy, keeping only manifests the trainer signed. Knows nothing about training; heavy imports stay inside the commands.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import typer
 app = typer.Typer(help="Inspect, verify and prune a run's published weights (PULSE).", no_args_is_help=True)
 
 STORE = typer.Option(..., "--store", "-s", help="Run root URL (folder, s3://, gs://, memory://).")
+TRUST = typer.Option(
+    None, "--trust", help="Trainer key fingerprint run.json must name (default: run.json's)."
+)
 
 
 def _size(n: int) -> str:
@@ -33,6 +37,33 @@ def _open(store: str):
         return open_store(store)
     except (ConfigError, StoreError, ValueError) as e:
         raise fail(f"cannot open {store}: {e}") from None
+
+
+def _trust(store, trust: str | None, required: bool):
+    """The run's trainer key verifier. None (with a warning) for a store without run.json (bare PULSE
+    weights: digests only), and for an unsigned run unless `required` (then exit 1: refused)."""
+    from rich.console import Console
+
+    from pnyx.cli.common import fail
+    from pnyx.errors import ConfigError
+    from pnyx.security.trust import run_trust
+    from pnyx.train.bootstrap import read_run
+
+    run = read_run(store)
+    if run is None and trust is None:
+        Console().print("[yellow]no run.json: checking digests and chain only, not who signed them[/yellow]")
+        return None
+    if run is None:
+        raise fail(f"{store.url} holds no run.json, so no trainer key to check --trust against", code=1)
+    if run.trainer_key is None and not required and trust is None:
+        Console().print("[yellow]run.json names no trainer key: these weights are unsigned[/yellow]")
+        return None
+    try:
+        verifier = run_trust(run, trust)
+    except ConfigError as e:
+        raise fail(str(e), code=1) from None
+    Console().print(f"trainer key: {verifier.fingerprint}", highlight=False)
+    return verifier
 
 
 def _print(report, title: str) -> None:
@@ -65,11 +96,12 @@ def _print(report, title: str) -> None:
 
 
 @app.command()
-def inspect(store: str = STORE) -> None:
+def inspect(store: str = STORE, trust: str | None = TRUST) -> None:
     """Versions, kinds, sizes and chain links, from manifests alone."""
     from pnyx.weights.chain import inspect_chain
 
-    report = inspect_chain(_open(store))
+    opened = _open(store)
+    report = inspect_chain(opened, _trust(opened, trust, required=False))
     _print(report, f"weights in {store}")
     if not report.ok:
         raise typer.Exit(1)
@@ -79,6 +111,7 @@ def inspect(store: str = STORE) -> None:
 def verify(
     store: str = STORE,
     plane: str = typer.Option("weights", "--plane", help="weights or int8"),
+    trust: str | None = TRUST,
 ) -> None:
     """Re-verify the whole chain end to end: download, rebuild and check every version."""
     from pnyx.cli.common import fail
@@ -87,7 +120,8 @@ def verify(
     if plane not in ("weights", "int8"):
         raise fail(f"--plane must be 'weights' or 'int8', got {plane!r}")
     chosen: Literal["weights", "int8"] = "weights" if plane == "weights" else "int8"
-    report = verify_chain(_open(store), chosen)
+    opened = _open(store)
+    report = verify_chain(opened, chosen, _trust(opened, trust, required=True))
     _print(report, f"verified {plane} in {store}")
     if not report.ok:
         raise typer.Exit(1)
@@ -101,9 +135,12 @@ def prune(
         20, "--window", min=0, help="Never delete versions within this many of the head."
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted."),
+    trust: str | None = TRUST,
 ) -> None:
     """Delete versions no retained anchor or recent follower can need (see docs/pulse.md)."""
     from pnyx.weights.retention import apply_retention
 
-    keys = apply_retention(_open(store), keep_anchors=keep_anchors, window=window, dry_run=dry_run)
+    opened = _open(store)
+    verifier = _trust(opened, trust, required=False)
+    keys = apply_retention(opened, keep_anchors=keep_anchors, window=window, dry_run=dry_run, trust=verifier)
     typer.echo(f"{'would delete' if dry_run else 'deleted'} {len(keys)} objects")

@@ -46,6 +46,7 @@ def worker_main(
     model: str | None = None,
     engine: str | None = None,
     spool_dir: str | None = None,
+    trust: str | None = None,
 ) -> None:
     """Run one worker until stopped (SIGINT/SIGTERM), `max_groups` uploaded, or a fatal error."""
     log = setup_logging("worker")
@@ -66,6 +67,7 @@ def worker_main(
             int8=int8,
             max_groups=max_groups,
             spool_dir=spool_dir,
+            trust=trust,
             model_path=model or os.environ.get("PNYX_MODEL_PATH") or None,
         )
         worker = Worker(open_store(store), opts)

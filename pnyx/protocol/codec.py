@@ -2,8 +2,14 @@
 
 A rollout group on the wire is a frame:
 
-    b"PNYX" | format version (1 byte) | xxh3-128 of the payload (16 bytes) | payload
+    b"PNYX" | format version (1 byte) | xxh3-128 of the payload (16 bytes) | payload             (format 1)
+    b"PNYX" | 2 | xxh3-128 of the payload | Ed25519 public key (32) | signature (64) | payload  (format 2)
     payload = zstd(msgpack(RolloutGroup))
+
+Format 2 is a signed frame (every worker writes it; docs/security.md): the signature covers the payload
+bytes, so a reader checks who produced a record (`frame_signer`) before inflating or decoding anything,
+and the signature travels inside the object (no extra request). Format 1 frames (swarm records, records of
+old workers) still decode; the trainer refuses them as `unsigned`.
 
 `decode_group` trusts nothing: it bounds the compressed and the decompressed size before
 allocating (a zip bomb is rejected without being inflated), checks the digest, the schema, and
@@ -16,7 +22,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -27,9 +33,17 @@ from pnyx.errors import RecordRejected
 from pnyx.protocol.layout import check_name
 from pnyx.protocol.records import GROUP_SCHEMA, RolloutGroup, Sample
 
+if TYPE_CHECKING:
+    from pnyx.security.signing import Signer
+
 MAGIC = b"PNYX"
 FORMAT_VERSION = 1
+SIGNED_FORMAT = 2
 HEADER_SIZE = len(MAGIC) + 1 + 16
+SIGNED_HEADER_SIZE = HEADER_SIZE + 32 + 64
+"""A signed frame's header: the format-1 header, then the signer's raw public key and its signature."""
+GROUP_DOMAIN = "group"
+"""The signing domain of rollout groups (see `pnyx.security.signing`)."""
 ZSTD_LEVEL = 3
 
 REASONS = (
@@ -47,6 +61,8 @@ REASONS = (
     "bad_reward",
     "empty_group",
     "bad_field",
+    "unsigned",
+    "bad_signature",
 )
 """Every `RecordRejected.reason` this module raises."""
 
@@ -91,15 +107,49 @@ DEFAULT_LIMITS = Limits()
 # --- binary rollout groups -------------------------------------------------------------------------------
 
 
-def encode_frame(record: msgspec.Struct, level: int = ZSTD_LEVEL) -> bytes:
-    """The framed wire bytes of any msgpack record: magic, format, xxh3-128 of the payload, zstd(msgpack)."""
+def encode_frame(record: msgspec.Struct, level: int = ZSTD_LEVEL, signer: Signer | None = None) -> bytes:
+    """The framed wire bytes of any msgpack record: magic, format, xxh3-128 of the payload, (with a
+    `signer`: its public key and signature of the payload,) zstd(msgpack)."""
     payload = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(_encoder.encode(record))
-    return MAGIC + bytes([FORMAT_VERSION]) + xxhash.xxh3_128_digest(payload) + payload
+    digest = xxhash.xxh3_128_digest(payload)
+    if signer is None:
+        return MAGIC + bytes([FORMAT_VERSION]) + digest + payload
+    return (
+        MAGIC
+        + bytes([SIGNED_FORMAT])
+        + digest
+        + signer.public_raw
+        + signer.sign(GROUP_DOMAIN, payload)
+        + payload
+    )
 
 
-def encode_group(group: RolloutGroup, level: int = ZSTD_LEVEL) -> bytes:
-    """The framed wire bytes of `group` (does not validate; `decode_group` does)."""
-    return encode_frame(group, level)
+def encode_group(group: RolloutGroup, level: int = ZSTD_LEVEL, signer: Signer | None = None) -> bytes:
+    """The framed wire bytes of `group`, signed by `signer` when given (does not validate; `decode_group`
+    does)."""
+    return encode_frame(group, level, signer)
+
+
+def frame_signer(data: bytes) -> bytes:
+    """The raw public key that signed this frame, after verifying its signature over the payload (nothing
+    is inflated or decoded). Raises RecordRejected("unsigned" | "bad_signature" | "bad_magic")."""
+    from pnyx.security.signing import Verifier
+
+    if len(data) < HEADER_SIZE or data[:4] != MAGIC:
+        raise RecordRejected("bad_magic", f"not a pnyx rollout record (first bytes {bytes(data[:4])!r})")
+    if data[4] != SIGNED_FORMAT:
+        raise RecordRejected("unsigned", f"frame format {data[4]} carries no signature")
+    if len(data) < SIGNED_HEADER_SIZE:
+        raise RecordRejected("bad_signature", "signed frame shorter than its header")
+    public = bytes(data[HEADER_SIZE : HEADER_SIZE + 32])
+    signature = bytes(data[HEADER_SIZE + 32 : SIGNED_HEADER_SIZE])
+    try:
+        verifier = Verifier.from_hex(public.hex())
+    except ValueError as exc:
+        raise RecordRejected("bad_signature", f"not an Ed25519 public key: {exc}") from None
+    if not verifier.check(GROUP_DOMAIN, bytes(memoryview(data)[SIGNED_HEADER_SIZE:]), signature):
+        raise RecordRejected("bad_signature", "the signature does not verify over the payload (tampered)")
+    return public
 
 
 def decode_frame(data: bytes, decoder: msgspec.msgpack.Decoder, schema: int, limits: Limits) -> Any:
@@ -112,7 +162,7 @@ def decode_frame(data: bytes, decoder: msgspec.msgpack.Decoder, schema: int, lim
     if len(data) > limits.max_bytes:
         raise RecordRejected("oversize_bytes", f"{len(data)} bytes > max_bytes {limits.max_bytes}")
     check_frame(data)
-    raw = inflate(memoryview(data)[HEADER_SIZE:], limits.max_decompressed_bytes)
+    raw = inflate(memoryview(data)[payload_offset(data) :], limits.max_decompressed_bytes)
     try:
         return decoder.decode(raw)
     except msgspec.ValidationError as exc:
@@ -166,13 +216,22 @@ def validate_group(group: RolloutGroup, limits: Limits | None = None, vocab_size
         _check_sample(sample, i, limits, vocab_size)
 
 
+def payload_offset(data: bytes) -> int:
+    """Where a frame's payload starts (after the format-1 or the signed header)."""
+    return SIGNED_HEADER_SIZE if len(data) > 4 and data[4] == SIGNED_FORMAT else HEADER_SIZE
+
+
 def check_frame(data: bytes) -> bytes:
     if len(data) < HEADER_SIZE or data[:4] != MAGIC:
         raise RecordRejected("bad_magic", f"not a pnyx rollout record (first bytes {bytes(data[:4])!r})")
-    if data[4] != FORMAT_VERSION:
-        raise RecordRejected("wrong_schema", f"frame format {data[4]}, this reader knows {FORMAT_VERSION}")
+    if data[4] not in (FORMAT_VERSION, SIGNED_FORMAT):
+        raise RecordRejected(
+            "wrong_schema", f"frame format {data[4]}, this reader knows {FORMAT_VERSION} and {SIGNED_FORMAT}"
+        )
+    if len(data) < payload_offset(data):
+        raise RecordRejected("bad_magic", "frame shorter than its header")
     stored = bytes(data[5:HEADER_SIZE])
-    actual = xxhash.xxh3_128_digest(memoryview(data)[HEADER_SIZE:])
+    actual = xxhash.xxh3_128_digest(memoryview(data)[payload_offset(data) :])
     if stored != actual:
         raise RecordRejected(
             "digest_mismatch", f"frame says {stored.hex()}, payload hashes to {actual.hex()}"

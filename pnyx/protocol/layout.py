@@ -5,7 +5,9 @@ A store URL points at one run's root; keys are relative to it (DESIGN.md §3):
     run.json                                create-only run manifest
     weights/HEAD                            hint pointer {version, digest}
     weights/DEMAND                          the trainer's demand for rollouts (hint, rewritten per publish)
-    weights/v{V:08d}/manifest.json          create-only weight manifest (written after its payload)
+    weights/v{V:08d}/manifest.json          create-only weight manifest of an unsigned publisher (tests, old runs)
+    weights/v{V:08d}/manifest-{tag}.json    create-only signed weight manifest; tag = the trainer's Ed25519
+                                            signature of V (128 hex), so only the trainer can name it
     weights/v{V:08d}/{name}                 payload objects (anchor shards, delta chunks)
     rollouts/v{V:08d}/{ms:013d}~{worker}-{seq:010d}
                                             create-only rollout groups, by producing policy version, then
@@ -48,6 +50,9 @@ EVALS_PREFIX = "evals/"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _VERSION_DIR = re.compile(r"^v(\d{8})/$")
+MANIFEST_TAG_PREFIX = "manifest-"
+_TAG = re.compile(r"^[0-9a-f]{128}$")
+_ANY_MANIFEST = re.compile(r"^weights/v(\d{8})/manifest(?:-([0-9a-f]{128}))?\.json$")
 _ROLLOUT = re.compile(r"^rollouts/v(\d{8})/(?:(\d{13})~)?([A-Za-z0-9][A-Za-z0-9_.-]{0,63})-(\d{10})$")
 STAMP_SEP = "~"
 """Ends the stamp of a rollout key; never part of a worker id, so both key forms parse unambiguously."""
@@ -85,10 +90,32 @@ def weights_payload(version: int, name: str) -> str:
     return f"{weights_dir(version)}{check_name(name, 'payload name')}"
 
 
+def signed_weights_manifest(version: int, tag: str) -> str:
+    """`weights/v{V:08d}/manifest-{tag}.json`: a signed manifest, named by the trainer's signature of V."""
+    if not _TAG.match(tag):
+        raise ValueError(f"manifest tag must be 128 lowercase hex digits, got {tag[:20]!r}...")
+    return f"{weights_dir(version)}{MANIFEST_TAG_PREFIX}{tag}.json"
+
+
+def weights_manifest_candidates(version: int) -> str:
+    """The listing prefix under which every manifest of `version` (signed or not, genuine or not) lies."""
+    return f"{weights_dir(version)}manifest"
+
+
 def parse_weights_manifest(key: str) -> int | None:
     """Version of a `weights/vNNNNNNNN/manifest.json` key, or None for any other key."""
     m = re.match(r"^weights/v(\d{8})/manifest\.json$", key)
     return int(m.group(1)) if m else None
+
+
+def parse_any_weights_manifest(key: str) -> tuple[int, str | None] | None:
+    """(version, tag) of a signed manifest key, (version, None) of an unsigned one, None for any other key.
+
+    Says nothing about whether the tag is genuine: that takes the trainer's public key."""
+    m = _ANY_MANIFEST.match(key)
+    if not m:
+        return None
+    return int(m.group(1)), m.group(2)
 
 
 # --- rollouts ---------------------------------------------------------------------------------

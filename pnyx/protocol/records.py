@@ -88,6 +88,16 @@ class RolloutGroup(GroupHeader, kw_only=True):
     its logprob gap per engine. Records written before engines existed come from the torch engine."""
 
 
+class TrainerKey(msgspec.Struct, kw_only=True):
+    """The public half of the key that signs the run's weights (docs/security.md)."""
+
+    algorithm: str = "ed25519"
+    public: str
+    """The raw 32-byte public key, hex."""
+    fingerprint: str
+    """First 128 bits of SHA-256 of the raw public key, hex (what `pnyx worker --trust` takes)."""
+
+
 class RunManifest(msgspec.Struct, kw_only=True):
     """`run.json`: written create-only once per run; every role checks it before joining."""
 
@@ -101,6 +111,9 @@ class RunManifest(msgspec.Struct, kw_only=True):
     model: dict
     """Model identity: name, tokenizer hash, vocab_size, ..."""
     protocol: int = PROTOCOL_VERSION
+    trainer_key: TrainerKey | None = None
+    """The trainer's public key; workers pin it and refuse weights it did not sign. None: a run created
+    before signed weights, which workers refuse to join."""
 
 
 class Heartbeat(msgspec.Struct, kw_only=True):
@@ -135,6 +148,8 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     status: str = "running"
     """"starting" | "syncing" | "generating" | "uploading" | "waiting" | "running" | "stopped" | "error"."""
     detail: str = ""
+    key: str = ""
+    """Fingerprint of the key this worker signs its groups with ("" before it joined, or an old worker)."""
 
 
 class Demand(msgspec.Struct, kw_only=True):

@@ -4,14 +4,16 @@
     summary = worker.run()          # until max_groups, request_stop() (SIGINT/SIGTERM in the CLI), or a fatal error
 
 Life of a worker: read `run.json` (model, env and sampling settings all come from the run, so the worker
-needs only the store URL); load the local model folder and tokenizer; cold-join the newest verified
+needs only the store URL); pin the trainer's key (`--trust`, or trust on first use: docs/security.md), so
+it follows only weights that key signed; load the local model folder and tokenizer; cold-join the newest verified
 weights (anchor + deltas); then loop over cohorts. At each cohort boundary it swaps to the newest
 prefetched version (never inside a cohort, so every group carries the one version that produced it),
 asks supply control how many groups the trainer can still use (`throttle.py`: it paces itself by the
 trainer's `weights/DEMAND`), samples tasks from its own seeded stream, generates G completions per task,
 scores them, skips groups whose samples all got the same reward (the trainer would drop them; counted in
 the heartbeat), and hands the rest to the on-disk spool. After the join, the generating thread never
-touches the store: the courier thread (`courier.py`) uploads the spool create-only under
+touches the store: the courier thread (`courier.py`) uploads the spool create-only (each group signed with this machine's
+worker key, `pnyx.security`) under
 `rollouts/v{V}/{worker}-{seq}`, reads the demand and writes the heartbeat (`workers/{worker}.json`:
 status, version, digest, throughput, uploaded / skipped / pending counts).
 
@@ -45,6 +47,9 @@ from pnyx.rollout.courier import Courier
 from pnyx.rollout.joining import cold_join, default_worker_id, read_run_manifest, resume_seq
 from pnyx.rollout.spool import Spool, spool_folder
 from pnyx.rollout.throttle import Throttle
+from pnyx.security.keys import load_or_create_key, worker_key_path
+from pnyx.security.signing import Signer
+from pnyx.security.trust import pin_trainer
 from pnyx.store import Store
 
 log = logging.getLogger("pnyx.worker")
@@ -80,6 +85,12 @@ class WorkerOptions:
     """How long the final flush after a stop request may keep uploading; the rest stays on disk."""
     max_backoff_s: float = 30.0
     """Largest wait between retries while the store is unreachable."""
+    trust: str | None = None
+    """The trainer key fingerprint to require (`--trust`); None: trust run.json's key on first use and pin
+    it (docs/security.md)."""
+    keys_dir: str | None = None
+    """Folder of this worker's key and its pinned trainer keys (None: $PNYX_KEYS_DIR, else
+    $XDG_CACHE_HOME/pnyx/keys, else ~/.cache/pnyx/keys)."""
 
 
 @dataclass
@@ -129,6 +140,7 @@ class Worker:
         self._kept_frac = 1.0  # recent share of groups not skipped as zero-variance (sizes throttled cohorts)
         self.spool: Spool | None = None
         self.syncer: Any = None
+        self.signer: Signer | None = None
         self.throttle: Throttle | None = None
         self.courier: Courier | None = None
 
@@ -162,6 +174,13 @@ class Worker:
         self._set_status("starting", "reading run.json")
         manifest = read_run_manifest(self.store, self.opts.join_timeout_s, self.stop_event)
         self.run_id = manifest.run_id
+        self.trust = pin_trainer(manifest, self.opts.trust, self.opts.keys_dir)  # ConfigError: refuse to join
+        key, created = load_or_create_key(worker_key_path(self.opts.keys_dir))
+        self.signer = Signer(key)  # signs every group; the trainer binds this worker's name to it
+        log.info(
+            "worker %s: signing groups with key %s%s", self.worker_id, self.signer.fingerprint,
+            " (created)" if created else "",
+        )  # fmt: skip
         self.cfg = config_from_dict(manifest.config)
         if self.opts.int8 and not self.cfg.worker.int8:
             raise ConfigError(
@@ -194,6 +213,7 @@ class Worker:
             plane=self.plane,
             max_backoff_s=self.opts.max_backoff_s,
             poll_interval_s=w.poll_interval_s,
+            trust=self.trust,  # only weights the run's trainer key signed: fail-closed otherwise
         )
         version, tensors = cold_join(
             self.syncer, self.opts.join_timeout_s, w.poll_interval_s, self.stop_event
@@ -344,7 +364,8 @@ class Worker:
                 continue
             group = msgspec.structs.replace(group, seq=self._next_seq())  # seqs stay contiguous
             self.spool.add(
-                layout.rollout_key(group.policy_version, self.worker_id, group.seq), encode_group(group)
+                layout.rollout_key(group.policy_version, self.worker_id, group.seq),
+                encode_group(group, signer=self.signer),
             )
             kept += 1
         if kept:
@@ -472,7 +493,8 @@ class Worker:
         from pnyx.protocol import decode_group, encode_group
 
         group = msgspec.structs.replace(decode_group(data), seq=self._next_seq())
-        return layout.rollout_key(group.policy_version, self.worker_id, group.seq), encode_group(group)
+        key = layout.rollout_key(group.policy_version, self.worker_id, group.seq)
+        return key, encode_group(group, signer=self.signer)
 
     # -- heartbeat --
 
@@ -522,6 +544,7 @@ class Worker:
             status=status,
             detail=detail[:500],
             digest=self.digest,
+            key=self.signer.fingerprint if self.signer is not None else "",
         )
         return encode_json(hb)
 

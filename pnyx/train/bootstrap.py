@@ -1,7 +1,7 @@
 """Run bootstrap: `run.json` (create-only) and version 0, so a worker can join from the store alone.
 
 `init_run` writes the run manifest (resolved config, model identity incl. vocab size and tokenizer
-digest) with create-only semantics and refuses to join an existing run whose run-defining fields differ.
+digest, and the public key that signs the run's weights) with create-only semantics and refuses to join an existing run whose run-defining fields differ.
 Publishing version 0 (an anchor of the initial weights) is the caller's first publish, which is also the
 fence: a second trainer on the same run fails there.
 
@@ -60,15 +60,18 @@ def read_run(store: Any) -> Any | None:
         return None
 
 
-def init_run(store: Any, config: dict[str, Any], model: dict[str, Any]) -> Any:
+def init_run(store: Any, config: dict[str, Any], model: dict[str, Any], trainer_key: Any = None) -> Any:
     """Create `run.json` (create-only) or join the existing one if its run-defining fields match.
 
-    Returns the run's `RunManifest` (the existing one when joining). Raises ConfigError on a mismatch.
+    `trainer_key`: the `TrainerKey` (public half) that will sign the run's weights. Returns the run's
+    `RunManifest` (the existing one when joining). Raises ConfigError on a mismatch.
     """
     from pnyx.protocol.codec import encode_json
     from pnyx.protocol.records import RunManifest
 
-    manifest = RunManifest(run_id=new_run_id(), created_at=time.time(), config=config, model=model)
+    manifest = RunManifest(
+        run_id=new_run_id(), created_at=time.time(), config=config, model=model, trainer_key=trainer_key
+    )
     try:
         store.put(layout.RUN_MANIFEST, encode_json(manifest), mode="create")
         return manifest

@@ -23,6 +23,13 @@ Knows nothing about torch or models: text comes from an injected `detokenize` ca
 optional `render` callable, so this module is testable with plain bytes. Thread-safe: one lock guards the
 listings, the cursor and the fetched groups; store I/O and scoring run outside it.
 
+Identity (docs/security.md): with `require_signatures` (the trainer's setting) every record must be a signed
+frame; the signature is checked before anything is inflated or decoded (`unsigned`, `bad_signature`), and
+a worker name is bound to the first key whose valid group used it, in the cursor: a later group under that
+name signed by another key is an `id_theft`. With the run's sampling settings in `IngestSettings` (the
+trainer's), a group that claims other settings (`sampling_mismatch`) or a model turn past the budget
+(`over_budget`) is dropped before it is scored. Counters per key (`Cursor.by_key`) follow keys, not names.
+
 Invariants:
 - the `Cursor` (uses and rejections of keys in the window, counters, the sweep mark) is the only state that
   survives a restart; it holds only keys of versions not yet swept, so it is bounded by what the window
@@ -48,11 +55,13 @@ import msgspec
 
 from pnyx.errors import NotFoundError, RecordRejected, StoreUnavailableError
 from pnyx.protocol import layout
+from pnyx.protocol.codec import frame_signer
+from pnyx.security.keys import fingerprint
 from pnyx.train.advantages import AdvantageMode, is_zero_variance
 from pnyx.train.listing import SWEEP_GRACE_S, VersionListing, WindowListings
 from pnyx.train.pool import DaemonPool
 from pnyx.train.ranking import Plan, ranked
-from pnyx.train.rescore import REWARD_TOL, ScoredGroup, rescore
+from pnyx.train.rescore import REWARD_TOL, ScoredGroup, check_sampling, rescore
 
 log = logging.getLogger("pnyx.train.ingest")
 
@@ -71,6 +80,13 @@ class IngestSettings:
     max_groups_per_prompt: int = 2
     advantage: AdvantageMode = "grpo"
     adv_eps: float = 1e-6
+    temperature: float | None = None
+    """The run's sampling settings and per-turn generation budget (run.json's `worker` section): a group
+    that claims other settings is `sampling_mismatch`, one with a model turn longer than the budget is
+    `over_budget`. None: not checked (tests and tools)."""
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None
 
 
 class Cursor(msgspec.Struct):
@@ -86,6 +102,11 @@ class Cursor(msgspec.Struct):
     """Cumulative per-worker count of samples whose claimed reward differed from the re-score."""
     scored: dict[str, int] = {}
     """Cumulative per-worker count of re-scored samples (of groups consumed or rejected after scoring)."""
+    keys: dict[str, str] = {}
+    """Worker name -> fingerprint of the key it is bound to (the first key whose valid group used it)."""
+    by_key: dict[str, dict[str, int]] = {}
+    """Key fingerprint -> counters: `groups` consumed, `scored` samples, `disagreements`, and each drop
+    reason of its groups (reputation and quotas attach to keys, not to claimed names)."""
     swept_below: int = 0
     """Versions below this have left the window and been swept for stale drops."""
     consumed: int = 0
@@ -97,6 +118,14 @@ class Cursor(msgspec.Struct):
     @classmethod
     def from_json(cls, data: bytes) -> Cursor:
         return msgspec.json.decode(data, type=cls)
+
+
+def _theft(worker: str, bound: str, fp: str) -> RecordRejected:
+    e = RecordRejected(
+        "id_theft", f"worker name {worker!r} is bound to key {bound}, this group is signed by {fp}"
+    )
+    e.signer = fp
+    return e
 
 
 def _default_decode(data: bytes, vocab_size: int | None) -> Any:
@@ -127,6 +156,8 @@ class Ingestor(WindowListings):
     decode: Callable[[bytes, int | None], Any] = _default_decode
     fetch_workers: int = FETCH_WORKERS
     sweep_grace_s: float = SWEEP_GRACE_S
+    require_signatures: bool = False
+    """Refuse records that are not signed frames, and bind worker names to keys (the trainer sets it)."""
 
     def __post_init__(self) -> None:
         self._lock = threading.RLock()
@@ -150,6 +181,14 @@ class Ingestor(WindowListings):
         bad = sum(abs(a - b) > REWARD_TOL for a, b in zip(g.worker_rewards, g.rewards, strict=True))
         if bad:
             self.cursor.disagreements[w] = self.cursor.disagreements.get(w, 0) + bad
+        self._count_key(g.signer, "scored", len(g.rewards))
+        if bad:
+            self._count_key(g.signer, "disagreements", bad)
+
+    def _count_key(self, fingerprint: str, what: str, n: int = 1) -> None:
+        if fingerprint:
+            counts = self.cursor.by_key.setdefault(fingerprint, {})
+            counts[what] = counts.get(what, 0) + n
 
     def _admit(self, key: str) -> None:
         """Fetch and score one listed key; file it as ready or rejected (runs in a pool thread)."""
@@ -159,6 +198,7 @@ class Ingestor(WindowListings):
             with self._lock:
                 if not self._closed and key not in self.cursor.rejected and key not in self.cursor.uses:
                     self._reject(key, e.reason, str(e))
+                    self._count_key(getattr(e, "signer", ""), e.reason)
                     self._outcomes.append(e.reason)
             return
         except NotFoundError:  # listed, then deleted by someone else: nothing to train on or count
@@ -182,6 +222,7 @@ class Ingestor(WindowListings):
                 return  # its version was swept meanwhile
             if is_zero_variance(scored.rewards):
                 self._count_scored(scored)
+                self._count_key(scored.signer, "zero_variance")
                 self._reject(key, "zero_variance")
                 r = scored.rewards[0]
                 self._outcomes.append("zv_hard" if r <= 0 else "zv_easy" if r >= 1 else "zv_flat")
@@ -262,17 +303,42 @@ class Ingestor(WindowListings):
         parsed = layout.parse_rollout_key(key)
         if parsed is None:
             raise RecordRejected("bad_key", key)
-        return rescore(
-            key,
-            self.decode(self.store.get(key), self.vocab_size),
-            env=self.env,
-            detokenize=self.detokenize,
-            settings=self.settings,
-            run_id=self.run_id,
-            expected_digest=self.expected_digest,
-            render=self.render,
-            rendered=self._rendered,
-        )
+        data = self.store.get(key)
+        signer = self._signer_of(parsed[1], data) if self.require_signatures else ""
+        try:
+            group = self.decode(data, self.vocab_size)
+            check_sampling(group, self.settings)
+            scored = rescore(
+                key,
+                group,
+                env=self.env,
+                detokenize=self.detokenize,
+                settings=self.settings,
+                run_id=self.run_id,
+                expected_digest=self.expected_digest,
+                render=self.render,
+                rendered=self._rendered,
+            )
+        except RecordRejected as e:
+            e.signer = signer  # the drop counts against the key that signed the record
+            raise
+        scored.signer = signer
+        if signer:
+            with self._lock:  # a valid group binds its name to its key, unless another key was first
+                bound = self.cursor.keys.setdefault(parsed[1], signer)
+            if bound != signer:
+                raise _theft(parsed[1], bound, signer)
+        return scored
+
+    def _signer_of(self, worker: str, data: bytes) -> str:
+        """The fingerprint of the key that signed `data`, checked before anything is decoded: the frame's
+        signature, then the name's binding. Raises RecordRejected("unsigned" | "bad_signature" | "id_theft")."""
+        fp = fingerprint(frame_signer(data))
+        with self._lock:
+            bound = self.cursor.keys.get(worker)
+        if bound is not None and bound != fp:
+            raise _theft(worker, bound, fp)
+        return fp
 
     def load_many(self, keys: list[str]) -> list[ScoredGroup]:
         """`load` of every key, in parallel, in order; the first failure (in key order) re-raises."""
@@ -378,6 +444,7 @@ class Ingestor(WindowListings):
                 g = by_key.get(k) or self._ready.get(k)
                 if g is not None:
                     self._count_scored(g)
+                    self._count_key(g.signer, "groups")
                 self.cursor.uses[k] = self.cursor.uses.get(k, 0) + 1
                 self.cursor.consumed += 1
                 if self.cursor.uses[k] >= self.settings.max_reuse:

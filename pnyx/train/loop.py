@@ -47,6 +47,7 @@ import torch
 
 from pnyx.config import PnyxConfig, overlay_changed, resolve_model_source
 from pnyx.errors import ConfigError, FencedError, IntegrityError, NotFoundError, PnyxError, RecordRejected
+from pnyx.security.trust import check_trainer_key, run_verifier, trainer_key_record, trainer_signer
 from pnyx.train import bootstrap, checkpoint, checkpointer
 from pnyx.train.ingest import Ingestor, ScoredGroup
 from pnyx.train.prefetch import Prefetcher
@@ -72,13 +73,14 @@ def _crash_point(name: str, version: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def published_digests(store: Any, version: int) -> frozenset[str] | None:
+def published_digests(store: Any, version: int, trust: Any = None) -> frozenset[str] | None:
     """Chain digests a group of `version` may carry, one per plane (a worker on the int8 actor plane stamps
-    its groups with that plane's digest); None if the version is not published."""
+    its groups with that plane's digest); None if the version is not published (with `trust`: by the
+    run's key)."""
     from pnyx.weights.manifest import read_manifest
 
     try:
-        m = read_manifest(store, version)
+        m = read_manifest(store, version, trust)
     except NotFoundError:
         return None
     return manifest_digests(m)
@@ -144,6 +146,8 @@ class Trainer:
         self._ingest_wait_s = 0.0
         self.progress = Progress(store, self._describe)
         self.reference: Any = None
+        self.trust: Any = None
+        """The verifier of the run's trainer key (from run.json), once the run is created or joined."""
 
     # --- setup ---------------------------------------------------------------------------------------
 
@@ -209,6 +213,7 @@ class Trainer:
             vocab_size=vocab,
             render=lambda prompt: render_prompt(tok, prompt),
             expected_digest=self._published_digest,
+            require_signatures=True,  # every group signed by its worker's key (docs/security.md)
         )
         if os.environ.get(INGEST_DELAY_ENV):
             self.ingestor.decode = _slow_decode(float(os.environ[INGEST_DELAY_ENV]))
@@ -217,7 +222,7 @@ class Trainer:
     def _published_digest(self, version: int) -> frozenset[str] | None:
         """`published_digests` of `version`, cached once known."""
         if version not in self._digests:
-            digests = published_digests(self.store, version)
+            digests = published_digests(self.store, version, self.trust)
             if digests is None:
                 return None
             self._digests[version] = digests
@@ -272,13 +277,21 @@ class Trainer:
         self._load(existing if self.resume else None)
         config_json = self.cfg.model_dump(mode="json")
         config_json["store"]["url"] = None  # where the run lives is not part of what it is
+        signer = trainer_signer() if self.dist.is_main else None  # rank 0 alone signs (and holds the key)
         if existing is not None:
             bootstrap.check_compatible(existing, config_json, self.model_info, self.store.url)
             self.manifest = existing
         else:
             self.manifest = self._on_main(
-                lambda: bootstrap.init_run(self.store, config_json, self.model_info)
+                lambda: bootstrap.init_run(
+                    self.store, config_json, self.model_info, trainer_key_record(signer)
+                )
             )
+        if signer is not None:
+            check_trainer_key(self.manifest, signer, self.store.url)
+            self.publisher.signer = signer.for_run(self.manifest.run_id)
+            log.info("trainer: weights signed by key %s", signer.fingerprint)
+        self.trust = run_verifier(self.manifest)
         self.ingestor.run_id = self.manifest.run_id
         if not self.resume:
             try:
@@ -293,7 +306,9 @@ class Trainer:
                 "trainer run=%s created: v0 published (%s)", self.manifest.run_id, self.model_info["name"]
             )
             return
-        self._restore(self.dist.broadcast(latest_version(self.store) if self.dist.is_main else None))
+        self._restore(
+            self.dist.broadcast(latest_version(self.store, self.trust) if self.dist.is_main else None)
+        )
 
     def _restore(self, published: int | None) -> None:
         """Load the newest checkpoint and roll forward through every version published after it."""
@@ -430,7 +445,10 @@ class Trainer:
         from pnyx.weights import apply_retention
 
         apply_retention(
-            self.store, self.cfg.trainer.keep_anchors, window=self.cfg.algorithm.max_staleness + 1
+            self.store,
+            self.cfg.trainer.keep_anchors,
+            window=self.cfg.algorithm.max_staleness + 1,
+            trust=self.trust,
         )
 
     def metrics(self, r: StepResult) -> dict[str, Any]:

@@ -5,7 +5,7 @@ published weights digest of its version (a forked or foreign history is refused)
 task id and the prompt (re-rendered by the trainer's tokenizer), then **re-scores every sample with the
 trainer's own verifier** from the task id and the decoded completion text, and computes advantages. The
 worker's rewards are kept only to count disagreements. Raises `RecordRejected(reason)`; the reason is a
-counter key.
+counter key. `check_sampling` checks a group's sampling settings and per-turn budget against the run's.
 
 Knows nothing about the store, listings or selection; no torch (text comes from an injected `detokenize`).
 """
@@ -42,6 +42,8 @@ class ScoredGroup:
     """What the worker claimed (for disagreement statistics only)."""
     parts: list[dict[str, float]] = field(default_factory=list)
     """The trainer's reward parts per sample (`Score.parts`: `correct`, `format`, ...)."""
+    signer: str = ""
+    """Fingerprint of the worker key that signed the record ("" when the ingestor does not check)."""
 
     @property
     def num_tokens(self) -> int:
@@ -109,3 +111,27 @@ def rescore(
     claimed = [float(s.reward) for s in group.samples]
     adv = group_advantages(rewards, settings.advantage, settings.adv_eps)
     return ScoredGroup(key, version, worker, group.task_id, group, rewards, adv, claimed, parts)
+
+
+def check_sampling(group: Any, settings: Any) -> None:
+    """`settings` gives the run's `temperature`, `top_p`, `top_k`, `max_new_tokens` (None: not checked).
+    Raise RecordRejected unless the group's sampling settings are the run's (`sampling_mismatch`) and
+    every model turn (a run of loss-mask 1 tokens) fits the per-turn budget (`over_budget`)."""
+    want = {"temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k}
+    wrong = [
+        f"{k}={getattr(group, k)!r} (run: {v!r})"
+        for k, v in want.items()
+        if v is not None and getattr(group, k) != v
+    ]
+    if wrong:
+        raise RecordRejected("sampling_mismatch", ", ".join(wrong))
+    budget = settings.max_new_tokens
+    if budget is None:
+        return
+    for i, s in enumerate(group.samples):
+        turn = longest = 0
+        for m in s.loss_mask:
+            turn = turn + 1 if m else 0
+            longest = max(longest, turn)
+        if longest > budget:
+            raise RecordRejected("over_budget", f"sample {i} has a model turn of {longest} > {budget} tokens")

@@ -50,7 +50,7 @@ def restore(t: Any, published: int | None) -> None:
         stats = t._train(batch)
         if t.dist.is_main:
             t.ingestor.commit(batch.keys, batch.groups)
-            kind = read_manifest(t.store, v).kind
+            kind = read_manifest(t.store, v, t.trust).kind
             checkpoint.write_metrics(
                 t.store, v, t.metrics(StepResult(v, stats, batch.groups, 0.0, kind, batch.lr))
             )
@@ -109,12 +109,12 @@ def verify_or_adopt(t: Any, version: int) -> None:
     from pnyx.weights.bits import from_torch
     from pnyx.weights.manifest import read_manifest
 
-    want = {e.name: e.digest for e in read_manifest(t.store, version).weights.tensors}
+    want = {e.name: e.digest for e in read_manifest(t.store, version, t.trust).weights.tensors}
     mine = from_torch(t.publish_tensors(), copy=False)
     same = all(want.get(n) == tb.digest() for n, tb in mine.items())
     if all(t.dist.all_gather(same)):
         return
     log.warning("trainer resume: replayed v%d differs from the published bits; adopting them", version)
-    _, tensors = Syncer(t.store).sync(to_version=version)
+    _, tensors = Syncer(t.store, trust=t.trust).sync(to_version=version)
     full = {k: v.to(torch.float32) for k, v in tensors.items()}
     set_model_state_dict(t.model, full, options=StateDictOptions(full_state_dict=True, strict=False))

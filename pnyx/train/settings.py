@@ -26,10 +26,16 @@ def loss_settings(cfg: PnyxConfig) -> LossSettings:
 
 
 def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
-    a = cfg.algorithm
+    """The ingestor's filters, with the run's sampling settings and budget every group must match (call it
+    after `worker.max_new_tokens` is resolved, as the trainer does)."""
+    a, w = cfg.algorithm, cfg.worker
     return IngestSettings(
         max_staleness=a.max_staleness,
         max_reuse=a.max_reuse,
         max_groups_per_prompt=a.max_groups_per_prompt,
         advantage=a.advantage,
+        temperature=w.temperature,
+        top_p=w.top_p,
+        top_k=w.top_k,
+        max_new_tokens=w.max_new_tokens,
     )

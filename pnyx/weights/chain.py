@@ -3,19 +3,24 @@
 `inspect_chain` reads only manifests (versions, kinds, sizes, and whether each version's parent digest
 links to its parent's chain digest). `verify_chain` downloads every payload and rebuilds every state from
 anchors and deltas, checking each tensor digest and the chain digests: what `pnyx weights verify` runs.
-Knows nothing about torch.
+Given the trainer's `Verifier` (`trust=`), both check every manifest's signature and report every manifest
+object the trainer did not name (unsigned, forged, squatted) as a problem. Knows nothing about torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pnyx.errors import IntegrityError, NotFoundError
+from pnyx.protocol import layout
 from pnyx.store import Store
 from pnyx.weights.bits import BitState
-from pnyx.weights.manifest import Head, WeightManifest, list_versions, read_head, read_manifest, verify_plane
+from pnyx.weights.manifest import Head, WeightManifest, manifest_keys, read_head, read_manifest, verify_plane
 from pnyx.weights.payload import read_anchor, read_delta
+
+if TYPE_CHECKING:
+    from pnyx.security.signing import Verifier
 
 
 @dataclass
@@ -62,14 +67,20 @@ def _info(m: WeightManifest, status: str) -> VersionInfo:
     )
 
 
-def _manifests(store: Store, report: ChainReport) -> list[WeightManifest]:
+def _manifests(store: Store, report: ChainReport, trust: Verifier | None) -> list[WeightManifest]:
+    metas = [m.key for m in store.list(layout.WEIGHTS_PREFIX)]
+    named = manifest_keys(metas, trust)
+    if trust is not None:
+        for key in metas:
+            if layout.parse_any_weights_manifest(key) is not None and key not in named.values():
+                report.problems.append(f"{key}: not signed by the trainer key {trust.fingerprint} (ignored)")
     out = []
-    for v in list_versions(store):
+    for v in sorted(named):
         try:
-            out.append(read_manifest(store, v))
+            out.append(read_manifest(store, v, trust))
         except (NotFoundError, IntegrityError) as e:
             report.problems.append(f"v{v}: manifest unreadable: {e}")
-    report.head = read_head(store)
+    report.head = read_head(store, trust)
     report.latest = out[-1].version if out else None
     if report.head is not None and report.latest is not None and report.head.version > report.latest:
         report.problems.append(
@@ -78,11 +89,11 @@ def _manifests(store: Store, report: ChainReport) -> list[WeightManifest]:
     return out
 
 
-def inspect_chain(store: Store) -> ChainReport:
+def inspect_chain(store: Store, trust: Verifier | None = None) -> ChainReport:
     """Versions, kinds, sizes and link status from manifests alone (no payload is downloaded)."""
     report = ChainReport()
     by_v: dict[int, WeightManifest] = {}
-    for m in _manifests(store, report):
+    for m in _manifests(store, report, trust):
         parent = by_v.get(m.parent_version) if m.parent_version is not None else None
         if m.weights.anchor:
             status = "anchor"
@@ -103,13 +114,16 @@ def inspect_chain(store: Store) -> ChainReport:
     return report
 
 
-def verify_chain(store: Store, plane: Literal["weights", "int8"] = "weights") -> ChainReport:
-    """Download and re-verify every version end to end (anchors rebuilt, deltas applied, all digests)."""
+def verify_chain(
+    store: Store, plane: Literal["weights", "int8"] = "weights", trust: Verifier | None = None
+) -> ChainReport:
+    """Download and re-verify every version end to end (anchors rebuilt, deltas applied, all digests;
+    with `trust`, every signature)."""
     report = ChainReport()
     state: BitState | None = None
     prev: WeightManifest | None = None
     seen_anchor = False
-    for m in _manifests(store, report):
+    for m in _manifests(store, report, trust):
         what = f"v{m.version} ({plane})"
         try:
             p = m.plane(plane)

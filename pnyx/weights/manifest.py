@@ -7,13 +7,22 @@ chain digest and the chain digest `D_v = H(D_{v-1} || payload digest || state di
 carries a digest of its own canonical encoding, so a flipped byte anywhere in it is detected.
 
 Truth is the highest manifest listed, never HEAD (a hint that may lag, or lead a missing version).
-Knows nothing about torch, the codec or RL.
+
+Signed weights (docs/security.md): a publisher with a `Signer` writes version V's manifest at
+`weights/v{V:08d}/manifest-{tag}.json`, where the tag is its Ed25519 signature of V, and signs the
+manifest's content and HEAD. A reader given the trainer's `Verifier` (`trust=`) sees only manifests whose
+name tag verifies (from the listing alone, no download): junk or squatted names, forged future versions
+and unsigned manifests are invisible to it, so they can neither block the trainer nor be followed; a
+manifest whose content signature does not verify (an overwritten object) raises IntegrityError. Readers
+without `trust` (tests, trainer-side tools) take `manifest.json`, else the first manifest-* that decodes.
+Knows nothing about torch, the codec or RL; the `Signer`/`Verifier` are passed in.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
@@ -29,6 +38,11 @@ from pnyx.weights.bits import (
     state_digest_of,
     unsigned_dtype,
 )
+
+if TYPE_CHECKING:
+    from pnyx.security.signing import Signer, Verifier
+
+log = logging.getLogger("pnyx.weights")
 
 SCHEMA = 1
 Kind = Literal["anchor", "delta"]
@@ -83,7 +97,9 @@ class WeightManifest(msgspec.Struct):
     weights: PlaneManifest
     int8: PlaneManifest | None = None
     int8_group: int = 64
-    manifest_digest: str = ""  # H(canonical encoding with this field empty)
+    parent_tag: str = ""  # name tag of the parent's signed manifest (signed readers walk parents unlisted)
+    manifest_digest: str = ""  # H(canonical encoding with this field and `signature` empty)
+    signature: str = ""  # the trainer's Ed25519 signature (hex) of the encoding with this field empty
 
     @property
     def digest(self) -> str:
@@ -102,6 +118,11 @@ class WeightManifest(msgspec.Struct):
 class Head(msgspec.Struct):
     version: int
     digest: str
+    signature: str = ""  # the trainer's signature of (version, digest), hex; "" from an unsigned publisher
+
+
+def _head_message(version: int, digest: str) -> bytes:
+    return b"%d\0" % version + digest.encode()
 
 
 def make_plane(
@@ -193,19 +214,27 @@ def verify_plane(
 
 
 def _self_digest(m: WeightManifest) -> str:
-    return h(msgspec.json.encode(msgspec.structs.replace(m, manifest_digest="")))
+    return h(msgspec.json.encode(msgspec.structs.replace(m, manifest_digest="", signature="")))
 
 
-def encode_manifest(m: WeightManifest) -> bytes:
-    m = msgspec.structs.replace(m, manifest_digest=_self_digest(m))
+def _signed_bytes(m: WeightManifest) -> bytes:
+    return msgspec.json.encode(msgspec.structs.replace(m, signature=""))
+
+
+def encode_manifest(m: WeightManifest, signer: Signer | None = None) -> bytes:
+    """The manifest's JSON with its self digest, and its signature when a `signer` is given."""
+    m = msgspec.structs.replace(m, manifest_digest=_self_digest(m), signature="")
+    if signer is not None:
+        m = msgspec.structs.replace(m, signature=signer.sign_hex("manifest", _signed_bytes(m)))
     return msgspec.json.format(msgspec.json.encode(m), indent=1)
 
 
-def decode_manifest(data: bytes, version: int | None = None) -> WeightManifest:
-    """Decode and check a manifest (schema, self digest, version); IntegrityError on any problem."""
+def decode_manifest(data: bytes, version: int | None = None, trust: Verifier | None = None) -> WeightManifest:
+    """Decode and check a manifest (schema, self digest, version, and with `trust` its signature);
+    IntegrityError on any problem."""
     try:
         m = msgspec.json.decode(data, type=WeightManifest)
-    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
         raise IntegrityError(f"weight manifest does not decode: {e}") from None
     if m.schema != SCHEMA:
         raise IntegrityError(f"weight manifest schema {m.schema} is not {SCHEMA}: upgrade pnyx")
@@ -213,52 +242,115 @@ def decode_manifest(data: bytes, version: int | None = None) -> WeightManifest:
         raise IntegrityError(f"weight manifest v{m.version} fails its self digest (corrupt)")
     if version is not None and m.version != version:
         raise IntegrityError(f"manifest at v{version:08d} claims version {m.version}")
+    if trust is not None and not trust.check_hex("manifest", _signed_bytes(m), m.signature):
+        raise IntegrityError(
+            f"weight manifest v{m.version} is {'not signed' if not m.signature else 'wrongly signed'}: "
+            f"it does not verify under the trainer key {trust.fingerprint}; refused"
+        )
+    parent = m.parent_version
+    if trust is not None and parent is not None and m.parent_tag and trust.check_tag(parent, m.parent_tag):
+        trust.manifest_names.setdefault(parent, layout.signed_weights_manifest(parent, m.parent_tag))
     return m
 
 
-def encode_head(head: Head) -> bytes:
+def encode_head(head: Head, signer: Signer | None = None) -> bytes:
+    if signer is not None:
+        head = Head(
+            head.version, head.digest, signer.sign_hex("head", _head_message(head.version, head.digest))
+        )
     return msgspec.json.encode(head)
 
 
 # --- reading from a store ---------------------------------------------------------------------------
 
 
-def read_manifest(store: Store, version: int) -> WeightManifest:
-    """The manifest of `version` (NotFoundError if absent, IntegrityError if corrupt)."""
-    return decode_manifest(store.get(layout.weights_manifest(version)), version)
-
-
-def read_head(store: Store) -> Head | None:
-    """The HEAD hint, or None if absent or unreadable (it is only a hint)."""
+def read_manifest(store: Store, version: int, trust: Verifier | None = None) -> WeightManifest:
+    """The manifest of `version` (NotFoundError if absent, IntegrityError if corrupt or, with `trust`,
+    not signed by the trainer). With `trust`, only the manifest named by the trainer's tag is read."""
+    if trust is not None:
+        key = trust.manifest_names.get(version)
+        if key is None:
+            keys = manifest_keys(store.list(layout.weights_manifest_candidates(version)), trust)
+            key = keys.get(version)
+        if key is None:
+            raise NotFoundError(
+                f"no manifest of weights v{version} signed by the trainer key {trust.fingerprint}"
+            )
+        return decode_manifest(store.get(key), version, trust)
     try:
-        return msgspec.json.decode(store.get(layout.WEIGHTS_HEAD), type=Head)
-    except (NotFoundError, msgspec.DecodeError):
+        return decode_manifest(store.get(layout.weights_manifest(version)), version)
+    except NotFoundError:
+        keys = [m.key for m in store.list(layout.weights_manifest_candidates(version))]
+    problems = []
+    for key in sorted(k for k in keys if (layout.parse_any_weights_manifest(k) or (-1,))[0] == version):
+        try:
+            return decode_manifest(store.get(key), version)
+        except (IntegrityError, NotFoundError) as e:
+            problems.append(str(e))
+    if problems:
+        raise IntegrityError(f"no manifest of weights v{version} decodes: {'; '.join(problems)}")
+    raise NotFoundError(f"weights v{version} has no manifest")
+
+
+def read_head(store: Store, trust: Verifier | None = None) -> Head | None:
+    """The HEAD hint, or None if absent, unreadable or (with `trust`) not signed by the trainer."""
+    try:
+        head = msgspec.json.decode(store.get(layout.WEIGHTS_HEAD), type=Head)
+    except (NotFoundError, msgspec.DecodeError, msgspec.ValidationError):
         return None
+    if trust is not None and not trust.check_hex(
+        "head", _head_message(head.version, head.digest), head.signature
+    ):
+        return None
+    return head
 
 
-def manifest_versions(keys: Iterable[str]) -> list[int]:
-    out = [v for v in (layout.parse_weights_manifest(k) for k in keys) if v is not None]
-    return sorted(out)
+def manifest_keys(metas: Iterable, trust: Verifier | None = None) -> dict[int, str]:
+    """Version -> manifest key, from listed objects. With `trust`, only names whose tag the trainer signed
+    (and they are remembered in `trust.manifest_names`, so reading them needs no listing); without, the
+    unsigned `manifest.json` or else the first signed-form name."""
+    out: dict[int, str] = {}
+    for meta in metas:
+        key = getattr(meta, "key", meta)
+        parsed = layout.parse_any_weights_manifest(key)
+        if parsed is None:
+            continue
+        version, tag = parsed
+        if trust is None:
+            if tag is None or version not in out:
+                out[version] = key
+        elif tag is not None and trust.check_tag(version, tag):
+            out[version] = key
+            trust.manifest_names[version] = key
+        elif key not in trust.ignored:
+            trust.ignored.add(key)
+            log.warning("weights: ignoring %s: not named by the trainer key %s", key, trust.fingerprint)
+    return out
 
 
-def list_versions(store: Store, after: int | None = None) -> list[int]:
-    """Versions that have a manifest, ascending (only those > `after` when given)."""
+def manifest_versions(keys: Iterable[str], trust: Verifier | None = None) -> list[int]:
+    return sorted(manifest_keys(keys, trust))
+
+
+def list_versions(store: Store, after: int | None = None, trust: Verifier | None = None) -> list[int]:
+    """Versions that have a manifest (with `trust`: a manifest the trainer named), ascending (only those >
+    `after` when given)."""
     start = layout.weights_dir(after + 1)[:-1] if after is not None else None
-    return manifest_versions(m.key for m in store.list(layout.WEIGHTS_PREFIX, start_after=start))
+    return manifest_versions(store.list(layout.WEIGHTS_PREFIX, start_after=start), trust)
 
 
-def latest_version(store: Store) -> int | None:
-    """The newest version with a manifest. Reads HEAD as a hint, then lists from it (HEAD may lag, or
-    name a version whose manifest is missing; then the whole listing decides)."""
-    head = read_head(store)
+def latest_version(store: Store, trust: Verifier | None = None) -> int | None:
+    """The newest version with a manifest (with `trust`: one the trainer named; forged or squatted future
+    versions are not seen). Reads HEAD as a hint, then lists from it (HEAD may lag, or name a version whose
+    manifest is missing; then the whole listing decides)."""
+    head = read_head(store, trust)
     if head is not None and 0 <= head.version <= 99_999_999:
         newer = manifest_versions(
-            m.key
-            for m in store.list(layout.WEIGHTS_PREFIX, start_after=layout.weights_dir(head.version)[:-1])
+            store.list(layout.WEIGHTS_PREFIX, start_after=layout.weights_dir(head.version)[:-1]), trust
         )
         if newer:
             return newer[-1]
-    versions = list_versions(store)
+    versions = list_versions(store, trust=trust)
     return versions[-1] if versions else None
 
 
@@ -277,6 +369,7 @@ __all__ = [
     "latest_version",
     "list_versions",
     "make_plane",
+    "manifest_keys",
     "plane_of",
     "read_head",
     "read_manifest",

@@ -10,6 +10,11 @@ N processes may publish one version together (a sharded trainer): each encodes a
 of the payload (`parallel.PublishPlan`), rank 0 gathers the objects' digests and commits the one manifest.
 No process ever holds the whole state.
 
+With a `signer` (the trainer's key, bound to the run: docs/security.md) the manifest is written at the name
+only that key can compute (`manifest-{signature of V}.json`), its content and HEAD are signed, and the
+fence check sees only versions that key named: a forged or squatted future version, a junk name or an
+overwritten HEAD can neither fence this publisher out nor pull it off its chain.
+
 Knows nothing about RL or optimizers; torch only at the `publish()` boundary (tensors -> bits).
 """
 
@@ -52,6 +57,8 @@ from pnyx.weights.payload import write_shards, write_windows
 
 if TYPE_CHECKING:
     import torch
+
+    from pnyx.security.signing import Signer, Verifier
 
 log = logging.getLogger("pnyx.weights")
 
@@ -116,6 +123,8 @@ class Publisher:
     the chain digest of a state does not depend on how many processes published it.
     hook: called as `hook("before_manifest", version)` once this rank's payload is uploaded, before the
     manifest (the trainer's kill-test hook).
+    signer: the trainer's `Signer`, bound to the run (None: unsigned manifests at `manifest.json`, for
+    tests and tools; workers refuse those). Rank 0 alone uses it; it may be set after construction.
     """
 
     def __init__(
@@ -129,6 +138,7 @@ class Publisher:
         nonce: str | None = None,
         comm: Collective | None = None,
         hook: Callable[[str, int], None] | None = None,
+        signer: Signer | None = None,
     ):
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
@@ -139,6 +149,7 @@ class Publisher:
         self.level = level
         self.comm: Collective = comm or Solo()
         self.hook = hook
+        self.signer = signer
         self.nonce = layout.check_name(nonce or secrets.token_hex(4), "publisher nonce")
         self.version: int | None = None
         self.anchor_version: int | None = None
@@ -387,9 +398,16 @@ class Publisher:
             weights=plane,
             int8=int8_plane,
             int8_group=q8.GROUP,
+            parent_tag=self.signer.manifest_tag(parent)
+            if self.signer is not None and parent is not None
+            else "",
         )
+        if self.signer is not None:
+            key = layout.signed_weights_manifest(version, self.signer.manifest_tag(version))
+        else:
+            key = layout.weights_manifest(version)
         try:
-            self.store.put(layout.weights_manifest(version), encode_manifest(m), mode="create")
+            self.store.put(key, encode_manifest(m, self.signer), mode="create")
         except AlreadyExistsError:
             return "fenced", (
                 f"weights v{version} was published by another trainer while this one ({self.nonce}) was "
@@ -404,14 +422,14 @@ class Publisher:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         if self.version is not None and version <= self.version:
             raise ValueError(f"version {version} must be greater than the last published {self.version}")
-        latest = latest_version(self.store)
+        latest = latest_version(self.store, self.trust)
         if self.version is None:
             if latest is not None and version <= latest:
                 raise FencedError(
                     f"weights v{version} is not past the run's newest version v{latest}: another trainer owns it"
                 )
             if latest is not None:  # a restarted trainer: chain onto the newest version, anchored
-                m = read_manifest(self.store, latest)
+                m = read_manifest(self.store, latest, self.trust)
                 self._digest = m.weights.chain_digest
                 self._int8_digest = m.int8.chain_digest if m.int8 else ZERO_DIGEST
             return latest
@@ -422,9 +440,14 @@ class Publisher:
             )
         return self.version
 
+    @property
+    def trust(self) -> Verifier | None:
+        """The verifier of this publisher's own signatures (None when unsigned)."""
+        return self.signer.verifier if self.signer is not None else None
+
     def _advance_head(self, version: int, digest: str) -> None:
         """Point HEAD at `version` unless it already names a newer one (CAS where supported)."""
-        data = encode_head(Head(version, digest))
+        data = encode_head(Head(version, digest), self.signer)
         if not self.store.supports_cas:
             self.store.put(layout.WEIGHTS_HEAD, data, mode="overwrite")
             return
@@ -433,7 +456,7 @@ class Publisher:
                 etag = self.store.head(layout.WEIGHTS_HEAD).etag
             except NotFoundError:
                 etag = None
-            cur = read_head(self.store)
+            cur = read_head(self.store, self.trust)
             if cur is not None and cur.version >= version:
                 return
             try:

@@ -6,7 +6,9 @@ the head from any retained anchor, and (b) a syncer that holds any version withi
 still follow warm. `apply_retention` deletes a version's manifest before its payload (a reader then sees
 the version as absent, never as a manifest with missing objects), and removes orphaned payload objects (a
 fenced publisher's, or a crashed publish's) only below the head, where no live publisher can be writing.
-Knows nothing about torch or the codec.
+With the trainer's `Verifier` (`trust=`) only the manifests it named count; any other manifest object in
+a finished version (unsigned, forged, squatted) is removed with the orphans. Knows nothing about torch or
+the codec.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pnyx.errors import IntegrityError, NotFoundError
 from pnyx.protocol import layout
 from pnyx.store import Store
-from pnyx.weights.manifest import read_manifest
+from pnyx.weights.manifest import manifest_keys, read_manifest
+
+if TYPE_CHECKING:
+    from pnyx.security.signing import Verifier
 
 log = logging.getLogger("pnyx.weights")
 
@@ -39,7 +45,13 @@ def plan_retention(versions: Iterable[tuple[int, bool]], keep_anchors: int = 2, 
     return [v for v, _ in vs if v < floor]
 
 
-def apply_retention(store: Store, keep_anchors: int = 2, window: int = 0, dry_run: bool = False) -> list[str]:
+def apply_retention(
+    store: Store,
+    keep_anchors: int = 2,
+    window: int = 0,
+    dry_run: bool = False,
+    trust: Verifier | None = None,
+) -> list[str]:
     """Apply the policy to a run; returns the deleted keys (or those it would delete when `dry_run`)."""
     by_version: dict[int, list[str]] = defaultdict(list)
     for meta in store.list(layout.WEIGHTS_PREFIX):
@@ -48,11 +60,12 @@ def apply_retention(store: Store, keep_anchors: int = 2, window: int = 0, dry_ru
             by_version[int(parts[1][1:])].append(meta.key)
     kinds: dict[int, bool] = {}
     referenced: dict[int, set[str]] = {}
+    named = manifest_keys([k for keys in by_version.values() for k in keys], trust)
     for v in sorted(by_version):
-        if layout.weights_manifest(v) not in by_version[v]:
+        if v not in named:
             continue
         try:
-            m = read_manifest(store, v)
+            m = read_manifest(store, v, trust)
         except (NotFoundError, IntegrityError) as e:
             log.warning("retention: skipping unreadable manifest v%d: %s", v, e)
             continue
@@ -65,14 +78,13 @@ def apply_retention(store: Store, keep_anchors: int = 2, window: int = 0, dry_ru
     doomed = set(plan_retention(kinds.items(), keep_anchors, window))
     deleted: list[str] = []
     for v in sorted(by_version):
+        manifest = named.get(v)
         if v in doomed:
-            keys = [layout.weights_manifest(v)] + sorted(
-                k for k in by_version[v] if k != layout.weights_manifest(v)
-            )
+            keys = [manifest] + sorted(k for k in by_version[v] if k != manifest)  # the manifest first
             keys = [k for k in keys if k in by_version[v]]
-        elif v < head:  # orphans: unreferenced payloads of finished versions
-            keep = referenced.get(v, set()) | {layout.weights_manifest(v)}
-            if v not in referenced and layout.weights_manifest(v) in by_version[v]:
+        elif v < head:  # orphans: unreferenced payloads (and unnamed manifests) of finished versions
+            keep = referenced.get(v, set()) | {manifest}
+            if v not in referenced and manifest is not None:
                 continue  # an unreadable manifest: leave the folder for a human
             keys = sorted(k for k in by_version[v] if k not in keep)
         else:

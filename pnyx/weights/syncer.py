@@ -8,6 +8,10 @@ weights: the route is retried, then the syncer re-anchors, and if that fails too
 with every reason (the served state is still the last verified one). `start()` runs the same work in a
 background thread so that `swap()` at a cohort boundary never waits on the network.
 
+Given the trainer's `Verifier` (`trust=`, what every worker passes: docs/security.md), the syncer sees only
+manifests the trainer named and signed: forged, squatted or unsigned versions are invisible, and a
+manifest whose content is not signed by the trainer fails like a broken chain (the served state stays).
+
 Knows nothing about RL or models; torch only when tensors are handed out.
 """
 
@@ -31,6 +35,8 @@ from pnyx.weights.payload import read_anchor, read_delta
 
 if TYPE_CHECKING:
     import torch
+
+    from pnyx.security.signing import Verifier
 
 log = logging.getLogger("pnyx.weights")
 Plane = Literal["weights", "int8"]
@@ -59,6 +65,7 @@ class Syncer:
 
     plane: "weights" (the exact published dtype) or "int8" (the actor plane; `tensors` dequantizes).
     retries: attempts of the chosen route before re-anchoring. backoff_s: first pause between attempts.
+    trust: the trainer's public key (None: accept unsigned manifests; only tests and trusted tools).
     """
 
     def __init__(
@@ -71,8 +78,10 @@ class Syncer:
         max_backoff_s: float = 30.0,
         poll_interval_s: float = 2.0,
         sleep: Callable[[float], None] = time.sleep,
+        trust: Verifier | None = None,
     ):
         self.store = store
+        self.trust = trust
         self.plane: Plane = plane
         self.retries = retries
         self.backoff_s = backoff_s
@@ -127,7 +136,7 @@ class Syncer:
     # -- polling and syncing --
     def poll(self) -> int | None:
         """The newest version with a manifest (HEAD read as a hint, manifests listed), or None."""
-        return latest_version(self.store)
+        return latest_version(self.store, self.trust)
 
     def sync(self, to_version: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         """Bring the served state to `to_version` (default: the newest) and return (version, tensors).
@@ -187,7 +196,7 @@ class Syncer:
         chain: list[WeightManifest] = []
         anchor_at: int | None = None
         warm = False
-        m = read_manifest(self.store, target)
+        m = read_manifest(self.store, target, self.trust)
         while True:
             chain.append(m)
             p = self._plane(m)
@@ -208,7 +217,7 @@ class Syncer:
                 break
             if m.parent_version >= m.version:
                 raise IntegrityError(f"v{m.version} names parent v{m.parent_version}: parents must be older")
-            m = read_manifest(self.store, m.parent_version)
+            m = read_manifest(self.store, m.parent_version, self.trust)
         if warm:
             steps = list(reversed(chain))
             return Route("warm", steps, sum(self._plane(x).delta_bytes() for x in steps))
