@@ -6,10 +6,6 @@ trainer re-scores, gates and steps. Reward (the trainer's own re-scored reward p
 first steps to the last, the trainer must report the gate-masked fraction (in every step's metrics and on
 its per-step log line) and the logprob gap of the mlx engine, and the groups in the store must come from the
 mlx engine.
-
-The run drops arith's system prompt (`--env.system_prompt=`): the shipped tiny model was trained on arith
-prompts without one. With it the model scores ~0 (measured: mean reward 0.0 over 32 tasks at t=1, 0.125
-without), every group has zero variance and is skipped by the worker, and nothing trains.
 """
 
 from __future__ import annotations
@@ -43,7 +39,6 @@ def test_mlx_worker_trains_the_tiny_model_in_a_fleet(tmp_path):
     url = str(tmp_path / "run")
     settings = [
         f"--run.steps={STEPS}",
-        "--env.system_prompt=",
         "--trainer.max_wait_s=240",
         "--worker.poll_interval_s=0.2",
     ]
