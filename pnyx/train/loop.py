@@ -102,7 +102,8 @@ def _slow_decode(delay_s: float) -> Any:
 
 
 def merge_resume_config(run_config: dict[str, Any], given: PnyxConfig) -> PnyxConfig:
-    """On resume the run's config is the base; fields the caller set away from their defaults win."""
+    """On resume the run's config is the base; every field the caller gave wins (even one set back to its
+    default)."""
     return overlay_changed(run_config, given)
 
 
