@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from pnyx.errors import ConfigError
+
 if TYPE_CHECKING:
     from pnyx.rollout.hf_session import HFSession
 
@@ -371,5 +373,8 @@ def open_session(model: Any, max_len: int, fast: bool | None = None) -> FastSess
 
     use_fast = fast_path_supported(model) if fast is None else fast
     if use_fast and not fast_path_supported(model):
-        raise ValueError(f"the fast decode path does not support model_type={model.config.model_type!r}")
+        raise ConfigError(
+            f"the fast decode path does not support model_type={model.config.model_type!r}: leave fast unset "
+            "(it picks the generic path for such models)"
+        )
     return FastSession(model, max_len) if use_fast else HFSession(model, max_len)

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+from pnyx.errors import ConfigError
+
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -78,10 +80,10 @@ class Faults:
         for name in ("error_rate", "reset_rate", "lost_reply_rate"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
-                raise ValueError(f"Faults.{name} must be a probability in [0, 1], got {value}")
+                raise ConfigError(f"Faults.{name} must be a probability in [0, 1], got {value}")
         lo, hi = self.latency_s
         if not 0.0 <= lo <= hi:
-            raise ValueError(f"Faults.latency_s must be (lo, hi) with 0 <= lo <= hi, got {self.latency_s}")
+            raise ConfigError(f"Faults.latency_s must be (lo, hi) with 0 <= lo <= hi, got {self.latency_s}")
 
 
 def request_kind(method: str, path: str) -> str:
@@ -100,7 +102,7 @@ class FaultProxy:
     ):
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"upstream must be an http://host:port URL, got {upstream!r}")
+            raise ConfigError(f"upstream must be an http://host:port URL, got {upstream!r}")
         self.upstream = (parts.hostname, parts.port or 80)
         self.faults = faults or Faults()
         self.counts: Counter[str] = Counter()
@@ -139,7 +141,7 @@ class FaultProxy:
         """Give exactly the next `count` requests of `methods` (None: any) whose path contains `where` the
         fault `kind`: "error", "reset" or "lost_reply". Deterministic, for tests; before the random faults."""
         if kind not in ("error", "reset", "lost_reply"):
-            raise ValueError(f"unknown fault {kind!r}: use 'error', 'reset' or 'lost_reply'")
+            raise ConfigError(f"unknown fault {kind!r}: use 'error', 'reset' or 'lost_reply'")
         with self._lock:
             self._queued.extend([(kind, frozenset(methods) if methods else None, where)] * count)
 

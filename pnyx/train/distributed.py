@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import torch
 
+from pnyx.errors import ConfigError
+
 log = logging.getLogger("pnyx.train")
 
 ComputeDtype = Literal["auto", "bfloat16", "float32"]
@@ -163,7 +165,7 @@ def prepare_model(
         elif hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
-            raise ValueError(
+            raise ConfigError(
                 f"{type(model).__name__} cannot checkpoint activations (not a transformers model)"
             )
     if not d.sharded:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
-from pnyx.errors import IntegrityError
+from pnyx.errors import ConfigError, IntegrityError
 
 if TYPE_CHECKING:
     import torch
@@ -77,7 +77,10 @@ def unsigned_dtype(dtype: str) -> np.dtype:
     try:
         return np.dtype(DTYPES[dtype][0])
     except KeyError:
-        raise ValueError(f"unsupported weight dtype {dtype!r}: PULSE carries {sorted(DTYPES)}") from None
+        raise ConfigError(
+            f"unsupported weight dtype {dtype!r}: PULSE carries {sorted(DTYPES)}; load the model in one of them "
+            "(model.dtype)"
+        ) from None
 
 
 def make_bits(dtype: str, data: np.ndarray) -> TensorBits:
@@ -102,7 +105,7 @@ def from_torch(tensors: Mapping[str, torch.Tensor], copy: bool = True) -> BitSta
         dtype = str(t.dtype).removeprefix("torch.")
         _, signed, _ = DTYPES.get(dtype, (None, None, None))
         if signed is None:
-            raise ValueError(
+            raise ConfigError(
                 f"tensor {name!r} has unsupported dtype {t.dtype}; PULSE carries {sorted(DTYPES)}"
             )
         t = t.detach().to("cpu").contiguous()

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pnyx.errors import (
     AlreadyExistsError,
+    ConfigError,
     FencedError,
     NotFoundError,
     PeerFailedError,
@@ -131,7 +132,7 @@ class Publisher:
         hook: Callable[[str, int], None] | None = None,
     ):
         if anchor_every < 1:
-            raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
+            raise ConfigError(f"anchor_every must be >= 1 (trainer.anchor_every), got {anchor_every}")
         self.store = store
         self.anchor_every = anchor_every
         self.int8_plane = int8_plane
