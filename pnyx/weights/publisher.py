@@ -40,6 +40,7 @@ from pnyx.weights.manifest import (
     SCHEMA,
     Head,
     PayloadObject,
+    PlaneManifest,
     WeightManifest,
     encode_head,
     encode_manifest,
@@ -101,6 +102,24 @@ def _merged(parts: list[_Part], what: str) -> list[PayloadObject] | None:
     if any(x is None for x in lists):
         return None
     return [o for _, o in sorted((pair for x in lists for pair in x), key=lambda pair: pair[0])]
+
+
+def _plane_of_parts(
+    parts: list[_Part], prefix: str, plane_layout: dict[str, tuple[str, tuple[int, ...]]], parent_digest: str
+) -> PlaneManifest:
+    """One plane's manifest from every rank's part: `prefix` "" for the weights, "int8_" for the int8 plane."""
+    digests: dict[str, str] = {}
+    for p in parts:
+        digests.update(getattr(p, f"{prefix}digests"))
+    return plane_of(
+        plane_layout,
+        digests,
+        parent_digest,
+        _merged(parts, f"{prefix}delta"),
+        _merged(parts, f"{prefix}anchor") or [],
+        sum(getattr(p, f"{prefix}changed") for p in parts),
+        sum(getattr(p, f"{prefix}elements") for p in parts),
+    )
 
 
 class Publisher:
@@ -348,32 +367,10 @@ class Publisher:
             return "failed", "; ".join(
                 f"rank {p.rank} could not publish v{version}: {p.error}" for p in failed
             )
-        digests: dict[str, str] = {}
-        for p in parts:
-            digests.update(p.digests)
-        plane = plane_of(
-            plan.weights.layout,
-            digests,
-            self._digest,
-            _merged(parts, "delta"),
-            _merged(parts, "anchor") or [],
-            sum(p.changed for p in parts),
-            sum(p.elements for p in parts),
-        )
+        plane = _plane_of_parts(parts, "", plan.weights.layout, self._digest)
         int8_plane = None
         if plan.int8_plane is not None:
-            idigests: dict[str, str] = {}
-            for p in parts:
-                idigests.update(p.int8_digests)
-            int8_plane = plane_of(
-                plan.int8_plane.layout,
-                idigests,
-                self._int8_digest,
-                _merged(parts, "int8_delta"),
-                _merged(parts, "int8_anchor") or [],
-                sum(p.int8_changed for p in parts),
-                sum(p.int8_elements for p in parts),
-            )
+            int8_plane = _plane_of_parts(parts, "int8_", plan.int8_plane.layout, self._int8_digest)
         anchor_version = version if anchor else self.anchor_version
         if anchor_version is None:
             raise RuntimeError("a delta always follows an anchor published by this process")  # unreachable
