@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from pnyx.store import Store
 
 
 @dataclass
@@ -24,7 +25,7 @@ class ExportResult:
 
 
 def export_run(
-    store: Any, out: Path, version: int | None = None, dtype: str | None = None, model: str | None = None
+    store: Store, out: Path, version: int | None = None, dtype: str | None = None, model: str | None = None
 ) -> ExportResult:
     """Verify `version` of the run in `store` and write it to `out` (see the module docstring)."""
     from pnyx.config import config_from_dict

@@ -32,6 +32,7 @@ from typing import Any
 
 from pnyx.config import PnyxConfig, load_config, overlay_changed, resolve_model_path, to_toml
 from pnyx.errors import ConfigError
+from pnyx.store import Store
 
 RUNS_ROOT = Path("runs")
 CONFIG_FILE = "config.toml"
@@ -321,7 +322,7 @@ class Orchestrator:
         outcome.notes.extend(notes)
         return self._report(store, outcome)
 
-    def _fleet_phase(self, store: Any) -> Outcome:
+    def _fleet_phase(self, store: Store) -> Outcome:
         from pnyx.cli.live import RunWatcher
 
         self.fleet.start_trainer()
@@ -359,7 +360,7 @@ class Orchestrator:
         snap = watcher.snapshot()
         return snap.started_at or self.t_start
 
-    def _wait_for_v0(self, store: Any, t0: float) -> bool:
+    def _wait_for_v0(self, store: Store, t0: float) -> bool:
         from pnyx.weights import latest_version
 
         while time.time() - t0 < START_DEADLINE_S:
@@ -424,7 +425,7 @@ class Orchestrator:
 
     # --- the end -------------------------------------------------------------------------------------
 
-    def _report(self, store: Any, outcome: Outcome) -> int:
+    def _report(self, store: Store, outcome: Outcome) -> int:
         from pnyx.cli.live import RunWatcher, before_after_table
         from pnyx.eval.runner import read_eval_file
         from pnyx.weights import latest_version
@@ -511,7 +512,7 @@ class Orchestrator:
         (self.plan.folder / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def _supply_report(store: Any) -> dict[str, Any] | None:
+def _supply_report(store: Store) -> dict[str, Any] | None:
     """Groups the workers generated vs the trainer consumed (`pnyx.train.supply`); None if unreadable."""
     from pnyx.errors import PnyxError
     from pnyx.train.supply import supply_report

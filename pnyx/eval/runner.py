@@ -29,6 +29,7 @@ from typing import Any
 
 from pnyx.errors import ConfigError
 from pnyx.eval.metrics import pass_at_k
+from pnyx.store import Store
 
 Z95 = 1.959963984540054
 
@@ -268,7 +269,7 @@ class VersionEvaluator:
 
     def __init__(
         self,
-        store: Any,
+        store: Store,
         model_path: str | Path,
         env_name: str,
         env_kwargs: dict[str, Any] | None = None,

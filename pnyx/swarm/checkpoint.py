@@ -23,6 +23,7 @@ from typing import Any
 
 from pnyx.errors import ConfigError, IntegrityError, NotFoundError
 from pnyx.protocol import layout
+from pnyx.store import Store
 
 NODE_CKPT_FORMAT = 1
 
@@ -80,7 +81,7 @@ def restore(node: Any, blob: dict[str, Any]) -> NodeState:
     return st
 
 
-def save_node_checkpoint(store: Any, state: NodeState, model: Any, optimizer: Any) -> str:
+def save_node_checkpoint(store: Store, state: NodeState, model: Any, optimizer: Any) -> str:
     """Write the node's state as one object (atomic put). Returns its key."""
     import torch
 
@@ -98,7 +99,7 @@ def save_node_checkpoint(store: Any, state: NodeState, model: Any, optimizer: An
     return key
 
 
-def load_node_checkpoint(store: Any, node: str) -> dict[str, Any] | None:
+def load_node_checkpoint(store: Store, node: str) -> dict[str, Any] | None:
     """The node's checkpoint (tensors on CPU), or None if it has none. Raises IntegrityError if unreadable."""
     import torch
 

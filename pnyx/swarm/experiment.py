@@ -26,6 +26,7 @@ from typing import Any
 
 from pnyx.envs.base import stable_hash
 from pnyx.errors import ConfigError
+from pnyx.store import Store
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,7 @@ class RoundRobin:
     family, its I/J and its name on top. Nodes accept every environment in `accept_envs`.
     """
 
-    store: Any
+    store: Store
     specs: list[NodeSpec]
     overrides: dict[str, Any]
     accept_envs: set[str]
@@ -281,7 +282,7 @@ class TransferResult:
 
 
 def transfer_run(
-    store: Any,
+    store: Store,
     a_model: Path,
     b_model: Path,
     family: Family,

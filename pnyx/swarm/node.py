@@ -32,6 +32,7 @@ from pnyx.envs.base import stable_hash
 from pnyx.errors import AlreadyExistsError, ConfigError, RecordRejected, StoreError
 from pnyx.protocol import layout
 from pnyx.protocol.records import RolloutGroup
+from pnyx.store import Store
 from pnyx.swarm import foreign
 from pnyx.swarm.checkpoint import capture, load_node_checkpoint, restore, save_node_checkpoint
 from pnyx.swarm.foreign import Candidate, EnvCache, ForeignRows
@@ -103,7 +104,7 @@ class SwarmNode:
 
     def __init__(
         self,
-        store: Any,
+        store: Store,
         name: str,
         cfg: PnyxConfig,
         model: Any,
@@ -465,7 +466,7 @@ def _mean(xs: list[float]) -> float:
 
 
 def open_node(
-    store: Any, name: str, cfg: PnyxConfig, model_dir: str | Path | None = None, **kwargs: Any
+    store: Store, name: str, cfg: PnyxConfig, model_dir: str | Path | None = None, **kwargs: Any
 ) -> SwarmNode:
     """Load this node's model (fp32, for training), tokenizer and environment, and build the node."""
     from pnyx.config import resolve_model_path

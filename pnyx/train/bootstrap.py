@@ -16,6 +16,7 @@ from typing import Any
 
 from pnyx.errors import AlreadyExistsError, ConfigError, NotFoundError
 from pnyx.protocol import layout
+from pnyx.store import Store
 
 # Fields that define what workers do and what a group means: two trainers (or a resumed trainer) with
 # different values here would train on rollouts that do not mean what they think.
@@ -49,7 +50,7 @@ def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     ]
 
 
-def read_run(store: Any) -> Any | None:
+def read_run(store: Store) -> Any | None:
     """The run's manifest, or None if the run has none yet."""
     from pnyx.protocol.codec import decode_json
     from pnyx.protocol.records import RunManifest
@@ -60,7 +61,7 @@ def read_run(store: Any) -> Any | None:
         return None
 
 
-def init_run(store: Any, config: dict[str, Any], model: dict[str, Any]) -> Any:
+def init_run(store: Store, config: dict[str, Any], model: dict[str, Any]) -> Any:
     """Create `run.json` (create-only) or join the existing one if its run-defining fields match.
 
     Returns the run's `RunManifest` (the existing one when joining). Raises ConfigError on a mismatch.

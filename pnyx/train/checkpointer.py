@@ -37,6 +37,7 @@ import xxhash
 
 from pnyx.errors import IntegrityError, NotFoundError, PeerFailedError
 from pnyx.protocol import layout
+from pnyx.store import Store
 
 log = logging.getLogger("pnyx.train")
 
@@ -95,7 +96,7 @@ class Stored:
     committed: bool
 
 
-def list_checkpoints(store: Any) -> list[Stored]:
+def list_checkpoints(store: Store) -> list[Stored]:
     """Every checkpoint version in the store (legacy `ckpt-V.pt` objects and DCP folders), ascending."""
     found: dict[tuple[int, str], bool] = {}
     for meta in store.list(layout.TRAINER_PREFIX + "ckpt-"):
@@ -111,11 +112,11 @@ def list_checkpoints(store: Any) -> list[Stored]:
     return sorted((Stored(v, k, c) for (v, k), c in found.items()), key=lambda s: (s.version, s.kind))
 
 
-def committed(store: Any) -> list[Stored]:
+def committed(store: Store) -> list[Stored]:
     return [s for s in list_checkpoints(store) if s.committed]
 
 
-def read_commit(store: Any, version: int) -> Commit:
+def read_commit(store: Store, version: int) -> Commit:
     try:
         return msgspec.json.decode(store.get(_key(version, COMMIT)), type=Commit)
     except msgspec.DecodeError as e:
@@ -147,7 +148,7 @@ def restore_rng(rng: dict[str, str]) -> None:
         )
 
 
-def prune(store: Any, keep: int) -> list[int]:
+def prune(store: Store, keep: int) -> list[int]:
     """Delete all but the newest `keep` committed checkpoints, and uncommitted DCP folders older than the
     newest committed one. COMMIT.json goes first, so a half-deleted checkpoint is never taken for one."""
     stored = list_checkpoints(store)
@@ -195,7 +196,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        store: Any,
+        store: Store,
         d: Any,
         local_root: Path,
         keep: int = 2,

@@ -47,6 +47,7 @@ import torch
 
 from pnyx.config import PnyxConfig, overlay_changed, resolve_model_source
 from pnyx.errors import ConfigError, FencedError, IntegrityError, NotFoundError, PnyxError, RecordRejected
+from pnyx.store import Store
 from pnyx.train import bootstrap, checkpoint, checkpointer
 from pnyx.train.ingest import Ingestor, ScoredGroup
 from pnyx.train.prefetch import Prefetcher
@@ -72,7 +73,7 @@ def _crash_point(name: str, version: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def published_digests(store: Any, version: int) -> frozenset[str] | None:
+def published_digests(store: Store, version: int) -> frozenset[str] | None:
     """Chain digests a group of `version` may carry, one per plane (a worker on the int8 actor plane stamps
     its groups with that plane's digest); None if the version is not published."""
     from pnyx.weights.manifest import read_manifest
@@ -130,7 +131,7 @@ class Batch:
 class Trainer:
     """One run's trainer process. `start()` bootstraps or resumes; `run()` steps until a stop condition."""
 
-    def __init__(self, cfg: PnyxConfig, store: Any, *, resume: bool = False, steps: int | None = None):
+    def __init__(self, cfg: PnyxConfig, store: Store, *, resume: bool = False, steps: int | None = None):
         self.cfg = cfg
         self.store = store
         self.resume = resume
