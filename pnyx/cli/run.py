@@ -141,6 +141,13 @@ class Fleet:
         self.workers: list[Child] = []
         self.trainer_threads, self.worker_threads = thread_split(workers)
 
+    @property
+    def started_trainer(self) -> Child:
+        """The trainer process, which exists from `start_trainer()` on."""
+        if self.trainer is None:
+            raise RuntimeError("the fleet's trainer was not started")
+        return self.trainer
+
     def _spawn(self, role: str, args: list[str], threads: int) -> Child:
         log = self.plan.logs / f"{role}.log"
         env = dict(
@@ -330,9 +337,9 @@ class Orchestrator:
         t0 = time.time()
         try:
             if not self._wait_for_v0(store, t0):
-                if self.fleet.trainer.rc is None:
+                if self.fleet.started_trainer.rc is None:
                     return Outcome(
-                        f"the trainer did not publish version 0 within {START_DEADLINE_S:.0f}s; see {self.fleet.trainer.log}",
+                        f"the trainer did not publish version 0 within {START_DEADLINE_S:.0f}s; see {self.fleet.started_trainer.log}",
                         trainer_failed=True,
                     )
                 return self._trainer_outcome("the trainer exited before publishing version 0")
@@ -364,7 +371,7 @@ class Orchestrator:
         from pnyx.weights import latest_version
 
         while time.time() - t0 < START_DEADLINE_S:
-            if self.fleet.trainer.rc is not None:
+            if self.fleet.started_trainer.rc is not None:
                 return False
             v = latest_version(store)
             if v is not None:
@@ -374,15 +381,17 @@ class Orchestrator:
         return False
 
     def _trainer_outcome(self, reason: str, latest: int | None = None) -> Outcome:
-        rc = self.fleet.trainer.rc
+        rc = self.fleet.started_trainer.rc
         steps = self.plan.cfg.run.steps
         if rc == 0 and latest is not None and latest >= steps:
             return Outcome(f"the trainer finished its step budget ({steps} steps)")
         if rc == 0:
             return Outcome(
-                f"the trainer stopped at v{latest} before its step budget of {steps}; see {self.fleet.trainer.log}"
+                f"the trainer stopped at v{latest} before its step budget of {steps}; see {self.fleet.started_trainer.log}"
             )
-        return Outcome(f"{reason} (exit code {rc}); see {self.fleet.trainer.log}", trainer_failed=True)
+        return Outcome(
+            f"{reason} (exit code {rc}); see {self.fleet.started_trainer.log}", trainer_failed=True
+        )
 
     def _watch(self, watcher: Any, evals: Any, t0: float) -> Outcome:
         from rich.live import Live
@@ -407,7 +416,7 @@ class Orchestrator:
                 elif time.time() - last_line >= 5.0:
                     print(plain_line(snap), flush=True)
                     last_line = time.time()
-                if self.fleet.trainer.rc is not None:
+                if self.fleet.started_trainer.rc is not None:
                     return self._trainer_outcome("the trainer exited", watcher.snapshot().version)
                 if self.fleet.workers and all(w.rc is not None for w in self.fleet.workers):
                     return Outcome(
@@ -469,7 +478,7 @@ class Orchestrator:
                 f"export it: {export}", highlight=False, soft_wrap=True
             )  # one line, copy-pastable
         if outcome.trainer_failed:
-            self.say(f"[red]the trainer failed[/red]: read {self.fleet.trainer.log}")
+            self.say(f"[red]the trainer failed[/red]: read {self.fleet.started_trainer.log}")
             return 1
         return 0
 

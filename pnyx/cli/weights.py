@@ -16,7 +16,7 @@ app = typer.Typer(help="Inspect, verify and prune a run's published weights (PUL
 STORE = typer.Option(..., "--store", "-s", help="Run root URL (folder, s3://, gs://, memory://).")
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

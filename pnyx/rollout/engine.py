@@ -19,7 +19,7 @@ early. Knows nothing about environments' scoring, the store or the trainer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -30,6 +30,8 @@ from pnyx.rollout.decoder import FastSession, Parked, left_pad, open_session
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from pnyx.rollout.episodes import Episode, ToolFn
     from pnyx.rollout.hf_session import HFSession
@@ -82,7 +84,7 @@ class Completion:
 class StopMatcher:
     """Finds the first token whose text completes one of the stop strings, from a window of recent tokens."""
 
-    def __init__(self, tokenizer: Any, stops: list[str]):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str]):
         self.tokenizer = tokenizer
         self.stops = list(stops)
         # Every token decodes to at least one byte, so a stop of n bytes is covered by its last n tokens;
@@ -130,7 +132,13 @@ class Engine:
     name = "torch"
     """The engine name recorded in rollout groups (`pnyx.rollout.engines` wraps this class as "torch")."""
 
-    def __init__(self, model: Any, tokenizer: Any, fast: bool | None = None, reuse_cache: bool | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        fast: bool | None = None,
+        reuse_cache: bool | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.fast = fast

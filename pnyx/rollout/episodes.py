@@ -273,4 +273,4 @@ def _note_fallback(engine: Engine, reason: str | None) -> None:
     """Say once per engine why tool turns re-prefill instead of reusing the KV cache."""
     if not getattr(engine, "_told_fallback", False):
         log.info("tool turns re-prefill the context (no KV-cache reuse) for this model: %s", reason)
-        engine._told_fallback = True
+        engine._told_fallback = True  # pyright: ignore[reportAttributeAccessIssue]  (a mark on the instance)

@@ -42,6 +42,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from urllib.parse import urlsplit
 
 from pnyx.errors import ConfigError
@@ -206,7 +207,7 @@ class FaultProxy:
 
 
 class _Server(ThreadingHTTPServer):
-    def handle_error(self, request: object, client_address: object) -> None:
+    def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that hung up (killed, timed out) is part of the weather here, not an error to print."""
         import sys
 
@@ -297,7 +298,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m pnyx.store.proxy --upstream URL [...]`: serve until Ctrl-C."""
-    ap = argparse.ArgumentParser(prog="python -m pnyx.store.proxy", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m pnyx.store.proxy", description=(__doc__ or "").split("\n\n")[0]
+    )
     ap.add_argument("--upstream", required=True, help="the S3 API endpoint, http://host:port")
     ap.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")
     ap.add_argument("--error-rate", type=float, default=0.0, help="503 SlowDown probability per request")

@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pnyx.config import PnyxConfig, resolve_env_kwargs, resolve_max_new_tokens
 from pnyx.envs.base import stable_hash
@@ -50,6 +50,10 @@ from pnyx.train.advantages import group_advantages, is_zero_variance
 from pnyx.train.ingest import ScoredGroup
 from pnyx.train.settings import loss_settings
 from pnyx.train.step import StepStats, make_optimizer, train_step
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger("pnyx.swarm")
 
@@ -107,8 +111,8 @@ class SwarmNode:
         store: Store,
         name: str,
         cfg: PnyxConfig,
-        model: Any,
-        tokenizer: Any,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
         model_dir: str | Path,
         env: Any,
         accept_envs: set[str] | None = None,
@@ -135,7 +139,7 @@ class SwarmNode:
         self.drops = self.feed.drops  # one counter for every reason, fetch-time and mix-time
         self.settings = loss_settings(cfg)
         t = cfg.trainer
-        self.optimizer = make_optimizer(model, t.lr, tuple(t.betas), t.weight_decay)
+        self.optimizer = make_optimizer(model, t.lr, t.betas, t.weight_decay)
         self.rng = random.Random(stable_hash("swarm-sample", cfg.run.seed, self.name))
         self.task_seed = stable_hash("swarm-tasks", cfg.run.seed, self.name) % (2**31)
         self.version = 0
@@ -435,7 +439,7 @@ class SwarmNode:
         return nxt
 
 
-def _ensure_trainable(model: Any) -> None:
+def _ensure_trainable(model: torch.nn.Module) -> None:
     """Give back autograd-usable storage to any parameter the engine left as an inference-mode tensor.
 
     An engine that re-points parameters at tensors built inside `torch.inference_mode` (an early version of

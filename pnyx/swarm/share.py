@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pnyx.errors import ConfigError, NotFoundError, RecordRejected, StoreError
 from pnyx.protocol import layout
@@ -26,6 +26,9 @@ from pnyx.protocol.codec import decode_json, encode_json
 from pnyx.store import Store
 from pnyx.swarm.align import char_ends
 from pnyx.swarm.records import NodeHeartbeat, SwarmGroup, SwarmSample, decode_swarm_group, encode_swarm_group
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("pnyx.swarm")
 
@@ -48,7 +51,7 @@ def check_node_name(name: str) -> str:
 
 def to_swarm_group(
     group: Any,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     eos_ids: set[int],
     *,
     node: str,

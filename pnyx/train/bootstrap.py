@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pnyx.errors import AlreadyExistsError, ConfigError, NotFoundError
 from pnyx.protocol import layout
 from pnyx.store import Store
+
+if TYPE_CHECKING:
+    from pnyx.protocol.records import RunManifest
 
 # Fields that define what workers do and what a group means: two trainers (or a resumed trainer) with
 # different values here would train on rollouts that do not mean what they think.
@@ -50,7 +53,7 @@ def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     ]
 
 
-def read_run(store: Store) -> Any | None:
+def read_run(store: Store) -> RunManifest | None:
     """The run's manifest, or None if the run has none yet."""
     from pnyx.protocol.codec import decode_json
     from pnyx.protocol.records import RunManifest
@@ -61,7 +64,7 @@ def read_run(store: Store) -> Any | None:
         return None
 
 
-def init_run(store: Store, config: dict[str, Any], model: dict[str, Any]) -> Any:
+def init_run(store: Store, config: dict[str, Any], model: dict[str, Any]) -> RunManifest:
     """Create `run.json` (create-only) or join the existing one if its run-defining fields match.
 
     Returns the run's `RunManifest` (the existing one when joining). Raises ConfigError on a mismatch.

@@ -22,13 +22,16 @@ import io
 import json
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from pnyx.errors import AlreadyExistsError, IntegrityError, NotFoundError
 from pnyx.protocol import layout
 from pnyx.store import Store
+
+if TYPE_CHECKING:
+    import torch
 
 CKPT_FORMAT = 1
 _CKPT_PREFIX = "ckpt-"
@@ -100,7 +103,12 @@ def read_batch_record(store: Store, version: int) -> BatchRecord | None:
 
 
 def save_checkpoint(
-    store: Store, version: int, model: Any, optimizer: Any, cursor_json: bytes, extra: dict | None = None
+    store: Store,
+    version: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cursor_json: bytes,
+    extra: dict | None = None,
 ) -> str:
     """Write the whole trainer state at `version` as one object, in the legacy format (pnyx now writes
     sharded checkpoints; this stays so runs and tests can hold one). Returns its key."""

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import xxhash
@@ -38,6 +38,9 @@ import xxhash
 from pnyx.errors import IntegrityError, NotFoundError, PeerFailedError
 from pnyx.protocol import layout
 from pnyx.store import Store
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("pnyx.train")
 
@@ -212,9 +215,16 @@ class Checkpointer:
 
     # --- saving ----------------------------------------------------------------------------------------
 
-    def save(self, version: int, model: Any, optimizer: Any, cursor_json: str, run_id: str) -> float:
+    def save(
+        self,
+        version: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cursor_json: str,
+        run_id: str,
+    ) -> float:
         """Checkpoint `version` (every rank calls this together). Returns the seconds the caller was blocked."""
-        import torch.distributed.checkpoint as dcp
+        import torch.distributed.checkpoint.state_dict_saver as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         from pnyx.train.distributed import quiet_dcp_warnings
@@ -326,10 +336,10 @@ class Checkpointer:
 
     # --- loading -----------------------------------------------------------------------------------------
 
-    def load(self, version: int, model: Any, optimizer: Any) -> Commit:
+    def load(self, version: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Commit:
         """Load checkpoint `version` into `model` and `optimizer` (every rank calls this together), with any
         number of ranks: DCP reshards. Returns the commit (cursor, RNG, run id)."""
-        import torch.distributed.checkpoint as dcp
+        import torch.distributed.checkpoint.state_dict_loader as dcp_load
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         from pnyx.train.distributed import quiet_dcp_warnings
@@ -347,7 +357,7 @@ class Checkpointer:
         self.d.barrier()
         msd, osd = get_state_dict(model, optimizer)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(local), process_group=self.d.checkpoints)
+        dcp_load.load(state, checkpoint_id=str(local), process_group=self.d.checkpoints)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.d.barrier()
         if self.d.local_rank == 0:

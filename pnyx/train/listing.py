@@ -78,7 +78,9 @@ class VersionListing:
 
     def remove_pending(self, key: str) -> bool:
         parsed = layout.parse_rollout_key(key)
-        keys = self.pending.get(parsed[1]) if parsed else None
+        if parsed is None:
+            return False
+        keys = self.pending.get(parsed[1])
         if not keys:
             return False
         i = bisect.bisect_left(keys, key)

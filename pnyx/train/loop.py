@@ -178,7 +178,7 @@ class Trainer:
         cfg.worker.max_new_tokens = resolve_max_new_tokens(cfg.worker.max_new_tokens, self.env)
         if cfg.algorithm.kl_coef > 0 and self.dist.is_main:
             self.reference = Reference(model_dir, t.reference_device or self.device, self.compute_dtype)
-        self.optimizer = make_optimizer(self.model, t.lr, tuple(t.betas), t.weight_decay)
+        self.optimizer = make_optimizer(self.model, t.lr, t.betas, t.weight_decay)
         self.schedule = Schedule(t.lr, t.lr_schedule, t.warmup_steps, self.steps, t.min_lr_ratio)
         self.publisher = Publisher(
             self.store, anchor_every=t.anchor_every, int8_plane=cfg.worker.int8,
@@ -281,7 +281,7 @@ class Trainer:
             self.manifest = self._on_main(
                 lambda: bootstrap.init_run(self.store, config_json, self.model_info)
             )
-        self.ingestor.run_id = self.manifest.run_id
+        self._ingest.run_id = self.manifest.run_id
         if not self.resume:
             try:
                 self._publish(0, force_anchor=True)
@@ -347,7 +347,7 @@ class Trainer:
     def _load_recorded(self, rec: checkpoint.BatchRecord) -> list[ScoredGroup]:
         """The groups a batch record names, validated and re-scored again (they are immutable)."""
         try:
-            return self.ingestor.load_many(rec.keys)
+            return self._ingest.load_many(rec.keys)
         except (RecordRejected, NotFoundError) as e:
             raise IntegrityError(
                 f"{checkpoint.batch_key(rec.version)} names a group that is missing or no longer validates ({e}); "
@@ -375,8 +375,8 @@ class Trainer:
         publish_s = time.perf_counter() - t0
         if self.dist.is_main:
             self._digests[target] = manifest_digests(m)
-            self.ingestor.note_published(target)
-            self.ingestor.commit(batch.keys, batch.groups)
+            self._ingest.note_published(target)
+            self._ingest.commit(batch.keys, batch.groups)
             self.prefetcher.ahead(target)
         self.version = target
         _crash_point("after_publish", target)
@@ -418,7 +418,7 @@ class Trainer:
         in the background. Then weights retention (rank 0)."""
         if self.last_checkpoint == self.version:
             return  # (v0 too is checkpointed once stopped: its cursor holds what ingestion already judged)
-        cursor = self.ingestor.cursor_json().decode()
+        cursor = self._ingest.cursor_json().decode()
         blocked = self.checkpointer.save(
             self.version, self.model, self.optimizer, cursor, self.manifest.run_id
         )
@@ -470,21 +470,29 @@ class Trainer:
             "micro_batches": s.micro_batches,
             "lp_gap": s.lp_gap,
             "reward_parts": reward_parts(r.groups),
-            "backlog": self.ingestor.backlog(self.version),
-            "zero_variance": self.ingestor.zero_variance(),
+            "backlog": self._ingest.backlog(self.version),
+            "zero_variance": self._ingest.zero_variance(),
             "ingest_wait_s": self._ingest_wait_s,
             "prefetch_busy_s": round(self.prefetcher.busy_s, 3),
             "lp_gap_engine": s.lp_gap_engine,
-            **self.ingestor.stats(),
+            **self._ingest.stats(),
         }
+
+    @property
+    def _ingest(self) -> Ingestor:
+        """The ingestor, which exists from `start()` on."""
+        if self.ingestor is None:
+            raise RuntimeError("the trainer has no ingestor before start()")
+        return self.ingestor
 
     def _describe(self) -> dict[str, Any]:
         """What the progress line and `trainer/status.json` report (callable from the progress thread)."""
         d: dict[str, Any] = {"version": self.version, "need": self.cfg.trainer.groups_per_step, "have": 0}
-        if self.ingestor is not None:
-            d["backlog"] = self.ingestor.backlog(self.version)
-            d["zero_variance"] = self.ingestor.zero_variance()
-            d.update(self.ingestor.stats())
+        ingestor = self.ingestor
+        if ingestor is not None:
+            d["backlog"] = ingestor.backlog(self.version)
+            d["zero_variance"] = ingestor.zero_variance()
+            d.update(ingestor.stats())
             d.pop("scored", None)
         return d
 
@@ -514,7 +522,7 @@ class Trainer:
                     break
                 if self.dist.is_main:
                     # supply control, first thing after a publish: tell workers what the next step can use
-                    self.supply.after_publish(r.version, waiting=self.ingestor.poll(r.version))
+                    self.supply.after_publish(r.version, waiting=self._ingest.poll(r.version))
                     m = self.metrics(r)
                     checkpoint.write_metrics(self.store, r.version, m)
                     for sink in sinks:
@@ -530,7 +538,7 @@ class Trainer:
             for sink in sinks:
                 sink.close()
             self.prefetcher.close()
-            self.ingestor.close()
+            self._ingest.close()
         if self._stop:
             log.info("trainer v=%d: stop requested; checkpointing", self.version)
         self.progress.phase("checkpointing")

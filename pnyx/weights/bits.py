@@ -67,7 +67,7 @@ class TensorBits:
         return int(self.data.nbytes)
 
     def digest(self) -> str:
-        return xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(self.data).reshape(-1)).cast("B"))
+        return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(self.data).reshape(-1).data.cast("B"))
 
 
 BitState = dict[str, TensorBits]
@@ -171,7 +171,7 @@ def write_safetensors(state: Mapping[str, TensorBits], metadata: dict[str, str] 
     hbytes = json.dumps(header, separators=(",", ":")).encode()
     hbytes += b" " * (-len(hbytes) % 8)
     parts = [len(hbytes).to_bytes(8, "little"), hbytes]
-    parts += [memoryview(np.ascontiguousarray(state[n].data).reshape(-1)).cast("B") for n in names]
+    parts += [np.ascontiguousarray(state[n].data).reshape(-1).data.cast("B") for n in names]
     return b"".join(parts)
 
 
