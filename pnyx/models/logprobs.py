@@ -81,7 +81,8 @@ def _picked_logits(
     does not call its output-embedding module on [B, T, H] hidden states (the hook does not fire) gives full
     logits, which are gathered afterwards: same values, more memory.
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head: Any = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
     fired = False
 
     def narrow(module: Any, args: tuple) -> tuple | None:

@@ -17,7 +17,7 @@ import xxhash
 from pnyx.errors import ConfigError
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerBase
 
 # Every file that can change how text maps to ids (or how chats render). Absent files are skipped.
 TOKENIZER_FILES = (
@@ -48,7 +48,7 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[st
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None) -> list[int]:
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: object = None) -> list[int]:
     """The ids that end a completion: the tokenizer's EOS plus the model's generation-config EOS list."""
     ids: set[int] = set()
     if isinstance(tokenizer.eos_token_id, int):

@@ -205,7 +205,10 @@ class FastSession:
     def __init__(self, model: PreTrainedModel, max_len: int):
         self.model = model
         self.body = model.model
-        self.head = model.get_output_embeddings()
+        head = model.get_output_embeddings()
+        if head is None:  # fast_path_supported models all have one
+            raise ValueError(f"{type(model).__name__} has no output embeddings")
+        self.head = head
         cfg = model.config
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from pnyx.errors import ConfigError
 
@@ -158,7 +158,7 @@ def run_episodes(
     if episodes is None:
         episodes = loop.re_prefill(prompt_ids)
     for ep in episodes:
-        ep.text = engine.tokenizer.decode(ep.tokens, skip_special_tokens=True)
+        ep.text = cast(str, engine.tokenizer.decode(ep.tokens, skip_special_tokens=True))
     return episodes
 
 

@@ -126,7 +126,7 @@ class SwarmNode:
         self.model_id = _model_id(self.model_dir, model)
         self.tokenizer_digest = tokenizer_digest(self.model_dir)
         self.eos_ids = set(eos_token_ids(tokenizer, model))
-        self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else None
+        self.eos_id = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, int) else None
         self.engine = Engine(model, tokenizer)
         self.max_new_tokens = resolve_max_new_tokens(cfg.worker.max_new_tokens, env)
         sw = cfg.swarm

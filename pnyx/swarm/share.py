@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pnyx.errors import ConfigError, NotFoundError, RecordRejected, StoreError
 from pnyx.protocol import layout
@@ -65,7 +65,7 @@ def to_swarm_group(
         toks = [int(t) for t in s.tokens]
         samples.append(
             SwarmSample(
-                text=tokenizer.decode(toks, skip_special_tokens=True),
+                text=cast(str, tokenizer.decode(toks, skip_special_tokens=True)),
                 tokens=toks,
                 logprobs=[float(x) for x in s.logprobs],
                 loss_mask=[int(m) for m in s.loss_mask],

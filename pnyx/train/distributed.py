@@ -160,10 +160,11 @@ def prepare_model(model: M, d: Dist, compute_dtype: torch.dtype, activation_chec
     if activation_checkpointing:
         # transformers >= 5 names it activation_checkpointing_enable; older ones gradient_checkpointing_enable
         enable: Any = getattr(model, "activation_checkpointing_enable", None)
+        older: Any = getattr(model, "gradient_checkpointing_enable", None)
         if enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        elif hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif older is not None:
+            older(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             raise ConfigError(
                 f"{type(model).__name__} cannot checkpoint activations (not a transformers model)"
