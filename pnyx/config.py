@@ -345,15 +345,34 @@ def config_from_dict(data: dict[str, Any], source: str = "run.json") -> PnyxConf
         raise _format_error(e, source) from None
 
 
-def overlay_changed(base: PnyxConfig | dict[str, Any], given: PnyxConfig) -> PnyxConfig:
-    """`base` (a stored run's config) with every field that `given` sets away from its default laid on top.
+def given_fields(cfg: BaseModel) -> dict[str, Any]:
+    """The fields that were given (in a file, an override or by assignment) as nested JSON values.
 
-    Resume semantics: the stored config wins, except where this command line or file asked for something
-    else (a larger step budget, say). A field set explicitly to its default value does not override.
+    A field counts because it was set, whatever its value: one set back to its default is still given.
+    Sections are walked even when the section itself was not set, so `cfg.store.url = ...` on a default
+    section counts too.
+    """
+    out: dict[str, Any] = {}
+    for name in type(cfg).model_fields:
+        value = getattr(cfg, name)
+        if isinstance(value, BaseModel):
+            if sub := given_fields(value):
+                out[name] = sub
+        elif name in cfg.model_fields_set:
+            out[name] = cfg.model_dump(mode="json", include={name})[name]
+    return out
+
+
+def overlay_changed(base: PnyxConfig | dict[str, Any], given: PnyxConfig) -> PnyxConfig:
+    """`base` (a stored run's config) with every field that `given` sets laid on top.
+
+    Resume semantics: the stored config wins, except where this command line or file gave a value (a
+    larger step budget, say). A value given explicitly always wins, even when it equals the default.
     """
     data = base.model_dump(mode="json") if isinstance(base, PnyxConfig) else base
-    changed = given.model_dump(mode="json", exclude_defaults=True)
-    return config_from_dict(merge_dicts(data, changed), source="stored config + command-line overrides")
+    return config_from_dict(
+        merge_dicts(data, given_fields(given)), source="stored config + command-line overrides"
+    )
 
 
 def to_toml(cfg: PnyxConfig) -> str:

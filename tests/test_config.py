@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pnyx.config import PnyxConfig, load_config, parse_overrides, to_toml
+from pnyx.config import PnyxConfig, load_config, overlay_changed, parse_overrides, to_toml
 from pnyx.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,3 +86,19 @@ def test_every_field_has_a_docstring():
                 walk(ann)
 
     walk(PnyxConfig)
+
+
+def test_resume_overlay_takes_a_field_given_back_at_its_default_value():
+    stored = load_config(None, ["--run.steps=40", "--trainer.lr=0.001"])
+    default_lr = PnyxConfig().trainer.lr
+    given = load_config(None, [f"--trainer.lr={default_lr}"])  # `pnyx run --resume --trainer.lr=<default>`
+    merged = overlay_changed(stored, given)
+    assert merged.trainer.lr == default_lr and merged.run.steps == 40
+
+
+def test_resume_overlay_takes_a_field_assigned_on_a_default_section():
+    stored = load_config(None, ["--store.url=/old", "--run.steps=40"])
+    given = PnyxConfig()
+    given.store.url = "/new"  # as `--store` does on the command line
+    merged = overlay_changed(stored, given)
+    assert merged.store.url == "/new" and merged.run.steps == 40

@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import make_bucket
 
-from pnyx.errors import StoreUnavailableError
+from pnyx.errors import ConfigError, StoreUnavailableError
 from pnyx.store import RetryPolicy, open_store
 from pnyx.store.proxy import FaultProxy, Faults
 
@@ -102,5 +102,5 @@ def test_a_store_behind_a_down_proxy_is_unavailable_after_its_deadline(proxy, s3
 
 
 def test_fault_rates_are_probabilities():
-    with pytest.raises(ValueError, match="probability"):
+    with pytest.raises(ConfigError, match="probability"):
         Faults(error_rate=1.5)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from pnyx.errors import ConfigError
 from pnyx.train.advantages import group_advantages, is_zero_variance
 from pnyx.train.losses import (
     LossSettings,
@@ -211,5 +212,5 @@ def test_kl_term_is_added_only_when_coefficient_is_positive():
 
 
 def test_policy_terms_rejects_dual_clip_not_above_one():
-    with pytest.raises(ValueError, match="dual_clip"):
+    with pytest.raises(ConfigError, match="dual_clip"):
         policy_terms(t([[0.0]]), t([[0.0]]), t([-1.0]), torch.ones(1, 1), LossSettings(dual_clip=1.0))

@@ -25,6 +25,7 @@ import pytest
 
 from pnyx.cli.run import newest_run, plan_run, thread_split
 from pnyx.config import PnyxConfig, load_config, overlay_changed, shipped_model_path
+from pnyx.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 NAME = "e2e"
@@ -46,7 +47,7 @@ def test_plan_run_refuses_to_overwrite_an_existing_run_and_resume_picks_the_newe
     cfg = load_config(None, ["--run.name=first"])
     first = plan_run(cfg, resume=False, root=tmp_path)
     assert first.store_url == str(tmp_path / "first") and (tmp_path / "first" / "config.toml").is_file()
-    with pytest.raises(ValueError, match="--resume"):
+    with pytest.raises(ConfigError, match="--resume"):
         plan_run(cfg, resume=False, root=tmp_path)
     time.sleep(0.01)
     plan_run(load_config(None, ["--run.name=second", "--env.name=countdown"]), resume=False, root=tmp_path)
@@ -56,7 +57,7 @@ def test_plan_run_refuses_to_overwrite_an_existing_run_and_resume_picks_the_newe
 
 
 def test_resume_without_any_run_is_an_actionable_error(tmp_path):
-    with pytest.raises(ValueError, match="no run"):
+    with pytest.raises(ConfigError, match="no run"):
         plan_run(PnyxConfig(), resume=True, root=tmp_path)
 
 

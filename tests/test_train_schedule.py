@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from pnyx.errors import ConfigError
 from pnyx.train.schedule import Schedule
 
 
@@ -28,7 +29,7 @@ def test_cosine_is_halfway_at_the_middle_of_the_decay():
 
 
 def test_a_bad_schedule_or_step_is_refused():
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="min_lr_ratio"):
         Schedule(1e-3, "cosine", min_lr_ratio=2.0)
     with pytest.raises(ValueError, match="count from 1"):
         Schedule(1e-3).at(0)

@@ -146,7 +146,10 @@ def eval_main(
 
             torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
             quiet_transformers()
-            info = read_run(run_store).model or {}  # the run's own model (a hub id at the trainer's commit)
+            run = read_run(run_store)
+            if run is None:
+                raise fail(f"{run_store.url} has published weights but no run.json: is this a pnyx run root?")
+            info = run.model or {}  # the run's own model (a hub id at the trainer's commit)
             source = resolve_run_model(info, cfg.model.path, cfg.model.revision, check="tokenizer")
             evaluator = VersionEvaluator(
                 run_store,

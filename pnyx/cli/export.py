@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from pnyx.store import Store
 
 
 @dataclass
@@ -25,7 +26,7 @@ class ExportResult:
 
 
 def export_run(
-    store: Any,
+    store: Store,
     out: Path,
     version: int | None = None,
     dtype: str | None = None,
@@ -58,7 +59,7 @@ def export_run(
     got, tensors = syncer.sync(to_version=target)  # IntegrityError if it does not verify: nothing written
     if got != target:
         raise ConfigError(f"asked to export version {target} but the store served version {got}")
-    dtype = dtype or info.get("publish_dtype") or cfg.trainer.publish_dtype
+    dtype = str(dtype or info.get("publish_dtype") or cfg.trainer.publish_dtype)
     hf_config = info.get("hf_config")
     if not hf_config:  # a run recorded before hf_config was: the source's own config
         import json

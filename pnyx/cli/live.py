@@ -25,6 +25,7 @@ from typing import Any
 from pnyx.errors import NotFoundError, RecordRejected
 from pnyx.eval.runner import read_eval_file
 from pnyx.protocol import layout
+from pnyx.store import Store
 
 # A worker whose heartbeat is older than this many heartbeat intervals shows as "silent".
 SILENT_AFTER_S = 30.0
@@ -129,7 +130,7 @@ def masked_of(row: dict[str, Any]) -> float | None:
 class RunWatcher:
     """Reads a run's state from its store, incrementally (metrics are fetched once per version)."""
 
-    def __init__(self, store: Any, evals_path: str | Path | None = None):
+    def __init__(self, store: Store, evals_path: str | Path | None = None):
         self.store = store
         local = getattr(store, "local_path", None)
         self.evals_path = Path(evals_path) if evals_path else (Path(local) / EVALS_FILE if local else None)

@@ -32,6 +32,7 @@ from typing import Any
 
 from pnyx.config import PnyxConfig, load_config, overlay_changed, resolve_model_path, to_toml
 from pnyx.errors import ConfigError
+from pnyx.store import Store
 
 RUNS_ROOT = Path("runs")
 CONFIG_FILE = "config.toml"
@@ -139,6 +140,13 @@ class Fleet:
         self.trainer: Child | None = None
         self.workers: list[Child] = []
         self.trainer_threads, self.worker_threads = thread_split(workers)
+
+    @property
+    def started_trainer(self) -> Child:
+        """The trainer process, which exists from `start_trainer()` on."""
+        if self.trainer is None:
+            raise RuntimeError("the fleet's trainer was not started")
+        return self.trainer
 
     def _spawn(self, role: str, args: list[str], threads: int) -> Child:
         log = self.plan.logs / f"{role}.log"
@@ -321,7 +329,7 @@ class Orchestrator:
         outcome.notes.extend(notes)
         return self._report(store, outcome)
 
-    def _fleet_phase(self, store: Any) -> Outcome:
+    def _fleet_phase(self, store: Store) -> Outcome:
         from pnyx.cli.live import RunWatcher
 
         self.fleet.start_trainer()
@@ -329,9 +337,9 @@ class Orchestrator:
         t0 = time.time()
         try:
             if not self._wait_for_v0(store, t0):
-                if self.fleet.trainer.rc is None:
+                if self.fleet.started_trainer.rc is None:
                     return Outcome(
-                        f"the trainer did not publish version 0 within {START_DEADLINE_S:.0f}s; see {self.fleet.trainer.log}",
+                        f"the trainer did not publish version 0 within {START_DEADLINE_S:.0f}s; see {self.fleet.started_trainer.log}",
                         trainer_failed=True,
                     )
                 return self._trainer_outcome("the trainer exited before publishing version 0")
@@ -359,11 +367,11 @@ class Orchestrator:
         snap = watcher.snapshot()
         return snap.started_at or self.t_start
 
-    def _wait_for_v0(self, store: Any, t0: float) -> bool:
+    def _wait_for_v0(self, store: Store, t0: float) -> bool:
         from pnyx.weights import latest_version
 
         while time.time() - t0 < START_DEADLINE_S:
-            if self.fleet.trainer.rc is not None:
+            if self.fleet.started_trainer.rc is not None:
                 return False
             v = latest_version(store)
             if v is not None:
@@ -373,15 +381,17 @@ class Orchestrator:
         return False
 
     def _trainer_outcome(self, reason: str, latest: int | None = None) -> Outcome:
-        rc = self.fleet.trainer.rc
+        rc = self.fleet.started_trainer.rc
         steps = self.plan.cfg.run.steps
         if rc == 0 and latest is not None and latest >= steps:
             return Outcome(f"the trainer finished its step budget ({steps} steps)")
         if rc == 0:
             return Outcome(
-                f"the trainer stopped at v{latest} before its step budget of {steps}; see {self.fleet.trainer.log}"
+                f"the trainer stopped at v{latest} before its step budget of {steps}; see {self.fleet.started_trainer.log}"
             )
-        return Outcome(f"{reason} (exit code {rc}); see {self.fleet.trainer.log}", trainer_failed=True)
+        return Outcome(
+            f"{reason} (exit code {rc}); see {self.fleet.started_trainer.log}", trainer_failed=True
+        )
 
     def _watch(self, watcher: Any, evals: Any, t0: float) -> Outcome:
         from rich.live import Live
@@ -406,7 +416,7 @@ class Orchestrator:
                 elif time.time() - last_line >= 5.0:
                     print(plain_line(snap), flush=True)
                     last_line = time.time()
-                if self.fleet.trainer.rc is not None:
+                if self.fleet.started_trainer.rc is not None:
                     return self._trainer_outcome("the trainer exited", watcher.snapshot().version)
                 if self.fleet.workers and all(w.rc is not None for w in self.fleet.workers):
                     return Outcome(
@@ -424,7 +434,7 @@ class Orchestrator:
 
     # --- the end -------------------------------------------------------------------------------------
 
-    def _report(self, store: Any, outcome: Outcome) -> int:
+    def _report(self, store: Store, outcome: Outcome) -> int:
         from pnyx.cli.live import RunWatcher, before_after_table
         from pnyx.eval.runner import read_eval_file
         from pnyx.weights import latest_version
@@ -468,7 +478,7 @@ class Orchestrator:
                 f"export it: {export}", highlight=False, soft_wrap=True
             )  # one line, copy-pastable
         if outcome.trainer_failed:
-            self.say(f"[red]the trainer failed[/red]: read {self.fleet.trainer.log}")
+            self.say(f"[red]the trainer failed[/red]: read {self.fleet.started_trainer.log}")
             return 1
         return 0
 
@@ -511,7 +521,7 @@ class Orchestrator:
         (self.plan.folder / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def _supply_report(store: Any) -> dict[str, Any] | None:
+def _supply_report(store: Store) -> dict[str, Any] | None:
     """Groups the workers generated vs the trainer consumed (`pnyx.train.supply`); None if unreadable."""
     from pnyx.errors import PnyxError
     from pnyx.train.supply import supply_report

@@ -17,12 +17,13 @@ from typing import Any
 
 from pnyx.errors import NotFoundError, RecordRejected
 from pnyx.protocol import layout
+from pnyx.store import Store
 
 SILENT_AFTER_S = 120.0
 """A running node whose heartbeat is older than this shows as silent (a round can take a while)."""
 
 
-def read_nodes(store: Any) -> list[Any]:
+def read_nodes(store: Store) -> list[Any]:
     """Every readable node heartbeat in the store, by node name."""
     from pnyx.protocol.codec import decode_json
     from pnyx.swarm.records import NodeHeartbeat
@@ -78,7 +79,7 @@ def swarm_table(nodes: list[Any], now: float | None = None) -> Any:
     return t
 
 
-def with_swarm(renderable: Any, store: Any, snap: Any) -> Any:
+def with_swarm(renderable: Any, store: Store, snap: Any) -> Any:
     """`renderable` (the run view of `snap`) plus the swarm table when the store has swarm nodes."""
     from rich.console import Group
 

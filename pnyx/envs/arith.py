@@ -55,7 +55,7 @@ class ArithEnv(Environment):
     def __init__(
         self,
         digits: int | list[int] = 2,
-        ops: list[str] | str = ("+", "-"),
+        ops: list[str] | tuple[str, ...] | str = ("+", "-"),
         test_fraction: float = 0.1,
         answer: AnswerMode = "tag",
     ):

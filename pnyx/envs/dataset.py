@@ -9,6 +9,7 @@ field, so a task id keeps naming the same question if the file is reordered or e
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,13 @@ def question_key(question: str) -> str:
     return f"{stable_hash('question', question.strip()):016x}"
 
 
-def read_jsonl(path: str | Path, what: str) -> list[dict[str, Any]]:
+def iter_jsonl(path: str | Path, what: str, hint: str = "") -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line of a JSONL file of objects; `ConfigError` naming the
+    file and line for a missing file, a line that is not JSON, or one that is not an object. `hint` is
+    appended to the missing-file message (what the file should be)."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"{what} file {p} does not exist")
-    rows: list[dict[str, Any]] = []
+        raise ConfigError(f"{what} file {p} does not exist" + (f": {hint}" if hint else ""))
     with p.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -44,8 +47,12 @@ def read_jsonl(path: str | Path, what: str) -> list[dict[str, Any]]:
                 raise ConfigError(f"{p}:{lineno}: not valid JSON ({e})") from e
             if not isinstance(row, dict):
                 raise ConfigError(f"{p}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-    return rows
+            yield lineno, row
+
+
+def read_jsonl(path: str | Path, what: str) -> list[dict[str, Any]]:
+    """Every object of a JSONL file (see `iter_jsonl`)."""
+    return [row for _, row in iter_jsonl(path, what)]
 
 
 class QADataset:

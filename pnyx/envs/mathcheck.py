@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import threading
 from fractions import Fraction
-from typing import Literal
+from typing import Literal, cast
 
 MAX_ANSWER_CHARS = 200
 MATH_VERIFY_TIMEOUT_S = 2
@@ -72,7 +72,10 @@ def math_equal(gold: str, prediction: str) -> Verdict:
         return "refused"
     from math_verify import parse, verify  # imported here: sympy is slow to import
 
-    timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    # math_verify's timeout uses signals (main thread only); None turns it off (its annotation says int)
+    timeout = cast(
+        int, MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    )
     gold_parsed = parse(f"${gold}$", parsing_timeout=timeout)
     pred_parsed = parse(f"${prediction}$", parsing_timeout=timeout)
     if not pred_parsed:

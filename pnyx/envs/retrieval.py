@@ -7,10 +7,10 @@ tokenizing; documents that share no term with the query (score 0) are never retu
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pnyx.envs.dataset import iter_jsonl
 from pnyx.errors import ConfigError
 
 MAX_QUERY_CHARS = 256
@@ -32,23 +32,17 @@ class Doc:
 
 def read_corpus(path: str | Path) -> list[Doc]:
     """Documents from a JSONL file of `{"id", "title", "text"}` objects (id defaults to the line number)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"corpus file {p} does not exist: pass corpus_path= a JSONL of {{id, title, text}}")
     docs: list[Doc] = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                docs.append(
-                    Doc(id=str(row.get("id", lineno)), title=str(row.get("title", "")), text=str(row["text"]))
-                )
-            except (json.JSONDecodeError, KeyError, AttributeError) as e:
-                raise ConfigError(f"{p}:{lineno}: expected a JSON object with a 'text' field ({e})") from e
+    for lineno, row in iter_jsonl(path, "corpus", hint="pass corpus_path= a JSONL of {id, title, text}"):
+        if "text" not in row:
+            raise ConfigError(
+                f"{path}:{lineno}: expected a JSON object with a 'text' field, got keys {sorted(row)}"
+            )
+        docs.append(
+            Doc(id=str(row.get("id", lineno)), title=str(row.get("title", "")), text=str(row["text"]))
+        )
     if not docs:
-        raise ConfigError(f"corpus file {p} has no documents")
+        raise ConfigError(f"corpus file {path} has no documents")
     return docs
 
 

@@ -85,6 +85,7 @@ class SearchQAEnv(Environment):
             self.top_k = 1 if top_k is None else top_k
         else:
             self.world = None
+            assert qa_path is not None  # both or neither, checked above
             docs = read_corpus(corpus_path)
             rows = read_jsonl(qa_path, "QA")
             self.dataset = QADataset(rows, test_fraction, salt=self.name, source=str(qa_path))

@@ -25,10 +25,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pnyx.errors import ConfigError
 from pnyx.eval.metrics import pass_at_k
+from pnyx.store import Store
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 Z95 = 1.959963984540054
 
@@ -141,8 +146,8 @@ def _has_format(score: Any) -> bool:
 
 
 def evaluate_model(
-    model: Any,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     env: Any,
     tasks: Sequence[Any],
     samples: int = 1,
@@ -268,7 +273,7 @@ class VersionEvaluator:
 
     def __init__(
         self,
-        store: Any,
+        store: Store,
         model_path: str | Path,
         env_name: str,
         env_kwargs: dict[str, Any] | None = None,
@@ -322,7 +327,7 @@ class VersionEvaluator:
         return report
 
 
-def load_weights(model: Any, tensors: dict[str, Any]) -> None:
+def load_weights(model: torch.nn.Module, tensors: dict[str, Any]) -> None:
     """Copy a published state (any dtype) into `model` in place, cast to the model's own dtypes (strict)."""
     import torch
 

@@ -75,7 +75,8 @@ def load_model(path: ModelRef, dtype: DType = "float32", device: Device = "cpu")
 
     folder = model_folder(path)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype), local_files_only=True)
-    return model.to(resolve_device(device)).eval()
+    # (transformers types from_pretrained's result as a generate-mixin whose .to() pyright cannot bind)
+    return model.to(resolve_device(device)).eval()  # pyright: ignore[reportArgumentType]
 
 
 def load_tokenizer(path: ModelRef) -> PreTrainedTokenizerBase:

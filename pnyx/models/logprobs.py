@@ -71,7 +71,7 @@ def _split_rows(lengths: list[int], max_tokens: int | None) -> list[tuple[int, i
 
 
 def _picked_logits(
-    model: Any, ids: torch.Tensor, attn: torch.Tensor, gather_pos: torch.Tensor
+    model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, gather_pos: torch.Tensor
 ) -> torch.Tensor:
     """Logits [B, W, V] at positions `gather_pos` [B, W], exactly as the model's own forward computes them.
 
@@ -81,7 +81,8 @@ def _picked_logits(
     does not call its output-embedding module on [B, T, H] hidden states (the hook does not fire) gives full
     logits, which are gathered afterwards: same values, more memory.
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head: Any = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
     fired = False
 
     def narrow(module: Any, args: tuple) -> tuple | None:
@@ -110,7 +111,7 @@ def _picked_logits(
 
 
 def _chunk_logprobs(
-    model: Any,
+    model: torch.nn.Module,
     prompts: list[list[int]],
     completions: list[list[int]],
     temperature: float,
@@ -145,7 +146,7 @@ def _chunk_logprobs(
 
 
 def completion_logprobs(
-    model: Any,
+    model: torch.nn.Module,
     prompt_ids: list[list[int]],
     completion_ids: list[list[int]],
     temperature: float = 1.0,

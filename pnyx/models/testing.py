@@ -18,6 +18,10 @@ compare two runs (or two processes) see the same model. Knows nothing about the 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from pnyx.models.loading import DType
 
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
@@ -128,8 +132,8 @@ def make_tiny_model_dir(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer(vocab)
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    eos_id = cast(int, tokenizer.convert_tokens_to_ids(EOS_TOKEN))  # one token in, one id out
+    pad_id = cast(int, tokenizer.convert_tokens_to_ids(PAD_TOKEN))
     config = tiny_qwen2_config(
         len(tokenizer), hidden, layers, heads, kv_heads, eos_token_id=eos_id, pad_token_id=pad_id
     )
@@ -261,7 +265,7 @@ TINY_ARCHS: dict[str, dict] = {
 }
 
 
-def tiny_arch_model(model_type: str, tokenizer, seed: int = 0, dtype: str = "float32", device: str = "cpu"):
+def tiny_arch_model(model_type: str, tokenizer, seed: int = 0, dtype: DType = "float32", device: str = "cpu"):
     """A tiny random causal LM of `model_type` (a `TINY_ARCHS` key) for `tokenizer` (3 layers, hidden 64,
     4 heads / 2 KV heads of dim 16, tied embeddings, init std 0.1), in eval mode. Seeded."""
     from pnyx.models.loading import model_from_config

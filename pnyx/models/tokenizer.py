@@ -42,17 +42,17 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[st
             f"a prompt must be a string or a list of {{'role', 'content'}} messages, got {type(prompt).__name__}"
         )
     if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        rendered = str(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False))
         return list(tokenizer.encode(rendered, add_special_tokens=False))
     text = "\n".join(str(m["content"]) for m in prompt)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: Any = None) -> list[int]:
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: object = None) -> list[int]:
     """The ids that end a completion: the tokenizer's EOS plus the model's generation-config EOS list."""
     ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
+    if isinstance(tokenizer.eos_token_id, int):
+        ids.add(tokenizer.eos_token_id)
     gen = getattr(model, "generation_config", None)
     extra = getattr(gen, "eos_token_id", None) if gen is not None else None
     if isinstance(extra, int):

@@ -35,6 +35,8 @@ from __future__ import annotations
 import re
 import time
 
+from pnyx.errors import ConfigError
+
 RUN_MANIFEST = "run.json"
 WEIGHTS_PREFIX = "weights/"
 WEIGHTS_HEAD = "weights/HEAD"
@@ -63,7 +65,7 @@ _SWARM = re.compile(r"^swarm/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/(\d{10})$")
 def check_name(name: str, what: str = "name") -> str:
     """Validate a worker, node or object name used inside a key (letters, digits, `_.-`, ≤64 chars)."""
     if not isinstance(name, str) or not _NAME.match(name) or name in {".", ".."}:
-        raise ValueError(
+        raise ConfigError(
             f"invalid {what} {name!r}: use 1-64 letters, digits, '_', '.', '-' (starting with a letter or digit)"
         )
     return name
@@ -71,7 +73,7 @@ def check_name(name: str, what: str = "name") -> str:
 
 def _v(version: int) -> str:
     if not isinstance(version, int) or version < 0 or version > 99_999_999:
-        raise ValueError(f"version must be an int in [0, 99999999], got {version!r}")
+        raise ConfigError(f"version must be an int in [0, 99999999], got {version!r}")
     return f"v{version:08d}"
 
 

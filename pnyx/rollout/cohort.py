@@ -16,9 +16,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pnyx.envs import Environment, Task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ def sample_env(
 
 def generate_cohort(
     engine: Any,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     env: Environment,
     tasks: Sequence[Task],
     spec: CohortSpec,

@@ -35,14 +35,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from pnyx.errors import ConfigError
+
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from pnyx.rollout.hf_session import HFSession
 
 FAST_MODEL_TYPES = ("qwen2", "llama", "mistral", "qwen3")
 QK_NORM_MODEL_TYPES = ("qwen3",)
 
 
-def fast_path_supported(model: Any) -> bool:
+def fast_path_supported(model: PreTrainedModel) -> bool:
     """True if `FastSession` reproduces this model's forward exactly (architecture and options checked)."""
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "model_type", None) not in FAST_MODEL_TYPES:
@@ -167,6 +171,13 @@ class Parked:
     pos: torch.Tensor
     """[r, 1]: the position id of each row's last real token."""
 
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of layer `i`, which the caller knows has a cache."""
+        kv = self.kv[i]
+        if kv is None:
+            raise RuntimeError(f"parked rows have no cache for layer {i}")
+        return kv
+
 
 def _pad_slots(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     """`x` zero-padded (False for bool) along `dim` to `length`: holes must hold finite values, since a
@@ -191,10 +202,13 @@ class FastSession:
     holes_reason: str | None = None
     can_keep = True
 
-    def __init__(self, model: Any, max_len: int):
+    def __init__(self, model: PreTrainedModel, max_len: int):
         self.model = model
         self.body = model.model
-        self.head = model.get_output_embeddings()
+        head = model.get_output_embeddings()
+        if head is None:  # fast_path_supported models all have one
+            raise ValueError(f"{type(model).__name__} has no output embeddings")
+        self.head = head
         cfg = model.config
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
@@ -345,7 +359,9 @@ class FastSession:
     def take(self, rows: torch.Tensor) -> Parked:
         """A copy of `rows`' state (the session is unchanged: `keep` the others to remove them)."""
         used = self.length
-        kv = [(k[rows, :, :used], v[rows, :, :used]) for k, v in zip(self.k, self.v, strict=True)]
+        kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [
+            (k[rows, :, :used], v[rows, :, :used]) for k, v in zip(self.k, self.v, strict=True)
+        ]
         return Parked(kv, self.attn[rows, :used], self.pos[rows])
 
     def merge(self, parked: list[Parked]) -> None:
@@ -355,7 +371,7 @@ class FastSession:
         used, cap = self.length, self.capacity
         for li in range(len(self.k)):
             for which, store in ((0, self.k), (1, self.v)):
-                parts = [store[li][:, :, :used]] + [_pad_slots(p.kv[li][which], used, 2) for p in parked]
+                parts = [store[li][:, :, :used]] + [_pad_slots(p.layer(li)[which], used, 2) for p in parked]
                 merged = torch.cat(parts)
                 store[li] = torch.empty((merged.shape[0], *merged.shape[1:2], cap, merged.shape[3]),
                                         dtype=self.dtype, device=self.device)  # fmt: skip
@@ -365,11 +381,14 @@ class FastSession:
         self.pos = torch.cat([self.pos] + [p.pos for p in parked])
 
 
-def open_session(model: Any, max_len: int, fast: bool | None = None) -> FastSession | HFSession:
+def open_session(model: PreTrainedModel, max_len: int, fast: bool | None = None) -> FastSession | HFSession:
     """A decode session for `model`; `fast=None` uses the fast path whenever it is supported."""
     from pnyx.rollout.hf_session import HFSession
 
     use_fast = fast_path_supported(model) if fast is None else fast
     if use_fast and not fast_path_supported(model):
-        raise ValueError(f"the fast decode path does not support model_type={model.config.model_type!r}")
+        raise ConfigError(
+            f"the fast decode path does not support model_type={model.config.model_type!r}: leave fast unset "
+            "(it picks the generic path for such models)"
+        )
     return FastSession(model, max_len) if use_fast else HFSession(model, max_len)

@@ -19,7 +19,7 @@ early. Knows nothing about environments' scoring, the store or the trainer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 
@@ -30,6 +30,8 @@ from pnyx.rollout.decoder import FastSession, Parked, left_pad, open_session
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from pnyx.rollout.episodes import Episode, ToolFn
     from pnyx.rollout.hf_session import HFSession
@@ -82,7 +84,7 @@ class Completion:
 class StopMatcher:
     """Finds the first token whose text completes one of the stop strings, from a window of recent tokens."""
 
-    def __init__(self, tokenizer: Any, stops: list[str]):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str]):
         self.tokenizer = tokenizer
         self.stops = list(stops)
         # Every token decodes to at least one byte, so a stop of n bytes is covered by its last n tokens;
@@ -97,7 +99,9 @@ class StopMatcher:
         decode to nothing or to part of a UTF-8 character; those are always checked)."""
         text = self.token_text.get(token)
         if text is None:
-            text = self.token_text[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+            text = self.token_text[token] = cast(
+                str, self.tokenizer.decode([token], skip_special_tokens=False)
+            )
         return not text or "\ufffd" in text or any(c in text for c in self.last_chars)
 
     def match(self, tokens: list[int]) -> str | None:
@@ -130,7 +134,13 @@ class Engine:
     name = "torch"
     """The engine name recorded in rollout groups (`pnyx.rollout.engines` wraps this class as "torch")."""
 
-    def __init__(self, model: Any, tokenizer: Any, fast: bool | None = None, reuse_cache: bool | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        fast: bool | None = None,
+        reuse_cache: bool | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.fast = fast
@@ -138,7 +148,7 @@ class Engine:
         """Tool turns on top of the KV cache (`run_episodes`): None = where the model allows it."""
         self.eos_ids = eos_token_ids(tokenizer, model)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.pad_id = int(pad) if pad is not None else 0
+        self.pad_id = pad if isinstance(pad, int) else 0
         self.device = next(model.parameters()).device
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -152,7 +162,7 @@ class Engine:
             session = self.session(ids.shape[1] + params.max_new_tokens)
             turn = self.decode(session, session.prefill(ids, attn), params)
         return [
-            Completion(t, lp, r, self.tokenizer.decode(t, skip_special_tokens=True), s)
+            Completion(t, lp, r, cast(str, self.tokenizer.decode(t, skip_special_tokens=True)), s)
             for t, lp, r, s in zip(turn.tokens, turn.logprobs, turn.reasons, turn.stops, strict=True)
         ]
 

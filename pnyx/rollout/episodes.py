@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from pnyx.errors import ConfigError
 
@@ -158,7 +158,7 @@ def run_episodes(
     if episodes is None:
         episodes = loop.re_prefill(prompt_ids)
     for ep in episodes:
-        ep.text = engine.tokenizer.decode(ep.tokens, skip_special_tokens=True)
+        ep.text = cast(str, engine.tokenizer.decode(ep.tokens, skip_special_tokens=True))
     return episodes
 
 
@@ -273,4 +273,4 @@ def _note_fallback(engine: Engine, reason: str | None) -> None:
     """Say once per engine why tool turns re-prefill instead of reusing the KV cache."""
     if not getattr(engine, "_told_fallback", False):
         log.info("tool turns re-prefill the context (no KV-cache reuse) for this model: %s", reason)
-        engine._told_fallback = True
+        engine._told_fallback = True  # pyright: ignore[reportAttributeAccessIssue]  (a mark on the instance)

@@ -12,11 +12,14 @@ slot. Knows nothing about sampling, stop strings or tools.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pnyx.rollout.decoder import Parked, _check_chunk, _chunk_positions, _pad_slots
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def _cache_layer_kinds() -> tuple[type, type, type]:
@@ -43,7 +46,7 @@ def _select_rows(cache: Any, rows: torch.Tensor) -> None:
 class HFSession:
     """Decode session through the transformers forward and a `DynamicCache` (any causal LM)."""
 
-    def __init__(self, model: Any, max_len: int):
+    def __init__(self, model: PreTrainedModel, max_len: int):
         self.model = model
         self.max_len = max_len
         params = inspect.signature(model.forward).parameters
@@ -132,7 +135,7 @@ class HFSession:
         if not self.holes_ok:
             raise ValueError(f"rows of this model's cache cannot be parked: {self.holes_reason}")
         return [
-            la if getattr(la, "keys", None) is not None and la.keys.numel() else None
+            la if (keys := getattr(la, "keys", None)) is not None and keys.numel() else None
             for la in self.cache.layers
         ]
 
@@ -148,7 +151,7 @@ class HFSession:
         used = self.attn.shape[1]
         for li, la in enumerate(self._kv_layers()):
             if la is not None:
-                la.keys = torch.cat([la.keys] + [_pad_slots(p.kv[li][0], used, 2) for p in parked])
-                la.values = torch.cat([la.values] + [_pad_slots(p.kv[li][1], used, 2) for p in parked])
+                la.keys = torch.cat([la.keys] + [_pad_slots(p.layer(li)[0], used, 2) for p in parked])
+                la.values = torch.cat([la.values] + [_pad_slots(p.layer(li)[1], used, 2) for p in parked])
         self.attn = torch.cat([self.attn] + [_pad_slots(p.attn, used, 1) for p in parked])
         self.pos = torch.cat([self.pos] + [p.pos for p in parked])

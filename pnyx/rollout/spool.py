@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pnyx.errors import AlreadyExistsError, StorePermissionError, StoreUnavailableError
+from pnyx.errors import AlreadyExistsError, ConfigError, StorePermissionError, StoreUnavailableError
 from pnyx.protocol import layout
 from pnyx.store import Store
 
@@ -76,7 +76,7 @@ class Spool:
 
     def __init__(self, max_groups: int, folder: str | Path | None = None, rekey: Rekey | None = None):
         if max_groups < 1:
-            raise ValueError(f"spool max_groups must be >= 1, got {max_groups}")
+            raise ConfigError(f"spool max_groups must be >= 1 (worker.spool_max_groups), got {max_groups}")
         self.max_groups = max_groups
         self.folder = Path(folder) if folder is not None else None
         self.rekey = rekey

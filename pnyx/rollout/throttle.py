@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pnyx.errors import ConfigError
+
 GAIN_P = 0.25
 """Share of the queue's error refilled (or drained) at once, per demand."""
 GAIN_I = 0.1
@@ -59,7 +61,7 @@ class Throttle:
         clock: Callable[[], float] = time.monotonic,
     ):
         if groups_per_step < 1 or cohort < 1 or lead < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"Throttle needs groups_per_step, cohort >= 1 and lead >= 1, got {groups_per_step}, {cohort}, {lead}"
             )
         self.groups_per_step = groups_per_step

@@ -283,7 +283,13 @@ class Worker:
         from pnyx.envs import stable_hash
         from pnyx.rollout.cohort import CohortSpec, generate_cohort
 
-        if self.spool is None or self.syncer is None or self.courier is None:
+        if (
+            self.spool is None
+            or self.syncer is None
+            or self.courier is None
+            or self.throttle is None
+            or self.version is None
+        ):
             raise RuntimeError("Worker.step() before join(): call run() or join() first")
         self.courier.check()  # re-raises a fatal error of the store thread
         fresh = self.syncer.swap()  # re-raises a fatal error of the prefetch thread
@@ -357,6 +363,9 @@ class Worker:
         from pnyx.protocol import encode_group
         from pnyx.train.advantages import is_zero_variance  # the trainer's own test: same verifier, same drop
 
+        # called by step() only, after join(): the parts below exist
+        assert self.spool is not None and self.courier is not None and self.throttle is not None
+        assert self.version is not None
         kept = 0
         for group in groups:
             if self.cfg.worker.skip_zero_variance and is_zero_variance([s.reward for s in group.samples]):
@@ -396,6 +405,7 @@ class Worker:
     # -- supply control (called by the courier thread) --
 
     def _take_demand(self, demand: Any) -> None:
+        assert self.throttle is not None  # the courier runs only after join()
         with self._lock:
             news = self.throttle.observe(demand)
         if not news:
@@ -416,11 +426,13 @@ class Worker:
         self._wake.set()
 
     def _demand_poll_s(self) -> float:
+        assert self.throttle is not None  # the courier runs only after join()
         with self._lock:
             return self.throttle.poll_interval(self.cfg.worker.poll_interval_s)
 
     def _expired(self, key: str) -> bool:
         parsed = layout.parse_rollout_key(key)
+        assert self.throttle is not None  # the courier runs only after join()
         with self._lock:
             return parsed is not None and self.throttle.expired(parsed[0])
 

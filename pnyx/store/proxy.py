@@ -42,7 +42,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from urllib.parse import urlsplit
+
+from pnyx.errors import ConfigError
 
 HOP_BY_HOP = frozenset(
     {
@@ -78,10 +81,10 @@ class Faults:
         for name in ("error_rate", "reset_rate", "lost_reply_rate"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
-                raise ValueError(f"Faults.{name} must be a probability in [0, 1], got {value}")
+                raise ConfigError(f"Faults.{name} must be a probability in [0, 1], got {value}")
         lo, hi = self.latency_s
         if not 0.0 <= lo <= hi:
-            raise ValueError(f"Faults.latency_s must be (lo, hi) with 0 <= lo <= hi, got {self.latency_s}")
+            raise ConfigError(f"Faults.latency_s must be (lo, hi) with 0 <= lo <= hi, got {self.latency_s}")
 
 
 def request_kind(method: str, path: str) -> str:
@@ -100,7 +103,7 @@ class FaultProxy:
     ):
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"upstream must be an http://host:port URL, got {upstream!r}")
+            raise ConfigError(f"upstream must be an http://host:port URL, got {upstream!r}")
         self.upstream = (parts.hostname, parts.port or 80)
         self.faults = faults or Faults()
         self.counts: Counter[str] = Counter()
@@ -139,7 +142,7 @@ class FaultProxy:
         """Give exactly the next `count` requests of `methods` (None: any) whose path contains `where` the
         fault `kind`: "error", "reset" or "lost_reply". Deterministic, for tests; before the random faults."""
         if kind not in ("error", "reset", "lost_reply"):
-            raise ValueError(f"unknown fault {kind!r}: use 'error', 'reset' or 'lost_reply'")
+            raise ConfigError(f"unknown fault {kind!r}: use 'error', 'reset' or 'lost_reply'")
         with self._lock:
             self._queued.extend([(kind, frozenset(methods) if methods else None, where)] * count)
 
@@ -204,7 +207,7 @@ class FaultProxy:
 
 
 class _Server(ThreadingHTTPServer):
-    def handle_error(self, request: object, client_address: object) -> None:
+    def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that hung up (killed, timed out) is part of the weather here, not an error to print."""
         import sys
 
@@ -295,7 +298,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m pnyx.store.proxy --upstream URL [...]`: serve until Ctrl-C."""
-    ap = argparse.ArgumentParser(prog="python -m pnyx.store.proxy", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m pnyx.store.proxy", description=(__doc__ or "").split("\n\n")[0]
+    )
     ap.add_argument("--upstream", required=True, help="the S3 API endpoint, http://host:port")
     ap.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")
     ap.add_argument("--error-rate", type=float, default=0.0, help="503 SlowDown probability per request")

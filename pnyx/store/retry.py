@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pnyx.errors import StoreUnavailableError
+from pnyx.errors import ConfigError, StoreUnavailableError
 
 T = TypeVar("T")
 
@@ -42,7 +42,7 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.deadline_s < 0 or self.base_s < 0 or self.cap_s < 0:
-            raise ValueError(f"RetryPolicy times must be >= 0, got {self}")
+            raise ConfigError(f"RetryPolicy times must be >= 0, got {self}")
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before retry number `attempt` (0-based)."""

@@ -18,12 +18,15 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 from pnyx.errors import ConfigError
 from pnyx.store.base import ObstoreBackend, Store
 from pnyx.store.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, RetryConfig, S3Config
 
 SUPPORTED_SCHEMES = ("file", "memory", "s3", "gs")
 _S3_QUERY = ("endpoint", "region")
@@ -34,8 +37,8 @@ _named_lock = threading.Lock()
 
 # Our own retry policy is the only one: obstore's internal retries would stack under it and break
 # the deadline. Single requests are bounded by the client timeouts instead.
-_NO_OBSTORE_RETRY: dict[str, Any] = {"max_retries": 0}
-_CLIENT_OPTIONS: dict[str, Any] = {"connect_timeout": "10s", "timeout": "300s"}
+_NO_OBSTORE_RETRY: RetryConfig = {"max_retries": 0}
+_CLIENT_OPTIONS: ClientConfig = {"connect_timeout": "10s", "timeout": "300s"}
 
 
 def open_store(url: str | os.PathLike[str], retry: RetryPolicy | None = None) -> Store:
@@ -129,8 +132,8 @@ def _open_s3(bucket: str, prefix: str, query: dict[str, str], text: str, retry: 
         query.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     )
     region = query.get("region")
-    config: dict[str, Any] = {}
-    client = dict(_CLIENT_OPTIONS)
+    config: S3Config = {}
+    client = _CLIENT_OPTIONS.copy()
     if endpoint:
         if urlsplit(endpoint).username is not None:
             raise ConfigError("the S3 endpoint URL must not carry credentials: set them in the environment")
@@ -158,7 +161,7 @@ def _open_gcs(bucket: str, prefix: str, retry: RetryPolicy | None) -> Store:
     if not bucket:
         raise ConfigError("GCS URL has no bucket: use gs://bucket/prefix")
     raw = GCSStore(
-        bucket, prefix=prefix or None, client_options=dict(_CLIENT_OPTIONS), retry_config=_NO_OBSTORE_RETRY
+        bucket, prefix=prefix or None, client_options=_CLIENT_OPTIONS.copy(), retry_config=_NO_OBSTORE_RETRY
     )
     backend = ObstoreBackend(raw, sorted_listing=True, supports_cas=True, remote=True)
     return Store(backend, f"gs://{bucket}/{prefix}".rstrip("/"), retry)

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MAX_PREFIX_DECODE = 1024
 """Above this many tokens, `char_ends` sums per-token decodes instead of decoding every prefix (O(n²))."""
 
 
-def char_ends(tokenizer: Any, ids: Sequence[int]) -> list[int]:
+def char_ends(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> list[int]:
     """Character offset where each token's text ends in `tokenizer.decode(ids, skip_special_tokens=True)`.
 
     Offsets come from decoding each prefix, so multi-byte characters split across byte-level tokens land

@@ -19,10 +19,14 @@ from __future__ import annotations
 import ast
 import io
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pnyx.errors import ConfigError, IntegrityError, NotFoundError
 from pnyx.protocol import layout
+from pnyx.store import Store
+
+if TYPE_CHECKING:
+    import torch
 
 NODE_CKPT_FORMAT = 1
 
@@ -80,7 +84,9 @@ def restore(node: Any, blob: dict[str, Any]) -> NodeState:
     return st
 
 
-def save_node_checkpoint(store: Any, state: NodeState, model: Any, optimizer: Any) -> str:
+def save_node_checkpoint(
+    store: Store, state: NodeState, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> str:
     """Write the node's state as one object (atomic put). Returns its key."""
     import torch
 
@@ -98,7 +104,7 @@ def save_node_checkpoint(store: Any, state: NodeState, model: Any, optimizer: An
     return key
 
 
-def load_node_checkpoint(store: Any, node: str) -> dict[str, Any] | None:
+def load_node_checkpoint(store: Store, node: str) -> dict[str, Any] | None:
     """The node's checkpoint (tensors on CPU), or None if it has none. Raises IntegrityError if unreadable."""
     import torch
 
@@ -122,7 +128,9 @@ def load_node_checkpoint(store: Any, node: str) -> dict[str, Any] | None:
     return blob
 
 
-def restore_into(blob: dict[str, Any], model: Any, optimizer: Any, tokenizer_digest: str) -> NodeState:
+def restore_into(
+    blob: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer_digest: str
+) -> NodeState:
     """Load a checkpoint's tensors into `model` and `optimizer` and restore torch's RNG; returns its state.
 
     Raises ConfigError when the checkpoint belongs to another tokenizer or model shape (a node name reused

@@ -22,10 +22,14 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pnyx.envs.base import stable_hash
 from pnyx.errors import ConfigError
+from pnyx.store import Store
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,12 @@ class Family:
 
 
 def _examples(
-    tokenizer: Any, env: Any, seed: int, n: int, eos_id: int | None, label: Callable[[Any], str] | None
+    tokenizer: PreTrainedTokenizerBase,
+    env: Any,
+    seed: int,
+    n: int,
+    eos_id: int | None,
+    label: Callable[[Any], str] | None,
 ) -> list[tuple[list[int], list[int]]]:
     from pnyx.models import render_prompt
 
@@ -158,7 +167,7 @@ def mechanism_starts(
 
 def heldout_reward(
     engine: Any,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     env: Any,
     *,
     tasks: int = 64,
@@ -213,7 +222,7 @@ class RoundRobin:
     family, its I/J and its name on top. Nodes accept every environment in `accept_envs`.
     """
 
-    store: Any
+    store: Store
     specs: list[NodeSpec]
     overrides: dict[str, Any]
     accept_envs: set[str]
@@ -281,7 +290,7 @@ class TransferResult:
 
 
 def transfer_run(
-    store: Any,
+    store: Store,
     a_model: Path,
     b_model: Path,
     family: Family,

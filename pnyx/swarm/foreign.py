@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pnyx.errors import ConfigError, RecordRejected
 from pnyx.swarm.align import aligned_behaviour, char_ends
 from pnyx.swarm.records import SwarmGroup
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 ForeignMode = Literal["onpolicy", "gated"]
 Path_ = Literal["exact", "aligned"]
@@ -122,7 +126,7 @@ def make_candidate(
     return Candidate(key, peer, group, rewards, uploaded if uploaded is not None else time.time(), forged)
 
 
-def _encode_text(tokenizer: Any, text: str) -> list[int]:
+def _encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     # Special-token strings inside foreign text must stay text, never become our EOS or role tokens.
     return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
@@ -130,7 +134,7 @@ def _encode_text(tokenizer: Any, text: str) -> list[int]:
 def to_rows(
     cand: Candidate,
     envs: EnvCache,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     tokenizer_digest: str,
     eos_id: int | None,
     max_tokens: int,
@@ -167,7 +171,7 @@ def to_rows(
         n = len(s.tokens) - (1 if s.eos and s.tokens else 0)
         view = (list(s.token_ends[:n]), list(s.logprobs[:n]), list(s.loss_mask[:n]))
         eos_lp = float(s.logprobs[-1]) if s.eos and s.tokens and eos_id is not None else None
-        comp = ids + ([eos_id] if eos_lp is not None else [])
+        comp = ids + ([eos_id] if eos_lp is not None and eos_id is not None else [])
         if len(comp) > max_tokens:
             raise RecordRejected(
                 "too_many_tokens", f"re-tokenized completion has {len(comp)} > {max_tokens} tokens"
@@ -202,11 +206,12 @@ def behaviour(
     mus, masks = [], []
     for i, comp in enumerate(rows.completions):
         ends, slp, smask = rows.sender_view[i]
-        has_eos = rows.eos_logprobs[i] is not None
+        eos_lp = rows.eos_logprobs[i]
+        has_eos = eos_lp is not None
         n_text = len(comp) - (1 if has_eos else 0)
         mu, mask = aligned_behaviour(ends, slp, smask, rows.own_ends[i], own[i][:n_text])
-        if has_eos:
-            mu.append(min(0.0, float(rows.eos_logprobs[i])))
+        if eos_lp is not None:
+            mu.append(min(0.0, float(eos_lp)))
             mask.append(1)
         if mode == "onpolicy":
             mu = [lp if m else 0.0 for lp, m in zip(own[i], mask, strict=True)]
@@ -216,7 +221,7 @@ def behaviour(
 
 
 def own_logprobs(
-    model: Any, rows: list[ForeignRows], micro_batch_tokens: int
+    model: torch.nn.Module, rows: list[ForeignRows], micro_batch_tokens: int
 ) -> list[list[list[float]] | None]:
     """Our detached logprobs of every completion of `rows` (None for groups that do not need them)."""
     import torch

@@ -25,13 +25,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pnyx.config import PnyxConfig, resolve_env_kwargs, resolve_max_new_tokens
 from pnyx.envs.base import stable_hash
 from pnyx.errors import AlreadyExistsError, ConfigError, RecordRejected, StoreError
 from pnyx.protocol import layout
 from pnyx.protocol.records import RolloutGroup
+from pnyx.store import Store
 from pnyx.swarm import foreign
 from pnyx.swarm.checkpoint import capture, load_node_checkpoint, restore, save_node_checkpoint
 from pnyx.swarm.foreign import Candidate, EnvCache, ForeignRows
@@ -49,6 +50,10 @@ from pnyx.train.advantages import group_advantages, is_zero_variance
 from pnyx.train.ingest import ScoredGroup
 from pnyx.train.settings import loss_settings
 from pnyx.train.step import StepStats, make_optimizer, train_step
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger("pnyx.swarm")
 
@@ -103,11 +108,11 @@ class SwarmNode:
 
     def __init__(
         self,
-        store: Any,
+        store: Store,
         name: str,
         cfg: PnyxConfig,
-        model: Any,
-        tokenizer: Any,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
         model_dir: str | Path,
         env: Any,
         accept_envs: set[str] | None = None,
@@ -121,7 +126,7 @@ class SwarmNode:
         self.model_id = _model_id(self.model_dir, model)
         self.tokenizer_digest = tokenizer_digest(self.model_dir)
         self.eos_ids = set(eos_token_ids(tokenizer, model))
-        self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else None
+        self.eos_id = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, int) else None
         self.engine = Engine(model, tokenizer)
         self.max_new_tokens = resolve_max_new_tokens(cfg.worker.max_new_tokens, env)
         sw = cfg.swarm
@@ -134,7 +139,7 @@ class SwarmNode:
         self.drops = self.feed.drops  # one counter for every reason, fetch-time and mix-time
         self.settings = loss_settings(cfg)
         t = cfg.trainer
-        self.optimizer = make_optimizer(model, t.lr, tuple(t.betas), t.weight_decay)
+        self.optimizer = make_optimizer(model, t.lr, t.betas, t.weight_decay)
         self.rng = random.Random(stable_hash("swarm-sample", cfg.run.seed, self.name))
         self.task_seed = stable_hash("swarm-tasks", cfg.run.seed, self.name) % (2**31)
         self.version = 0
@@ -434,7 +439,7 @@ class SwarmNode:
         return nxt
 
 
-def _ensure_trainable(model: Any) -> None:
+def _ensure_trainable(model: torch.nn.Module) -> None:
     """Give back autograd-usable storage to any parameter the engine left as an inference-mode tensor.
 
     An engine that re-points parameters at tensors built inside `torch.inference_mode` (an early version of
@@ -465,7 +470,7 @@ def _mean(xs: list[float]) -> float:
 
 
 def open_node(
-    store: Any, name: str, cfg: PnyxConfig, model_dir: str | Path | None = None, **kwargs: Any
+    store: Store, name: str, cfg: PnyxConfig, model_dir: str | Path | None = None, **kwargs: Any
 ) -> SwarmNode:
     """Load this node's model (fp32, for training), tokenizer and environment, and build the node."""
     from pnyx.config import resolve_model_path

@@ -18,6 +18,7 @@ import random
 from collections import Counter
 from typing import Literal
 
+from pnyx.errors import ConfigError
 from pnyx.swarm.foreign import Candidate
 
 Prefer = Literal["uniform", "variance"]
@@ -28,7 +29,7 @@ def sample_external(
 ) -> list[Candidate]:
     """Draw up to `j` candidates (fewer if the pool or the per-peer cap allows fewer)."""
     if prefer not in ("uniform", "variance"):
-        raise ValueError(f"prefer must be 'uniform' or 'variance', got {prefer!r}")
+        raise ConfigError(f"prefer must be 'uniform' or 'variance', got {prefer!r}")
     order = list(candidates)
     rng.shuffle(order)
     if prefer == "variance":

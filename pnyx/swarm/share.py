@@ -18,13 +18,17 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pnyx.errors import ConfigError, NotFoundError, RecordRejected, StoreError
 from pnyx.protocol import layout
 from pnyx.protocol.codec import decode_json, encode_json
+from pnyx.store import Store
 from pnyx.swarm.align import char_ends
 from pnyx.swarm.records import NodeHeartbeat, SwarmGroup, SwarmSample, decode_swarm_group, encode_swarm_group
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("pnyx.swarm")
 
@@ -47,7 +51,7 @@ def check_node_name(name: str) -> str:
 
 def to_swarm_group(
     group: Any,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     eos_ids: set[int],
     *,
     node: str,
@@ -61,7 +65,7 @@ def to_swarm_group(
         toks = [int(t) for t in s.tokens]
         samples.append(
             SwarmSample(
-                text=tokenizer.decode(toks, skip_special_tokens=True),
+                text=cast(str, tokenizer.decode(toks, skip_special_tokens=True)),
                 tokens=toks,
                 logprobs=[float(x) for x in s.logprobs],
                 loss_mask=[int(m) for m in s.loss_mask],
@@ -89,18 +93,18 @@ def to_swarm_group(
     )
 
 
-def upload(store: Any, group: SwarmGroup) -> str:
+def upload(store: Store, group: SwarmGroup) -> str:
     """Write `group` create-only at its key and return the key (AlreadyExistsError if the seq is taken)."""
     key = layout.swarm_key(group.node, group.seq)
     store.put(key, encode_swarm_group(group), mode="create")
     return key
 
 
-def write_heartbeat(store: Any, hb: NodeHeartbeat) -> None:
+def write_heartbeat(store: Store, hb: NodeHeartbeat) -> None:
     store.put(layout.swarm_heartbeat(hb.node), encode_json(hb), mode="overwrite")
 
 
-def read_heartbeat(store: Any, node: str) -> NodeHeartbeat | None:
+def read_heartbeat(store: Store, node: str) -> NodeHeartbeat | None:
     """A node's heartbeat, or None if it has none (or an unreadable one)."""
     try:
         return decode_json(store.get(layout.swarm_heartbeat(node)), NodeHeartbeat)
@@ -127,7 +131,7 @@ class PeerFeed:
     `recent_per_peer` of the newest not-yet-seen uploads inside `window_s` are fetched.
     """
 
-    store: Any
+    store: Store
     me: str
     accept: Callable[[str, str, SwarmGroup, float], Any]
     window_s: float = 300.0

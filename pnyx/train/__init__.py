@@ -8,33 +8,18 @@ Public surface (imported lazily, so `import pnyx.train` does not import torch):
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pnyx.lazy import export_names, lazy_exports
 
 _EXPORTS = {
-    "Trainer": "pnyx.train.loop",
-    "format_line": "pnyx.train.loop",
-    "read_metrics": "pnyx.train.checkpoint",
-    "checkpoint_versions": "pnyx.train.checkpoint",
-    "read_batch_record": "pnyx.train.checkpoint",
-    "init_run": "pnyx.train.bootstrap",
-    "read_run": "pnyx.train.bootstrap",
-    "Ingestor": "pnyx.train.ingest",
-    "Cursor": "pnyx.train.ingest",
-    "IngestSettings": "pnyx.train.ingest",
-    "ScoredGroup": "pnyx.train.ingest",
-    "Prefetcher": "pnyx.train.prefetch",
-    "group_advantages": "pnyx.train.advantages",
-    "LossSettings": "pnyx.train.losses",
-    "policy_loss": "pnyx.train.losses",
-    "train_step": "pnyx.train.step",
+    "pnyx.train.loop": ("Trainer", "format_line"),
+    "pnyx.train.checkpoint": ("read_metrics", "checkpoint_versions", "read_batch_record"),
+    "pnyx.train.bootstrap": ("init_run", "read_run"),
+    "pnyx.train.ingest": ("Ingestor", "Cursor", "IngestSettings", "ScoredGroup"),
+    "pnyx.train.prefetch": ("Prefetcher",),
+    "pnyx.train.advantages": ("group_advantages",),
+    "pnyx.train.losses": ("LossSettings", "policy_loss"),
+    "pnyx.train.step": ("train_step",),
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pnyx.train' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__all__ = export_names(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -14,6 +14,8 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
+from pnyx.errors import ConfigError
+
 AdvantageMode = Literal["grpo", "drgrpo"]
 
 
@@ -48,4 +50,4 @@ def group_advantages(
     if mode == "grpo":
         std = reward_std(rewards)
         return [c / (std + eps) for c in centred]
-    raise ValueError(f"unknown advantage mode {mode!r}: expected 'grpo' or 'drgrpo'")
+    raise ConfigError(f"unknown advantage mode {mode!r}: expected 'grpo' or 'drgrpo'")

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pnyx.errors import AlreadyExistsError, ConfigError, NotFoundError
 from pnyx.protocol import layout
+from pnyx.store import Store
+
+if TYPE_CHECKING:
+    from pnyx.protocol.records import RunManifest
 
 # Fields that define what workers do and what a group means: two trainers (or a resumed trainer) with
 # different values here would train on rollouts that do not mean what they think.
@@ -49,7 +53,7 @@ def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     ]
 
 
-def read_run(store: Any) -> Any | None:
+def read_run(store: Store) -> RunManifest | None:
     """The run's manifest, or None if the run has none yet."""
     from pnyx.protocol.codec import decode_json
     from pnyx.protocol.records import RunManifest
@@ -60,7 +64,9 @@ def read_run(store: Any) -> Any | None:
         return None
 
 
-def init_run(store: Any, config: dict[str, Any], model: dict[str, Any], trainer_key: Any = None) -> Any:
+def init_run(
+    store: Store, config: dict[str, Any], model: dict[str, Any], trainer_key: Any = None
+) -> RunManifest:
     """Create `run.json` (create-only) or join the existing one if its run-defining fields match.
 
     `trainer_key`: the `TrainerKey` (public half) that will sign the run's weights. Returns the run's

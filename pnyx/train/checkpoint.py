@@ -22,12 +22,16 @@ import io
 import json
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from pnyx.errors import AlreadyExistsError, IntegrityError, NotFoundError
 from pnyx.protocol import layout
+from pnyx.store import Store
+
+if TYPE_CHECKING:
+    import torch
 
 CKPT_FORMAT = 1
 _CKPT_PREFIX = "ckpt-"
@@ -70,7 +74,7 @@ class BatchRecord(msgspec.Struct):
 
 
 def write_batch_record(
-    store: Any, version: int, keys: list[str], trainer_id: str, lr: float | None = None
+    store: Store, version: int, keys: list[str], trainer_id: str, lr: float | None = None
 ) -> BatchRecord:
     """Record the step's batch create-only; if a record already exists, return it (it wins, use it)."""
     rec = BatchRecord(version=version, keys=list(keys), trainer_id=trainer_id, created_at=time.time(), lr=lr)
@@ -84,7 +88,7 @@ def write_batch_record(
         return existing
 
 
-def read_batch_record(store: Any, version: int) -> BatchRecord | None:
+def read_batch_record(store: Store, version: int) -> BatchRecord | None:
     try:
         data = store.get(batch_key(version))
     except NotFoundError:
@@ -99,7 +103,12 @@ def read_batch_record(store: Any, version: int) -> BatchRecord | None:
 
 
 def save_checkpoint(
-    store: Any, version: int, model: Any, optimizer: Any, cursor_json: bytes, extra: dict | None = None
+    store: Store,
+    version: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cursor_json: bytes,
+    extra: dict | None = None,
 ) -> str:
     """Write the whole trainer state at `version` as one object, in the legacy format (pnyx now writes
     sharded checkpoints; this stays so runs and tests can hold one). Returns its key."""
@@ -125,14 +134,14 @@ def save_checkpoint(
     return key
 
 
-def checkpoint_versions(store: Any) -> list[int]:
+def checkpoint_versions(store: Store) -> list[int]:
     """Versions with a complete checkpoint (sharded and committed, or legacy), ascending."""
     from pnyx.train.checkpointer import committed
 
     return sorted({s.version for s in committed(store)})
 
 
-def load_checkpoint(store: Any, version: int) -> dict[str, Any]:
+def load_checkpoint(store: Store, version: int) -> dict[str, Any]:
     """Read a legacy checkpoint (tensors on CPU). Restores nothing by itself: see `restore_rng`."""
     import torch
 
@@ -162,11 +171,11 @@ def restore_rng(rng: dict[str, Any]) -> None:
 # --- metrics --------------------------------------------------------------------------------------------
 
 
-def write_metrics(store: Any, version: int, metrics: dict[str, Any]) -> None:
+def write_metrics(store: Store, version: int, metrics: dict[str, Any]) -> None:
     store.put(metrics_key(version), json.dumps(metrics, sort_keys=True).encode(), mode="overwrite")
 
 
-def read_metrics(store: Any, since_version: int | None = None) -> list[dict[str, Any]]:
+def read_metrics(store: Store, since_version: int | None = None) -> list[dict[str, Any]]:
     """Per-step trainer metrics in version order; only versions > `since_version` when given.
 
     For `pnyx status` and the live view: reads `trainer/metrics-*.json` objects (one per step).

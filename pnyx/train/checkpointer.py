@@ -30,13 +30,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import xxhash
 
 from pnyx.errors import IntegrityError, NotFoundError, PeerFailedError
 from pnyx.protocol import layout
+from pnyx.store import Store
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("pnyx.train")
 
@@ -95,7 +99,7 @@ class Stored:
     committed: bool
 
 
-def list_checkpoints(store: Any) -> list[Stored]:
+def list_checkpoints(store: Store) -> list[Stored]:
     """Every checkpoint version in the store (legacy `ckpt-V.pt` objects and DCP folders), ascending."""
     found: dict[tuple[int, str], bool] = {}
     for meta in store.list(layout.TRAINER_PREFIX + "ckpt-"):
@@ -111,11 +115,11 @@ def list_checkpoints(store: Any) -> list[Stored]:
     return sorted((Stored(v, k, c) for (v, k), c in found.items()), key=lambda s: (s.version, s.kind))
 
 
-def committed(store: Any) -> list[Stored]:
+def committed(store: Store) -> list[Stored]:
     return [s for s in list_checkpoints(store) if s.committed]
 
 
-def read_commit(store: Any, version: int) -> Commit:
+def read_commit(store: Store, version: int) -> Commit:
     try:
         return msgspec.json.decode(store.get(_key(version, COMMIT)), type=Commit)
     except msgspec.DecodeError as e:
@@ -147,7 +151,7 @@ def restore_rng(rng: dict[str, str]) -> None:
         )
 
 
-def prune(store: Any, keep: int) -> list[int]:
+def prune(store: Store, keep: int) -> list[int]:
     """Delete all but the newest `keep` committed checkpoints, and uncommitted DCP folders older than the
     newest committed one. COMMIT.json goes first, so a half-deleted checkpoint is never taken for one."""
     stored = list_checkpoints(store)
@@ -195,7 +199,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        store: Any,
+        store: Store,
         d: Any,
         local_root: Path,
         keep: int = 2,
@@ -211,9 +215,16 @@ class Checkpointer:
 
     # --- saving ----------------------------------------------------------------------------------------
 
-    def save(self, version: int, model: Any, optimizer: Any, cursor_json: str, run_id: str) -> float:
+    def save(
+        self,
+        version: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cursor_json: str,
+        run_id: str,
+    ) -> float:
         """Checkpoint `version` (every rank calls this together). Returns the seconds the caller was blocked."""
-        import torch.distributed.checkpoint as dcp
+        import torch.distributed.checkpoint.state_dict_saver as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         from pnyx.train.distributed import quiet_dcp_warnings
@@ -325,10 +336,10 @@ class Checkpointer:
 
     # --- loading -----------------------------------------------------------------------------------------
 
-    def load(self, version: int, model: Any, optimizer: Any) -> Commit:
+    def load(self, version: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Commit:
         """Load checkpoint `version` into `model` and `optimizer` (every rank calls this together), with any
         number of ranks: DCP reshards. Returns the commit (cursor, RNG, run id)."""
-        import torch.distributed.checkpoint as dcp
+        import torch.distributed.checkpoint.state_dict_loader as dcp_load
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         from pnyx.train.distributed import quiet_dcp_warnings
@@ -346,7 +357,7 @@ class Checkpointer:
         self.d.barrier()
         msd, osd = get_state_dict(model, optimizer)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(local), process_group=self.d.checkpoints)
+        dcp_load.load(state, checkpoint_id=str(local), process_group=self.d.checkpoints)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.d.barrier()
         if self.d.local_rank == 0:

@@ -20,9 +20,13 @@ import os
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
+
+from pnyx.errors import ConfigError
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 log = logging.getLogger("pnyx.train")
 
@@ -146,9 +150,7 @@ def resolve_compute_dtype(setting: ComputeDtype, device: torch.device) -> torch.
     return getattr(torch, setting)
 
 
-def prepare_model(
-    model: torch.nn.Module, d: Dist, compute_dtype: torch.dtype, activation_checkpointing: bool
-) -> torch.nn.Module:
+def prepare_model(model: M, d: Dist, compute_dtype: torch.dtype, activation_checkpointing: bool) -> M:
     """Activation checkpointing (optional), then FSDP2 sharding when there is more than one rank.
 
     Sharding: `fully_shard` each decoder layer (the unit of all-gather and reduce-scatter), then the root
@@ -157,13 +159,14 @@ def prepare_model(
     """
     if activation_checkpointing:
         # transformers >= 5 names it activation_checkpointing_enable; older ones gradient_checkpointing_enable
-        enable = getattr(model, "activation_checkpointing_enable", None)
+        enable: Any = getattr(model, "activation_checkpointing_enable", None)
+        older: Any = getattr(model, "gradient_checkpointing_enable", None)
         if enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        elif hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif older is not None:
+            older(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
-            raise ValueError(
+            raise ConfigError(
                 f"{type(model).__name__} cannot checkpoint activations (not a transformers model)"
             )
     if not d.sharded:
@@ -252,7 +255,8 @@ class RootForward:
         self._head = model.get_output_embeddings()  # type: ignore[operator]
         if not hasattr(model, "pnyx_hidden"):
             body = model.get_decoder()  # type: ignore[operator]
-            model.pnyx_hidden = types.MethodType(lambda _self, **kw: body(**kw), model)
+            # a bound method on the module (not a submodule or tensor): nn.Module's setattr typing is too narrow
+            model.pnyx_hidden = types.MethodType(lambda _self, **kw: body(**kw), model)  # pyright: ignore[reportArgumentType]
             register_fsdp_forward_method(model, "pnyx_hidden")
 
     def parameters(self) -> Any:

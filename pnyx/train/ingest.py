@@ -57,6 +57,7 @@ from pnyx.errors import NotFoundError, RecordRejected, StoreUnavailableError
 from pnyx.protocol import layout
 from pnyx.protocol.codec import frame_signer
 from pnyx.security.keys import fingerprint
+from pnyx.store import Store
 from pnyx.train.advantages import AdvantageMode, is_zero_variance
 from pnyx.train.listing import SWEEP_GRACE_S, VersionListing, WindowListings
 from pnyx.train.pool import DaemonPool
@@ -144,7 +145,7 @@ class Ingestor(WindowListings):
     the published chain digests a group of that version may carry (one per plane: bf16 weights, int8).
     """
 
-    store: Any
+    store: Store
     env: Any
     detokenize: Callable[[list[int]], str]
     settings: IngestSettings = field(default_factory=IngestSettings)

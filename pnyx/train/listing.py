@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pnyx.protocol import layout
+from pnyx.store import Store
 
 log = logging.getLogger("pnyx.train.ingest")
 
@@ -77,7 +78,9 @@ class VersionListing:
 
     def remove_pending(self, key: str) -> bool:
         parsed = layout.parse_rollout_key(key)
-        keys = self.pending.get(parsed[1]) if parsed else None
+        if parsed is None:
+            return False
+        keys = self.pending.get(parsed[1])
         if not keys:
             return False
         i = bisect.bisect_left(keys, key)
@@ -95,12 +98,12 @@ class VersionListing:
         return layout.rollouts_start_after(self.version, min(self.high_ms, now_ms) - STAMP_SLACK_MS)
 
 
-def list_keys(store: Any, version: int, start_after: str | None) -> list[str]:
+def list_keys(store: Store, version: int, start_after: str | None) -> list[str]:
     """Keys under `rollouts/v{version:08d}/` after `start_after`, sorted (the only I/O of this module)."""
     return [m.key for m in store.list(layout.rollouts_dir(version), start_after=start_after)]
 
 
-def list_range(store: Any, first: int, end: int, start_after: str | None = None) -> dict[int, list[str]]:
+def list_range(store: Store, first: int, end: int, start_after: str | None = None) -> dict[int, list[str]]:
     """The keys of versions [first, end) after `start_after` (default: all), by version, from one paged
     listing of `rollouts/` (for stores that list in key order and start after a key server-side: one
     request per 1,000 keys)."""
@@ -130,7 +133,7 @@ def _version_of_dir(key: str) -> int | None:
 class WindowListings:
     """The listing half of the `Ingestor` (see the module docstring); the attributes below are its."""
 
-    store: Any
+    store: Store
     cursor: Any
     settings: Any
     sweep_grace_s: float

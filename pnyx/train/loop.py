@@ -48,6 +48,7 @@ import torch
 from pnyx.config import PnyxConfig, overlay_changed, resolve_model_source
 from pnyx.errors import ConfigError, FencedError, IntegrityError, NotFoundError, PnyxError, RecordRejected
 from pnyx.security.trust import check_trainer_key, run_verifier, trainer_key_record, trainer_signer
+from pnyx.store import Store
 from pnyx.train import bootstrap, checkpoint, checkpointer
 from pnyx.train.ingest import Ingestor, ScoredGroup
 from pnyx.train.prefetch import Prefetcher
@@ -73,7 +74,7 @@ def _crash_point(name: str, version: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def published_digests(store: Any, version: int, trust: Any = None) -> frozenset[str] | None:
+def published_digests(store: Store, version: int, trust: Any = None) -> frozenset[str] | None:
     """Chain digests a group of `version` may carry, one per plane (a worker on the int8 actor plane stamps
     its groups with that plane's digest); None if the version is not published (with `trust`: by the
     run's key)."""
@@ -104,7 +105,8 @@ def _slow_decode(delay_s: float) -> Any:
 
 
 def merge_resume_config(run_config: dict[str, Any], given: PnyxConfig) -> PnyxConfig:
-    """On resume the run's config is the base; fields the caller set away from their defaults win."""
+    """On resume the run's config is the base; every field the caller gave wins (even one set back to its
+    default)."""
     return overlay_changed(run_config, given)
 
 
@@ -131,7 +133,7 @@ class Batch:
 class Trainer:
     """One run's trainer process. `start()` bootstraps or resumes; `run()` steps until a stop condition."""
 
-    def __init__(self, cfg: PnyxConfig, store: Any, *, resume: bool = False, steps: int | None = None):
+    def __init__(self, cfg: PnyxConfig, store: Store, *, resume: bool = False, steps: int | None = None):
         self.cfg = cfg
         self.store = store
         self.resume = resume
@@ -180,7 +182,7 @@ class Trainer:
         cfg.worker.max_new_tokens = resolve_max_new_tokens(cfg.worker.max_new_tokens, self.env)
         if cfg.algorithm.kl_coef > 0 and self.dist.is_main:
             self.reference = Reference(model_dir, t.reference_device or self.device, self.compute_dtype)
-        self.optimizer = make_optimizer(self.model, t.lr, tuple(t.betas), t.weight_decay)
+        self.optimizer = make_optimizer(self.model, t.lr, t.betas, t.weight_decay)
         self.schedule = Schedule(t.lr, t.lr_schedule, t.warmup_steps, self.steps, t.min_lr_ratio)
         self.publisher = Publisher(
             self.store, anchor_every=t.anchor_every, int8_plane=cfg.worker.int8,
@@ -292,7 +294,7 @@ class Trainer:
             self.publisher.signer = signer.for_run(self.manifest.run_id)
             log.info("trainer: weights signed by key %s", signer.fingerprint)
         self.trust = run_verifier(self.manifest)
-        self.ingestor.run_id = self.manifest.run_id
+        self._ingest.run_id = self.manifest.run_id
         if not self.resume:
             try:
                 self._publish(0, force_anchor=True)
@@ -360,7 +362,7 @@ class Trainer:
     def _load_recorded(self, rec: checkpoint.BatchRecord) -> list[ScoredGroup]:
         """The groups a batch record names, validated and re-scored again (they are immutable)."""
         try:
-            return self.ingestor.load_many(rec.keys)
+            return self._ingest.load_many(rec.keys)
         except (RecordRejected, NotFoundError) as e:
             raise IntegrityError(
                 f"{checkpoint.batch_key(rec.version)} names a group that is missing or no longer validates ({e}); "
@@ -388,8 +390,8 @@ class Trainer:
         publish_s = time.perf_counter() - t0
         if self.dist.is_main:
             self._digests[target] = manifest_digests(m)
-            self.ingestor.note_published(target)
-            self.ingestor.commit(batch.keys, batch.groups)
+            self._ingest.note_published(target)
+            self._ingest.commit(batch.keys, batch.groups)
             self.prefetcher.ahead(target)
         self.version = target
         _crash_point("after_publish", target)
@@ -431,7 +433,7 @@ class Trainer:
         in the background. Then weights retention (rank 0)."""
         if self.last_checkpoint == self.version:
             return  # (v0 too is checkpointed once stopped: its cursor holds what ingestion already judged)
-        cursor = self.ingestor.cursor_json().decode()
+        cursor = self._ingest.cursor_json().decode()
         blocked = self.checkpointer.save(
             self.version, self.model, self.optimizer, cursor, self.manifest.run_id
         )
@@ -486,21 +488,29 @@ class Trainer:
             "micro_batches": s.micro_batches,
             "lp_gap": s.lp_gap,
             "reward_parts": reward_parts(r.groups),
-            "backlog": self.ingestor.backlog(self.version),
-            "zero_variance": self.ingestor.zero_variance(),
+            "backlog": self._ingest.backlog(self.version),
+            "zero_variance": self._ingest.zero_variance(),
             "ingest_wait_s": self._ingest_wait_s,
             "prefetch_busy_s": round(self.prefetcher.busy_s, 3),
             "lp_gap_engine": s.lp_gap_engine,
-            **self.ingestor.stats(),
+            **self._ingest.stats(),
         }
+
+    @property
+    def _ingest(self) -> Ingestor:
+        """The ingestor, which exists from `start()` on."""
+        if self.ingestor is None:
+            raise RuntimeError("the trainer has no ingestor before start()")
+        return self.ingestor
 
     def _describe(self) -> dict[str, Any]:
         """What the progress line and `trainer/status.json` report (callable from the progress thread)."""
         d: dict[str, Any] = {"version": self.version, "need": self.cfg.trainer.groups_per_step, "have": 0}
-        if self.ingestor is not None:
-            d["backlog"] = self.ingestor.backlog(self.version)
-            d["zero_variance"] = self.ingestor.zero_variance()
-            d.update(self.ingestor.stats())
+        ingestor = self.ingestor
+        if ingestor is not None:
+            d["backlog"] = ingestor.backlog(self.version)
+            d["zero_variance"] = ingestor.zero_variance()
+            d.update(ingestor.stats())
             d.pop("scored", None)
         return d
 
@@ -530,7 +540,7 @@ class Trainer:
                     break
                 if self.dist.is_main:
                     # supply control, first thing after a publish: tell workers what the next step can use
-                    self.supply.after_publish(r.version, waiting=self.ingestor.poll(r.version))
+                    self.supply.after_publish(r.version, waiting=self._ingest.poll(r.version))
                     m = self.metrics(r)
                     checkpoint.write_metrics(self.store, r.version, m)
                     for sink in sinks:
@@ -546,7 +556,7 @@ class Trainer:
             for sink in sinks:
                 sink.close()
             self.prefetcher.close()
-            self.ingestor.close()
+            self._ingest.close()
         if self._stop:
             log.info("trainer v=%d: stop requested; checkpointing", self.version)
         self.progress.phase("checkpointing")

@@ -22,6 +22,8 @@ from typing import Literal
 
 import torch
 
+from pnyx.errors import ConfigError
+
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "drgrpo"]
 
 
@@ -67,7 +69,7 @@ def clipped_surrogate(
     objective = torch.minimum(unclipped, clipped_ratio * adv)
     if dual_clip is not None:
         if dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1 (got {dual_clip}); set it to None to turn it off")
+            raise ConfigError(f"dual_clip must be > 1 (got {dual_clip}); set it to None to turn it off")
         objective = torch.where(adv < 0, torch.maximum(objective, dual_clip * adv), objective)
     # A token is "clipped" when the objective no longer follows r·A (its gradient w.r.t. r is zero).
     clipped = objective.detach() != unclipped.detach()
@@ -121,9 +123,12 @@ def token_weights(
         return m / (lens * max(num_sequences, 1))
     if mode == "drgrpo":
         if not max_len or max_len <= 0:
-            raise ValueError("aggregation 'drgrpo' needs max_len > 0 (the generation budget in tokens)")
+            raise ConfigError(
+                "aggregation 'drgrpo' needs max_len > 0 (the generation budget in tokens): set "
+                "worker.max_new_tokens, or choose another algorithm.aggregation"
+            )
         return m / (max(num_sequences, 1) * max_len)
-    raise ValueError(
+    raise ConfigError(
         f"unknown aggregation {mode!r}: expected 'token_mean', 'seq_mean_token_mean' or 'drgrpo'"
     )
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from pnyx.errors import StoreError
 from pnyx.protocol import layout
+from pnyx.store import Store
 
 log = logging.getLogger("pnyx.train")
 
@@ -99,7 +100,9 @@ def progress_line(d: dict[str, Any]) -> str:
 class Progress:
     """The reporter thread (see the module docstring)."""
 
-    def __init__(self, store: Any, describe: Callable[[], dict[str, Any]], log_every_s: float = LOG_EVERY_S):
+    def __init__(
+        self, store: Store, describe: Callable[[], dict[str, Any]], log_every_s: float = LOG_EVERY_S
+    ):
         self.store = store
         self.describe = describe
         self.log_every_s = log_every_s

@@ -117,4 +117,5 @@ def verify_or_adopt(t: Any, version: int) -> None:
     log.warning("trainer resume: replayed v%d differs from the published bits; adopting them", version)
     _, tensors = Syncer(t.store, trust=t.trust).sync(to_version=version)
     full = {k: v.to(torch.float32) for k, v in tensors.items()}
-    set_model_state_dict(t.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(t.model, full, options=options)  # pyright: ignore[reportArgumentType]  (dict invariance)

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from pnyx.errors import ConfigError
+
 ScheduleKind = Literal["constant", "linear", "cosine"]
 
 
@@ -31,7 +33,10 @@ class Schedule:
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.warmup_steps < 0 or self.total_steps < 1 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"bad schedule {self}")
+            raise ConfigError(
+                f"invalid learning-rate schedule {self}: need lr > 0, warmup_steps >= 0, total_steps >= 1 and "
+                "0 <= min_lr_ratio <= 1 (trainer.lr, trainer.warmup_steps, run.steps, trainer.min_lr_ratio)"
+            )
 
     def at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (>= 1)."""

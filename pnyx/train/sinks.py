@@ -49,7 +49,7 @@ class TensorBoardSink:
 class WandbSink:
     def __init__(self, project: str, run_id: str, config: dict[str, Any]):
         try:
-            import wandb
+            import wandb  # pyright: ignore[reportMissingImports]  (optional: pip install 'pnyx[wandb]')
         except ImportError as e:
             raise ConfigError(
                 f"trainer.wandb_project is set but wandb is not installed ({e}): pip install 'pnyx[wandb]'"

@@ -290,8 +290,9 @@ def train_step(
         _accumulate(part, terms, logp, mu, entropy, mb, policy_version)
 
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
+    full_tensor = getattr(grad_norm, "full_tensor", None)  # a DTensor under FSDP2
+    if full_tensor is not None:
+        grad_norm = full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -348,7 +349,7 @@ def _accumulate(
         for j, r in enumerate(mb):
             if r.version == policy_version:
                 row_sum, row_n = float(gap[j][counted[j]].sum()), int(counted[j].sum())
-                part.gap_sum[r.worker] += row_sum
+                part.gap_sum[r.worker] += row_sum  # pyright: ignore[reportArgumentType]  (a Counter sums floats)
                 part.gap_n[r.worker] += row_n
-                part.eng_sum[r.engine] += row_sum
+                part.eng_sum[r.engine] += row_sum  # pyright: ignore[reportArgumentType]
                 part.eng_n[r.engine] += row_n

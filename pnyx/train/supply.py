@@ -28,6 +28,7 @@ from typing import Any
 
 from pnyx.errors import NotFoundError, RecordRejected, StoreError
 from pnyx.protocol import layout
+from pnyx.store import Store
 
 log = logging.getLogger("pnyx.train")
 
@@ -40,11 +41,12 @@ EMA = 0.3
 
 
 class DemandPublisher:
-    """Writes `weights/DEMAND` after each publish (the trainer loop's one call: `after_publish`)."""
+    """Writes `weights/DEMAND` after each publish (the trainer loop's one call: `after_publish`), with the
+    live-worker count it recounts from the heartbeats at most every `recount_s` seconds."""
 
     def __init__(
         self,
-        store: Any,
+        store: Store,
         groups_per_step: int,
         max_staleness: int,
         *,
@@ -112,7 +114,7 @@ class DemandPublisher:
         return max(1, sum((newest - m.last_modified).total_seconds() <= self.live_s for m in metas))
 
 
-def supply_report(store: Any) -> dict[str, Any]:
+def supply_report(store: Store) -> dict[str, Any]:
     """How much of what the workers generated the trainer consumed, from the store alone.
 
     `generated` = uploaded (rollout keys listed) + skipped as zero-variance (worker heartbeats: each worker's

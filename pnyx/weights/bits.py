@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
-from pnyx.errors import IntegrityError
+from pnyx.errors import ConfigError, IntegrityError
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +67,7 @@ class TensorBits:
         return int(self.data.nbytes)
 
     def digest(self) -> str:
-        return xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(self.data).reshape(-1)).cast("B"))
+        return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(self.data).reshape(-1).data.cast("B"))
 
 
 BitState = dict[str, TensorBits]
@@ -77,7 +77,10 @@ def unsigned_dtype(dtype: str) -> np.dtype:
     try:
         return np.dtype(DTYPES[dtype][0])
     except KeyError:
-        raise ValueError(f"unsupported weight dtype {dtype!r}: PULSE carries {sorted(DTYPES)}") from None
+        raise ConfigError(
+            f"unsupported weight dtype {dtype!r}: PULSE carries {sorted(DTYPES)}; load the model in one of them "
+            "(model.dtype)"
+        ) from None
 
 
 def make_bits(dtype: str, data: np.ndarray) -> TensorBits:
@@ -102,7 +105,7 @@ def from_torch(tensors: Mapping[str, torch.Tensor], copy: bool = True) -> BitSta
         dtype = str(t.dtype).removeprefix("torch.")
         _, signed, _ = DTYPES.get(dtype, (None, None, None))
         if signed is None:
-            raise ValueError(
+            raise ConfigError(
                 f"tensor {name!r} has unsupported dtype {t.dtype}; PULSE carries {sorted(DTYPES)}"
             )
         t = t.detach().to("cpu").contiguous()
@@ -168,7 +171,7 @@ def write_safetensors(state: Mapping[str, TensorBits], metadata: dict[str, str] 
     hbytes = json.dumps(header, separators=(",", ":")).encode()
     hbytes += b" " * (-len(hbytes) % 8)
     parts = [len(hbytes).to_bytes(8, "little"), hbytes]
-    parts += [memoryview(np.ascontiguousarray(state[n].data).reshape(-1)).cast("B") for n in names]
+    parts += [np.ascontiguousarray(state[n].data).reshape(-1).data.cast("B") for n in names]
     return b"".join(parts)
 
 

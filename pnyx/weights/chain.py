@@ -129,7 +129,10 @@ def verify_chain(
             p = m.plane(plane)
             pp = prev.plane(plane) if prev is not None else None
             linked = (
-                pp is not None and m.parent_version == prev.version and p.parent_digest == pp.chain_digest
+                pp is not None
+                and prev is not None
+                and m.parent_version == prev.version
+                and p.parent_digest == pp.chain_digest
             )
             new: BitState | None = None
             if p.has_delta and linked and state is not None:

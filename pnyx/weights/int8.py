@@ -88,7 +88,9 @@ def quantize(state: Mapping[str, TensorBits], grid: Grid, group: int = GROUP) ->
             g = grid[name] = grid_for(tb, group)
         scale, zero = g
         w = _grouped(to_float32(tb), group)
-        w = np.nan_to_num(w, nan=0.0, posinf=np.finfo(np.float32).max, neginf=np.finfo(np.float32).min)
+        w = np.nan_to_num(
+            w, nan=0.0, posinf=float(np.finfo(np.float32).max), neginf=float(np.finfo(np.float32).min)
+        )
         q = np.clip(np.rint(w / scale[..., None]) + zero[..., None], 0, 255).astype(np.uint8)
         out[name + Q] = TensorBits("uint8", q.reshape(tb.shape))
         out[name + SCALE] = TensorBits("float32", np.ascontiguousarray(scale).view(np.uint32))

@@ -16,7 +16,7 @@ import numpy as np
 
 from pnyx.errors import IntegrityError
 from pnyx.protocol import layout
-from pnyx.store import Store
+from pnyx.store import PutResult, Store
 from pnyx.weights.bits import BitState, TensorBits, h, read_safetensors, write_safetensors
 from pnyx.weights.codec import DeltaApplier, DeltaStats, Segment, encode_windows
 from pnyx.weights.manifest import PayloadObject, PlaneManifest
@@ -26,7 +26,7 @@ LOOKAHEAD = 2  # objects in flight while the current one is encoded or decoded
 
 def _upload_all(store: Store, version: int, named: Iterable[tuple[str, bytes]]) -> list[PayloadObject]:
     out: list[PayloadObject] = []
-    pending: deque[Future[None]] = deque()
+    pending: deque[Future[PutResult]] = deque()
     with ThreadPoolExecutor(max_workers=LOOKAHEAD) as pool:
         for name, data in named:
             out.append(PayloadObject(name, len(data), h(data)))

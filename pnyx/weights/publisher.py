@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pnyx.errors import (
     AlreadyExistsError,
+    ConfigError,
     FencedError,
     NotFoundError,
     PeerFailedError,
@@ -44,6 +45,7 @@ from pnyx.weights.manifest import (
     SCHEMA,
     Head,
     PayloadObject,
+    PlaneManifest,
     WeightManifest,
     encode_head,
     encode_manifest,
@@ -109,6 +111,24 @@ def _merged(parts: list[_Part], what: str) -> list[PayloadObject] | None:
     return [o for _, o in sorted((pair for x in lists for pair in x), key=lambda pair: pair[0])]
 
 
+def _plane_of_parts(
+    parts: list[_Part], prefix: str, plane_layout: dict[str, tuple[str, tuple[int, ...]]], parent_digest: str
+) -> PlaneManifest:
+    """One plane's manifest from every rank's part: `prefix` "" for the weights, "int8_" for the int8 plane."""
+    digests: dict[str, str] = {}
+    for p in parts:
+        digests.update(getattr(p, f"{prefix}digests"))
+    return plane_of(
+        plane_layout,
+        digests,
+        parent_digest,
+        _merged(parts, f"{prefix}delta"),
+        _merged(parts, f"{prefix}anchor") or [],
+        sum(getattr(p, f"{prefix}changed") for p in parts),
+        sum(getattr(p, f"{prefix}elements") for p in parts),
+    )
+
+
 class Publisher:
     """Publishes versions of one run's weights. One live publisher per run: others are fenced.
 
@@ -141,7 +161,7 @@ class Publisher:
         signer: Signer | None = None,
     ):
         if anchor_every < 1:
-            raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
+            raise ConfigError(f"anchor_every must be >= 1 (trainer.anchor_every), got {anchor_every}")
         self.store = store
         self.anchor_every = anchor_every
         self.int8_plane = int8_plane
@@ -358,32 +378,10 @@ class Publisher:
             return "failed", "; ".join(
                 f"rank {p.rank} could not publish v{version}: {p.error}" for p in failed
             )
-        digests: dict[str, str] = {}
-        for p in parts:
-            digests.update(p.digests)
-        plane = plane_of(
-            plan.weights.layout,
-            digests,
-            self._digest,
-            _merged(parts, "delta"),
-            _merged(parts, "anchor") or [],
-            sum(p.changed for p in parts),
-            sum(p.elements for p in parts),
-        )
+        plane = _plane_of_parts(parts, "", plan.weights.layout, self._digest)
         int8_plane = None
         if plan.int8_plane is not None:
-            idigests: dict[str, str] = {}
-            for p in parts:
-                idigests.update(p.int8_digests)
-            int8_plane = plane_of(
-                plan.int8_plane.layout,
-                idigests,
-                self._int8_digest,
-                _merged(parts, "int8_delta"),
-                _merged(parts, "int8_anchor") or [],
-                sum(p.int8_changed for p in parts),
-                sum(p.int8_elements for p in parts),
-            )
+            int8_plane = _plane_of_parts(parts, "int8_", plan.int8_plane.layout, self._int8_digest)
         anchor_version = version if anchor else self.anchor_version
         if anchor_version is None:
             raise RuntimeError("a delta always follows an anchor published by this process")  # unreachable

@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from pnyx.errors import IntegrityError, NotFoundError
+from pnyx.errors import ConfigError, IntegrityError, NotFoundError
 from pnyx.protocol import layout
 from pnyx.store import Store
 from pnyx.weights.manifest import manifest_keys, read_manifest
@@ -35,7 +35,7 @@ def plan_retention(versions: Iterable[tuple[int, bool]], keep_anchors: int = 2, 
     keep_anchors: how many of the newest anchors to keep (>= 1). window: versions within `window` of the
     head are never deleted, whatever the anchors."""
     if keep_anchors < 1 or window < 0:
-        raise ValueError(f"need keep_anchors >= 1 and window >= 0, got {keep_anchors}, {window}")
+        raise ConfigError(f"need keep_anchors >= 1 and window >= 0, got {keep_anchors}, {window}")
     vs = sorted(versions)
     anchors = [v for v, a in vs if a]
     if not vs or len(anchors) < keep_anchors:

@@ -113,7 +113,7 @@ class WorkerEngine(ABC):
     """One loaded model that a worker generates with. Not thread-safe: one caller at a time."""
 
     name: ClassVar[str] = ""
-    proof_kind: ClassVar[ProofKind] = "hashed"
+    proof_kind: ProofKind = "hashed"
     tokenizer: Any
 
     def __init__(self) -> None:
@@ -174,8 +174,10 @@ class WorkerEngine(ABC):
         """Multi-turn episodes: the shared tool loop, each turn a fresh `generate` over prompt + episode."""
         from pnyx.rollout.episodes import run_episodes
 
+        # (with reuse_cache=False, run_episodes uses only `generate` and `tokenizer`, which every engine has)
         return run_episodes(
-            self, prompt_ids, params, tool, tool_stops, max_turns, max_episode_tokens, max_tool_tokens,
+            self,  # pyright: ignore[reportArgumentType]
+            prompt_ids, params, tool, tool_stops, max_turns, max_episode_tokens, max_tool_tokens,
             reuse_cache=False,
         )  # fmt: skip
 

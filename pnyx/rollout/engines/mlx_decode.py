@@ -16,7 +16,7 @@ store or the trainer.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -114,7 +114,8 @@ def decode(
         key, sub = mx.random.split(key)
         tok, lp = draw(logits, params, sub)
         mx.eval(tok, lp)
-        for i, t, p in zip(batch, tok.tolist(), lp.tolist(), strict=True):  # the one host sync per step
+        toks, lps = cast(list[int], tok.tolist()), cast(list[float], lp.tolist())  # 1-d arrays: lists
+        for i, t, p in zip(batch, toks, lps, strict=True):  # the one host sync per step
             if done[i]:
                 continue
             tokens[i].append(t)

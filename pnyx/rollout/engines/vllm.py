@@ -73,7 +73,7 @@ class VLLMEngine(WorkerEngine):
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU box
         try:
-            self.llm = LLM(
+            self.llm: Any = LLM(
                 model=folder,
                 tokenizer=folder,
                 dtype=dtype,

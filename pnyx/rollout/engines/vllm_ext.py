@@ -33,7 +33,7 @@ def tensor_digest(t: torch.Tensor, dtype: str) -> str:
     """xxh3-128 of `t` cast to `dtype`, as raw little-endian C-order bytes (pnyx's tensor digest)."""
     t = t.detach().to("cpu", getattr(torch, dtype)).contiguous()
     raw = t.view(_SIGNED[t.element_size()]) if t.dtype != torch.bool else t.view(torch.uint8)
-    return xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(raw.numpy()).reshape(-1)).cast("B"))
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(raw.numpy()).reshape(-1).data.cast("B"))
 
 
 def locate(
