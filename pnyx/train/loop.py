@@ -286,7 +286,10 @@ class Trainer:
         else:
             self.manifest = self._on_main(
                 lambda: bootstrap.init_run(
-                    self.store, config_json, self.model_info, trainer_key_record(signer)
+                    self.store,
+                    config_json,
+                    self.model_info,
+                    trainer_key_record(signer) if signer is not None else None,
                 )
             )
         if signer is not None:

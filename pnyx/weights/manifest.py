@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -328,8 +328,9 @@ def manifest_keys(metas: Iterable, trust: Verifier | None = None) -> dict[int, s
     return out
 
 
-def manifest_versions(keys: Iterable[str], trust: Verifier | None = None) -> list[int]:
-    return sorted(manifest_keys(keys, trust))
+def manifest_versions(metas: Iterable[Any], trust: Verifier | None = None) -> list[int]:
+    """Versions with a manifest among listed objects (or keys); see `manifest_keys`."""
+    return sorted(manifest_keys(metas, trust))
 
 
 def list_versions(store: Store, after: int | None = None, trust: Verifier | None = None) -> list[int]:
