@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -142,8 +143,11 @@ def test_worker_with_curriculum_on_makes_most_groups_at_the_informative_level(tm
         worker.engine = SkillEngine(worker.tokenizer, {1: 1.0, 2: 0.5})
         for _ in range(30):
             worker.step()
+        end = time.monotonic() + 60
+        while len(worker.spool) and time.monotonic() < end:  # the courier uploads in the background
+            time.sleep(0.05)
     finally:
-        worker.syncer.stop()
+        worker.close()
     groups = [decode_group(store.get(m.key)) for m in store.list(layout.ROLLOUTS_PREFIX)]
     env = get_env("arith", digits=[1, 2, 3, 4], ops=["+"])
     late = Counter(env.task(g.task_id).meta["digits"] for g in sorted(groups, key=lambda g: g.seq)[60:])
