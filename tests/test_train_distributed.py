@@ -6,8 +6,11 @@
   (on 2 ranks, or on 1 from the 2-rank checkpoint) with no group lost or used twice.
 
 Tolerance (docs/trainer.md): 1 rank and 2 ranks differ only in the order fp32 gradients are summed, so every
-published bf16 value is within one bf16 ulp (2^-7 relative) of the other run's, at most 1% of values
-differ at all, and losses agree to 1e-4 relative.
+published bf16 value is within one bf16 ulp (2^-7 relative) of the other run's or within 1e-6 absolute, at
+most 1% of values differ at all, and losses agree to 1e-4 relative. (The absolute floor is for weights near
+zero: Adam divides by sqrt(v), so a weight with a ~0 gradient can land a few ulps apart; measured 2026-12-01
+with the re-adapted tiny model: 2 values of ~400K, |x| ~ 1e-8..4e-7, 6e-10..4e-9 apart. A real difference,
+such as a different batch, moves weights by ~lr = 1e-4..1e-3.)
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def assert_within_tolerance(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
     differ = total = 0
     for k in a:
         x, y = a[k].float(), b[k].float()
-        ulp = torch.maximum(x.abs(), y.abs()) * 2.0**-7 + 1e-30
+        ulp = torch.maximum(x.abs(), y.abs()) * 2.0**-7 + 1e-6  # one bf16 ulp, or 1e-6 near zero
         assert bool(((x - y).abs() <= ulp).all()), k
         differ += int((x != y).sum())
         total += x.numel()

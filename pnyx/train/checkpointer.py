@@ -345,6 +345,7 @@ class Checkpointer:
         from pnyx.train.distributed import quiet_dcp_warnings
 
         quiet_dcp_warnings()
+        self.d.barrier()  # a rank's own wait() returns before rank 0 has committed: read COMMIT after all
         commit = read_commit(self.store, version)
         if commit.format != FORMAT or commit.version != version:
             raise IntegrityError(
