@@ -69,6 +69,8 @@ class ArithEnv(Environment):
         self.ops: list[str] = op_list
         self.test_fraction = check_fraction(test_fraction)
         self.answer = check_answer_mode(answer, self.name)
+        # with tag answers the one correct completion is `<answer>N</answer>`; lenient ones pass other texts
+        self.screen_by_reference = self.answer == "tag"
         if self.answer == "lenient":
             self.part_names = (*self.part_names, "lenient")
 

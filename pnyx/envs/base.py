@@ -129,6 +129,10 @@ class Environment(ABC):
     - `max_chars`: `score` looks at no more than this many characters of a completion (the tail).
     - `part_names`: the parts every `Score` carries (0.0 when the verifier did not get that far), so
       metrics can average them across completions.
+    - `screen_by_reference`: True when a completion passes essentially only if it is the reference
+      (`reference_completion`), so the policy's probability of the reference is its pass rate and workers
+      may screen tasks by it before generating (`pnyx.rollout.screen`). False (default) for tasks with many
+      correct completions (reasoning, several solutions).
     """
 
     name: str = "base"
@@ -140,6 +144,7 @@ class Environment(ABC):
     max_turns: int = 1
     max_chars: int = 16_384
     part_names: tuple[str, ...] = ("correct", "format")
+    screen_by_reference: bool = False
 
     # --- options every environment has -------------------------------------------------------
 

@@ -150,6 +150,12 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     detail: str = ""
     key: str = ""
     """Fingerprint of the key this worker signs its groups with ("" before it joined, or an old worker)."""
+    generate_seconds: float = 0.0
+    """Seconds this process spent generating cohorts."""
+    screen_seconds: float = 0.0
+    """Seconds this process spent screening candidate tasks before generating (`pnyx.rollout.screen`)."""
+    tasks_screened: int = 0
+    """Candidate tasks scored by the screen."""
 
 
 class Demand(msgspec.Struct, kw_only=True):

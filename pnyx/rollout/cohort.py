@@ -23,6 +23,8 @@ from pnyx.envs import Environment, Task
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from pnyx.rollout.engine import SamplingParams
+
 
 @dataclass(frozen=True)
 class CohortSpec:
@@ -70,6 +72,20 @@ def sample_env(
     return engine.generate(prompt_ids, params)
 
 
+def sampling_params(spec: CohortSpec, env: Environment) -> SamplingParams:
+    """The engine's sampling settings for a cohort of `spec` on `env`."""
+    from pnyx.rollout.engine import SamplingParams
+
+    return SamplingParams(
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        max_new_tokens=spec.max_new_tokens,
+        stop=list(env.stop_strings),
+        seed=spec.seed,
+    )
+
+
 def generate_cohort(
     engine: Any,
     tokenizer: PreTrainedTokenizerBase,
@@ -85,16 +101,8 @@ def generate_cohort(
     """
     from pnyx.models import render_prompt
     from pnyx.protocol import GROUP_SCHEMA, RolloutGroup, Sample
-    from pnyx.rollout.engine import SamplingParams
 
-    params = SamplingParams(
-        temperature=spec.temperature,
-        top_p=spec.top_p,
-        top_k=spec.top_k,
-        max_new_tokens=spec.max_new_tokens,
-        stop=list(env.stop_strings),
-        seed=spec.seed,
-    )
+    params = sampling_params(spec, env)
     prompts = [list(render_prompt(tokenizer, t.prompt)) for t in tasks]
     g = spec.group_size
     t0 = time.perf_counter()

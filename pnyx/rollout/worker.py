@@ -126,6 +126,8 @@ class Worker:
         self.rollouts = 0
         self.tokens = 0
         self.skipped_zero_variance = 0
+        self.generate_s = 0.0  # seconds generating cohorts (the screening's cost is measured against it)
+        self.screen: Any = None  # pnyx.rollout.screen.Screen, made at join
         self.started_at = time.time()
         self._seq = 0
         self._seq_lock = threading.Lock()  # seqs are also taken by the courier (re-keying a collision)
@@ -169,6 +171,7 @@ class Worker:
         from pnyx.models import load_tokenizer, resolve_run_model
         from pnyx.rollout.curriculum import Curriculum
         from pnyx.rollout.engines import check_engine, make_engine
+        from pnyx.rollout.screen import Screen
         from pnyx.weights.syncer import Syncer
 
         self._set_status("starting", "reading run.json")
@@ -201,6 +204,7 @@ class Worker:
         self.engine = make_engine(
             engine, path, self.tokenizer, dtype=self.cfg.model.dtype, device=self.opts.device, plane=self.plane
         )  # fmt: skip
+        self.screen = Screen(self.env, self.engine, self.tokenizer, w.screen, w.group_size)
         capacity = max(w.spool_max_groups, w.prompts_per_cohort)  # 0 in config: hold one cohort at most
         folder = spool_folder(self.opts.spool_dir, self.run_id, self.worker_id)
         self.spool = Spool(capacity, folder=folder, rekey=self._rekey)
@@ -281,7 +285,7 @@ class Worker:
         """One cohort boundary: maybe swap weights, then (if supply control and the spool allow) generate one
         cohort and spool its groups. Never calls the store: the courier uploads."""
         from pnyx.envs import stable_hash
-        from pnyx.rollout.cohort import CohortSpec, generate_cohort
+        from pnyx.rollout.cohort import CohortSpec, generate_cohort, sampling_params
 
         if (
             self.spool is None
@@ -328,17 +332,20 @@ class Worker:
                 self._pause(0.5)
                 return
         seed = stable_hash(self.cfg.run.seed, self.worker_id, self._seq, self.skipped_zero_variance) % (2**31)
-        if self.curriculum is not None:
-            tasks = self.curriculum.sample(seed, n)
-        else:
-            tasks = self.env.sample("train", seed=seed, n=n)
         spec = CohortSpec(
             run_id=self.run_id, worker_id=self.worker_id, version=self.version, digest=self.digest,
             group_size=w.group_size, temperature=w.temperature, top_p=w.top_p, top_k=w.top_k,
             max_new_tokens=self.max_new_tokens, seed=seed,
         )  # fmt: skip
+        pool_n = self.screen.pool_size(n)
+        if self.curriculum is not None:
+            pool = self.curriculum.sample(seed, pool_n)
+        else:
+            pool = self.env.sample("train", seed=seed, n=pool_n)
+        tasks = self.screen.pick(pool, n, sampling_params(spec, self.env))
         self._set_status("generating", f"v={self.version} tasks={n}")
         result = generate_cohort(self.engine, self.tokenizer, self.env, tasks, spec, lambda: 0)
+        self.generate_s += result.gen_seconds
         if self.curriculum is not None:
             self.curriculum.observe(tasks, result.groups)
         kept = self._spool_groups(result.groups)
@@ -557,6 +564,9 @@ class Worker:
             detail=detail[:500],
             digest=self.digest,
             key=self.signer.fingerprint if self.signer is not None else "",
+            generate_seconds=round(self.generate_s, 3),
+            screen_seconds=round(self.screen.seconds, 3) if self.screen is not None else 0.0,
+            tasks_screened=self.screen.scored if self.screen is not None else 0,
         )
         return encode_json(hb)
 

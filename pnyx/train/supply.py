@@ -126,6 +126,7 @@ def supply_report(store: Store) -> dict[str, Any]:
 
     uploaded = len([m for m in store.list(layout.ROLLOUTS_PREFIX) if layout.parse_rollout_key(m.key)])
     skipped = expired = 0
+    gen_s = screen_s = 0.0
     for meta in store.list(layout.WORKERS_PREFIX):
         try:
             hb = decode_json(store.get(meta.key), Heartbeat)
@@ -133,6 +134,8 @@ def supply_report(store: Store) -> dict[str, Any]:
             continue
         skipped += hb.groups_skipped_zero_variance
         expired += hb.groups_expired
+        gen_s += hb.generate_seconds
+        screen_s += hb.screen_seconds
     metrics = read_metrics(store)
     consumed = 0
     for m in metrics:
@@ -149,6 +152,9 @@ def supply_report(store: Store) -> dict[str, Any]:
         "dropped": drops,
         "consumed_of_uploaded": round(consumed / uploaded, 4) if uploaded else None,
         "consumed_of_generated": round(consumed / generated, 4) if generated else None,
+        "generate_seconds": round(gen_s, 2),
+        "screen_seconds": round(screen_s, 2),
+        "screen_share": round(screen_s / (gen_s + screen_s), 4) if screen_s else None,
     }
 
 
@@ -162,4 +168,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"uploaded), uploaded {r['uploaded']}; the trainer consumed {r['consumed']} = "
         f"{100 * r['consumed_of_uploaded']:.1f}% of uploaded, {100 * r['consumed_of_generated']:.1f}% of "
         f"generated (trainer drops: {drops})"
+        + (
+            f"; screening tasks before generating took {100 * r['screen_share']:.1f}% of worker time"
+            if r.get("screen_share")
+            else ""
+        )
     )

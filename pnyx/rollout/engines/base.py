@@ -181,5 +181,13 @@ class WorkerEngine(ABC):
             reuse_cache=False,
         )  # fmt: skip
 
+    def reference_logprobs(
+        self, prompt_ids: list[list[int]], completion_ids: list[list[int]], params: SamplingParams
+    ) -> list[float] | None:
+        """Total log-probability of each completion given its prompt under the sampling distribution of
+        `params` (pre-rollout screening, `pnyx.rollout.screen`), or None when this engine cannot score
+        completions (screening is then off). The default cannot."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook: most engines hold nothing to release
         """Release what the engine holds (processes, memory). The default holds nothing to release."""

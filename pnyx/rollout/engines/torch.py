@@ -14,6 +14,7 @@ the verified plane bytes it dequantized. Knows nothing about the store or the tr
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -27,6 +28,26 @@ from pnyx.weights.bits import BitState, from_torch, to_torch
 
 if TYPE_CHECKING:
     from pnyx.rollout.episodes import Episode, ToolFn
+
+
+SCREEN_MAX_TOKENS = 16_384
+"""Rows x padded length per screening forward without a shared prefix (bounds its memory)."""
+SCREEN_ROWS = 64
+"""Candidates per screening forward on top of the shared prefix's cache."""
+SCREEN_MIN_SHARED = 8
+"""Shared prompt tokens below which screening runs plain forwards (nothing worth caching)."""
+
+
+def _common_prefix(prompts: list[list[int]]) -> int:
+    """Length of the prefix every prompt shares, leaving each prompt at least one token of its own."""
+    first = prompts[0]
+    n = min(len(p) for p in prompts) - 1
+    for p in prompts[1:]:
+        k = 0
+        while k < n and p[k] == first[k]:
+            k += 1
+        n = k
+    return max(0, n)
 
 
 def int8_base(name: str) -> str:
@@ -88,6 +109,55 @@ class TorchEngine(WorkerEngine):
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         return self.engine.generate(prompt_ids, params)
+
+    def reference_logprobs(
+        self, prompt_ids: list[list[int]], completion_ids: list[list[int]], params: SamplingParams
+    ) -> list[float]:
+        """Forward passes (no grad) over prompt + completion under the sampling distribution. The prefix all
+        prompts share (the system prompt and chat template) is computed once and its KV cache repeated over
+        the rows, so each candidate costs only its own suffix: about a third of a full forward here."""
+        from pnyx.models.logprobs import completion_logprobs, sampling_logprobs
+
+        common = _common_prefix(prompt_ids)
+        rows = len(prompt_ids)
+        if common < SCREEN_MIN_SHARED or rows < 2:
+            with torch.no_grad():
+                logp, _, _ = completion_logprobs(
+                    self.model, prompt_ids, completion_ids, params.temperature, params.top_k, params.top_p,
+                    max_tokens=SCREEN_MAX_TOKENS,
+                )  # fmt: skip
+            return logp.sum(-1).tolist()
+        device = next(self.model.parameters()).device
+        totals: list[float] = []
+        with torch.no_grad():
+            shared = self.model(torch.tensor([prompt_ids[0][:common]], device=device), use_cache=True)
+            for a in range(0, rows, SCREEN_ROWS):
+                b = min(rows, a + SCREEN_ROWS)
+                cache = copy.deepcopy(shared.past_key_values)
+                cache.batch_repeat_interleave(b - a)
+                tails = [p[common:] + c for p, c in zip(prompt_ids[a:b], completion_ids[a:b], strict=True)]
+                width = max(len(t) for t in tails)
+                ids = torch.full((b - a, width), self.engine.pad_id, dtype=torch.long)
+                attn = torch.zeros((b - a, common + width), dtype=torch.long)
+                attn[:, :common] = 1
+                for i, t in enumerate(
+                    tails
+                ):  # right-padded: real tokens keep positions common, common+1, ...
+                    ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+                    attn[i, common : common + len(t)] = 1
+                logits = self.model(
+                    ids.to(device), attention_mask=attn.to(device), past_key_values=cache, use_cache=True
+                ).logits
+                # logits at tail position j predict tail token j + 1; tail position -1 is the prefix's last
+                full = torch.cat([shared.logits[:, -1:].expand(b - a, 1, -1), logits], dim=1)
+                logp = sampling_logprobs(full, params.temperature, params.top_k, params.top_p)
+                for i, (p, c) in enumerate(zip(prompt_ids[a:b], completion_ids[a:b], strict=True)):
+                    start = len(p) - common  # index in `full` of the position predicting completion token 0
+                    picked = logp[i, start : start + len(c)].gather(
+                        -1, torch.tensor(c, device=device)[:, None]
+                    )
+                    totals.append(float(picked.sum()))
+        return totals
 
     def run_episodes(
         self,

@@ -1,0 +1,96 @@
+"""Pre-rollout screening (`pnyx.rollout.screen`) with the real torch engine and the shipped tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pnyx.envs import get_env
+from pnyx.rollout.engine import SamplingParams
+from pnyx.rollout.screen import Screen, informative
+
+PARAMS = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=16, stop=["</answer>"])
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from pnyx.config import shipped_model_path
+    from pnyx.models import load_tokenizer
+    from pnyx.rollout.engines import make_engine
+
+    torch.set_num_threads(1)
+    path = shipped_model_path()
+    tok = load_tokenizer(path)
+    return make_engine("torch", path, tok), tok
+
+
+def test_informative_is_the_chance_of_a_mixed_group():
+    assert informative(0.0, 8) == 0.0 and informative(1.0, 8) == 0.0
+    assert informative(0.5, 8) == pytest.approx(1 - 2 * 0.5**8)
+    assert informative(0.1, 8) == pytest.approx(1 - 0.1**8 - 0.9**8)
+    assert informative(0.3, 8) > informative(0.1, 8) > informative(0.01, 8)
+
+
+def test_reference_logprobs_equal_the_engines_own_sampling_logprobs(engine):
+    """The screen's p is the probability of exactly the tokens the engine would sample: scoring a completion
+    the engine generated gives the sum of the behaviour logprobs it recorded."""
+    from pnyx.models import render_prompt
+
+    eng, tok = engine
+    env = get_env("arith")
+    tasks = env.sample("train", seed=3, n=4)
+    prompts = [list(render_prompt(tok, t.prompt)) for t in tasks]
+    outs = eng.generate(prompts, SamplingParams(**{**PARAMS.__dict__, "seed": 5}))
+    totals = eng.reference_logprobs(prompts, [list(o.tokens) for o in outs], PARAMS)
+    for total, out in zip(totals, outs, strict=True):
+        assert total == pytest.approx(sum(out.logprobs), abs=1e-3)
+
+
+def test_pick_keeps_the_most_informative_tasks_of_the_pool_in_stream_order(engine):
+    eng, tok = engine
+    env = get_env("arith")
+    screen = Screen(env, eng, tok, candidates=4, group_size=8)
+    assert screen.enabled and screen.pool_size(4) == 16
+    pool = env.sample("train", seed=11, n=16)
+    picked = screen.pick(pool, 4, PARAMS)
+    assert len(picked) == 4 and screen.scored == 16 and screen.seconds > 0
+    ids = [t.id for t in pool]
+    assert [ids.index(t.id) for t in picked] == sorted(ids.index(t.id) for t in picked)  # stream order
+    # every picked task is at least as informative as every task left out, by the engine's own p
+    from pnyx.models import render_prompt
+
+    refs = [tok.encode(env.reference_completion(t), add_special_tokens=False) for t in pool]
+    totals = eng.reference_logprobs([list(render_prompt(tok, t.prompt)) for t in pool], refs, PARAMS)
+    u = {t.id: informative(math.exp(lp), 8) for t, lp in zip(pool, totals, strict=True)}
+    chosen = {t.id for t in picked}
+    assert min(u[i] for i in chosen) >= max(u[i] for i in ids if i not in chosen) - 1e-9
+    assert sorted(screen.last_p) != []
+
+
+def test_screening_is_off_where_the_reference_is_not_the_answer(engine):
+    eng, tok = engine
+    for env in (get_env("arith", answer="lenient"), get_env("countdown")):
+        screen = Screen(env, eng, tok, candidates=4, group_size=8)
+        pool = env.sample("train", seed=1, n=4)
+        assert not screen.enabled and screen.pool_size(4) == 4
+        assert [t.id for t in screen.pick(pool, 4, PARAMS)] == [t.id for t in pool]
+    off = Screen(get_env("arith"), eng, tok, candidates=1, group_size=8)
+    assert not off.enabled and off.pool_size(4) == 4
+
+
+def test_an_engine_that_cannot_score_falls_back_to_the_stream(engine):
+    _, tok = engine
+
+    class NoScore:
+        name = "noscore"
+
+        def reference_logprobs(self, *a):
+            return None
+
+    env = get_env("arith")
+    screen = Screen(env, NoScore(), tok, candidates=4, group_size=8)
+    pool = env.sample("train", seed=2, n=16)
+    assert [t.id for t in screen.pick(pool, 4, PARAMS)] == [t.id for t in pool[:4]]
+    assert not screen.enabled and screen.pool_size(4) == 4
