@@ -94,3 +94,20 @@ def test_an_engine_that_cannot_score_falls_back_to_the_stream(engine):
     pool = env.sample("train", seed=2, n=16)
     assert [t.id for t in screen.pick(pool, 4, PARAMS)] == [t.id for t in pool[:4]]
     assert not screen.enabled and screen.pool_size(4) == 4
+
+
+def test_shared_prefix_scoring_equals_plain_forwards(engine, monkeypatch):
+    """The prefix-cached path (the system prompt computed once) gives the plain forward's numbers."""
+    import pnyx.rollout.engines.torch as torch_engine
+    from pnyx.models import render_prompt
+
+    eng, tok = engine
+    env = get_env("arith")
+    pool = env.sample("train", seed=9, n=70)  # more than one chunk of SCREEN_ROWS
+    prompts = [list(render_prompt(tok, t.prompt)) for t in pool]
+    refs = [tok.encode(env.reference_completion(t), add_special_tokens=False) for t in pool]
+    assert torch_engine._common_prefix(prompts) >= torch_engine.SCREEN_MIN_SHARED
+    shared = eng.reference_logprobs(prompts, refs, PARAMS)
+    monkeypatch.setattr(torch_engine, "SCREEN_MIN_SHARED", 10**9)
+    plain = eng.reference_logprobs(prompts, refs, PARAMS)
+    assert shared == pytest.approx(plain, abs=1e-4)

@@ -15,6 +15,7 @@ the verified plane bytes it dequantized. Knows nothing about the store or the tr
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -131,9 +132,14 @@ class TorchEngine(WorkerEngine):
         totals: list[float] = []
         with torch.no_grad():
             shared = self.model(torch.tensor([prompt_ids[0][:common]], device=device), use_cache=True)
+            shared_cache = getattr(shared, "past_key_values", None) or getattr(shared, "cache", None)
+            # transformers 5 renamed the argument `past_key_values` -> `cache` (as in hf_session.py)
+            cache_arg = (
+                "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+            )
             for a in range(0, rows, SCREEN_ROWS):
                 b = min(rows, a + SCREEN_ROWS)
-                cache = copy.deepcopy(shared.past_key_values)
+                cache = copy.deepcopy(shared_cache)
                 cache.batch_repeat_interleave(b - a)
                 tails = [p[common:] + c for p, c in zip(prompt_ids[a:b], completion_ids[a:b], strict=True)]
                 width = max(len(t) for t in tails)
@@ -146,7 +152,7 @@ class TorchEngine(WorkerEngine):
                     ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
                     attn[i, common : common + len(t)] = 1
                 logits = self.model(
-                    ids.to(device), attention_mask=attn.to(device), past_key_values=cache, use_cache=True
+                    ids.to(device), attention_mask=attn.to(device), use_cache=True, **{cache_arg: cache}
                 ).logits
                 # logits at tail position j predict tail token j + 1; tail position -1 is the prefix's last
                 full = torch.cat([shared.logits[:, -1:].expand(b - a, 1, -1), logits], dim=1)
