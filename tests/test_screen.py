@@ -111,3 +111,37 @@ def test_shared_prefix_scoring_equals_plain_forwards(engine, monkeypatch):
     monkeypatch.setattr(torch_engine, "SCREEN_MIN_SHARED", 10**9)
     plain = eng.reference_logprobs(prompts, refs, PARAMS)
     assert shared == pytest.approx(plain, abs=1e-4)
+
+
+def test_new_weights_recompute_the_cached_prefix():
+    """The shared prefix's cache belongs to one weights version: after `update` to other weights, scoring
+    equals a fresh engine's on those weights (a stale cache would give the old numbers)."""
+    from pnyx.config import shipped_model_path
+    from pnyx.models import load_model, load_tokenizer, render_prompt
+    from pnyx.rollout.engines import make_engine
+    from pnyx.store import open_store
+    from pnyx.weights import Publisher, Syncer
+    from pnyx.weights.manifest import read_manifest
+
+    path = shipped_model_path()
+    tok = load_tokenizer(path)
+    eng = make_engine("torch", path, tok)
+    env = get_env("arith")
+    pool = env.sample("train", seed=4, n=8)
+    prompts = [list(render_prompt(tok, t.prompt)) for t in pool]
+    refs = [tok.encode(env.reference_completion(t), add_special_tokens=False) for t in pool]
+    before = eng.reference_logprobs(prompts, refs, PARAMS)  # caches the prefix at the shipped weights
+    state = {k: v.to(torch.bfloat16) for k, v in load_model(path).state_dict().items()}
+    torch.manual_seed(0)
+    state = {k: v + 0.05 * torch.randn_like(v) if "layers" in k else v for k, v in state.items()}
+    store = open_store("memory://screen-update")
+    Publisher(store).publish(0, state)
+    syncer = Syncer(store)
+    syncer.sync()
+    eng.update(0, syncer.state, read_manifest(store, 0).weights)
+    after = eng.reference_logprobs(prompts, refs, PARAMS)
+    fresh = make_engine("torch", path, tok)
+    fresh.update(0, syncer.state, read_manifest(store, 0).weights)
+    expected = fresh.reference_logprobs(prompts, refs, PARAMS)
+    assert after == pytest.approx(expected, abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(after, before, strict=True)) > 1e-2

@@ -76,10 +76,13 @@ class TorchEngine(WorkerEngine):
         self.tokenizer = tokenizer
         self.model = model if model is not None else load_model(path, dtype=dtype, device=device)
         self.engine = Engine(self.model, tokenizer)
+        self._shared_prefix: tuple[tuple[int, ...], Any, Any] | None = None
+        """Screening: (prefix ids, last logits, KV cache) of the prompts' shared prefix at these weights."""
         self.plane = plane
         self.proof_kind = "hashed" if plane == "weights" else "derived"
 
     def _apply(self, state: BitState, names: list[str], first: bool) -> None:
+        self._shared_prefix = None  # computed with the old weights
         params = self.model.state_dict(keep_vars=True)
         if self.plane == "int8":
             touched = {int8_base(n) for n in names}
@@ -115,8 +118,8 @@ class TorchEngine(WorkerEngine):
         self, prompt_ids: list[list[int]], completion_ids: list[list[int]], params: SamplingParams
     ) -> list[float]:
         """Forward passes (no grad) over prompt + completion under the sampling distribution. The prefix all
-        prompts share (the system prompt and chat template) is computed once and its KV cache repeated over
-        the rows, so each candidate costs only its own suffix: about a third of a full forward here."""
+        prompts share (the system prompt and chat template) is computed once per weights version and its KV
+        cache repeated over the rows, so each candidate costs only its own suffix."""
         from pnyx.models.logprobs import completion_logprobs, sampling_logprobs
 
         common = _common_prefix(prompt_ids)
@@ -131,8 +134,12 @@ class TorchEngine(WorkerEngine):
         device = next(self.model.parameters()).device
         totals: list[float] = []
         with torch.no_grad():
-            shared = self.model(torch.tensor([prompt_ids[0][:common]], device=device), use_cache=True)
-            shared_cache = getattr(shared, "past_key_values", None) or getattr(shared, "cache", None)
+            key = tuple(prompt_ids[0][:common])
+            if self._shared_prefix is None or self._shared_prefix[0] != key:  # once per version and prompt
+                shared = self.model(torch.tensor([list(key)], device=device), use_cache=True)
+                cached = getattr(shared, "past_key_values", None) or getattr(shared, "cache", None)
+                self._shared_prefix = (key, shared.logits[:, -1:], cached)
+            _, shared_last, shared_cache = self._shared_prefix
             # transformers 5 renamed the argument `past_key_values` -> `cache` (as in hf_session.py)
             cache_arg = (
                 "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -155,7 +162,7 @@ class TorchEngine(WorkerEngine):
                     ids.to(device), attention_mask=attn.to(device), use_cache=True, **{cache_arg: cache}
                 ).logits
                 # logits at tail position j predict tail token j + 1; tail position -1 is the prefix's last
-                full = torch.cat([shared.logits[:, -1:].expand(b - a, 1, -1), logits], dim=1)
+                full = torch.cat([shared_last.expand(b - a, 1, -1), logits], dim=1)
                 logp = sampling_logprobs(full, params.temperature, params.top_k, params.top_p)
                 for i, (p, c) in enumerate(zip(prompt_ids[a:b], completion_ids[a:b], strict=True)):
                     start = len(p) - common  # index in `full` of the position predicting completion token 0
