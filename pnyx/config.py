@@ -91,11 +91,13 @@ class WorkerConfig(_Section):
     curriculum: bool = False
     """Online difficulty filtering: prefer task levels whose observed pass rate is strictly between 0 and 1
     (pnyx/rollout/curriculum.py); a worker-side choice, task ids are unchanged."""
-    screen: Annotated[int, Field(ge=1, le=64)] = 4
+    screen: Annotated[int, Field(ge=1, le=64)] = 1
     """Pre-rollout screening: draw this many candidate tasks per task generated, score each by the policy's
     probability of the env's reference completion (one forward), and generate the ones most likely to make
-    a group with mixed rewards (pnyx/rollout/screen.py). 1 = off. Applies to environments whose correct
-    completion is essentially their reference (`arith` with tag answers) and engines that can score (torch)."""
+    a group with mixed rewards (pnyx/rollout/screen.py). 1 = off (the default: in `pnyx run`, 4 cut
+    zero-variance groups from 15% to 3% of generated but doubled pass@1 later; BENCHMARKS.md). Applies to
+    environments whose correct completion is essentially their reference (`arith` with tag answers) and
+    engines that can score (torch)."""
     poll_interval_s: Annotated[float, Field(gt=0, le=600)] = 1.0
     """How often a worker polls the weights HEAD for a newer version (with backoff on errors)."""
     heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0

@@ -233,3 +233,37 @@ def test_int8_worker_on_a_run_without_the_int8_plane_fails_at_once(tmp_path, tin
     worker = Worker(run.store, WorkerOptions(worker_id="w1", int8=True, join_timeout_s=600))
     with pytest.raises(ConfigError, match="--worker.int8=true"):
         worker.join()
+
+
+def test_screening_worker_generates_the_screens_pick_and_records_its_cost(tmp_path, tiny_model_dir):
+    """With `worker.screen` on, each cohort's tasks are the screen's pick from a pool 4x the cohort, drawn
+    from the worker's own train stream (the trainer rebuilds each task from its id), and the heartbeat
+    records the time spent screening next to the time generating."""
+    from pnyx.envs import get_env
+
+    run = make_run(str(tmp_path / "run"), tiny_model_dir, screen=4)
+    worker = Worker(run.store, WorkerOptions(worker_id="ws", max_groups=4))
+    picks: list[list[str]] = []
+    pools: list[list[str]] = []
+    worker.join()
+    real_pick = worker.screen.pick
+
+    def pick(pool, n, params):
+        chosen = real_pick(pool, n, params)
+        pools.append([t.id for t in pool])
+        picks.append([t.id for t in chosen])
+        return chosen
+
+    worker.screen.pick = pick
+    summary = worker.run()
+    assert summary.groups_uploaded == 4 and worker.screen.enabled
+    assert pools and all(len(pool) == 4 * len(chosen) for pool, chosen in zip(pools, picks, strict=True))
+    assert all(set(chosen) <= set(pool) for pool, chosen in zip(pools, picks, strict=True))
+    uploaded = {g.task_id for _, g in rollout_groups(run.store)}
+    assert uploaded <= {t for chosen in picks for t in chosen}
+    env = get_env("arith", digits=1)
+    assert all(env.task(t).id == t for t in uploaded)
+    hb = decode_json(run.store.get(layout.worker_heartbeat("ws")), Heartbeat)
+    assert (
+        hb.tasks_screened == sum(len(p) for p in pools) and hb.screen_seconds > 0 and hb.generate_seconds > 0
+    )
