@@ -17,6 +17,7 @@ samples of every task with the worker's engine and grade them. Printed, side by 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -51,9 +52,7 @@ def measure(path: str, tasks_n: int, group: int, candidates: int, threads: int) 
         chunk = tasks[i : i + pool]
         prompts = [list(render_prompt(tok, t.prompt)) for t in chunk]
         refs = [tok.encode(env.reference_completion(t), add_special_tokens=False) for t in chunk]
-        ps += [
-            min(1.0, pow(2.718281828459045, lp)) for lp in engine.reference_logprobs(prompts, refs, params)
-        ]
+        ps += [min(1.0, math.exp(lp)) for lp in engine.reference_logprobs(prompts, refs, params)]
     screen_s = time.perf_counter() - t0
     passed = []
     t1 = time.perf_counter()
