@@ -68,10 +68,10 @@ def main() -> None:
     from pnyx.store import open_store
     from pnyx.weights import Publisher, Syncer
     from pnyx.weights import int8 as q8
+    from pnyx.weights.apply import apply_delta
     from pnyx.weights.bits import from_torch
     from pnyx.weights.codec import (
         DeltaStats,
-        apply_delta,
         default_threads,
         encode_delta,
         entropy_bound_bytes,

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pnyx.errors import IntegrityError
+from pnyx.weights.apply import DeltaApplier, apply_delta
 from pnyx.weights.bits import (
     TensorBits,
     from_torch,
@@ -20,7 +21,6 @@ from pnyx.weights.bits import (
 )
 from pnyx.weights.codec import (
     DeltaStats,
-    apply_delta,
     encode_delta,
     entropy_bound_bytes,
     expected_of,
@@ -237,8 +237,6 @@ def test_threaded_encode_and_decode_match_the_serial_ones():
     serial = list(encode_delta(old, new, segment_elems=700, threads=1))
     threaded = list(encode_delta(old, new, segment_elems=700, threads=3))
     assert serial == threaded
-    from pnyx.weights.codec import DeltaApplier
-
     ap = DeltaApplier(old, expected_of(new), threads=3)
     for c in threaded:
         ap.apply(c)

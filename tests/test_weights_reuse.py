@@ -9,8 +9,9 @@ import pytest
 
 from pnyx.store import open_store
 from pnyx.weights import Publisher, Syncer
+from pnyx.weights.apply import apply_delta
 from pnyx.weights.bits import BitState, TensorBits, unsigned_dtype
-from pnyx.weights.codec import apply_delta, encode_delta, expected_of
+from pnyx.weights.codec import encode_delta, expected_of
 
 GARBAGE = 0xAB  # fill byte of recycled arrays: whatever a retired state left behind
 

@@ -18,7 +18,7 @@ scored with the current weights.
 Measured on the shipped tiny model, `arith` 2-digit (+, -), 320 train tasks x 8 samples, 4 candidates per
 task (`benchmarks/bench_screen.py`): correlation of p with the observed pass rate 0.32 at the shipped model
 and 0.83 after 200 steps of `pnyx run`; zero-variance groups among the picked 15.9% -> 4.9% and 23.4% ->
-3.1%. The price is the forward over the pool, recorded by the worker as `screen_seconds` in its heartbeat
+3.0%. The price is the forward over the pool, recorded by the worker as `screen_seconds` in its heartbeat
 next to `generate_seconds` (`pnyx run` prints the share). In `pnyx run` (BENCHMARKS.md) 4 candidates per task
 raised the consumed share of generated groups from 80-81% to 92-93%, took 19-21% of the worker's time, and
 slowed learning per version (pass@1 0.5 at v80 and v110 against v60 and v50): ranking by u prefers p near 1/2

@@ -38,15 +38,16 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from pnyx.errors import ConfigError, IntegrityError, PnyxError, StoreError
 from pnyx.protocol import layout
 from pnyx.rollout.courier import Courier
 from pnyx.rollout.joining import cold_join, default_worker_id, read_run_manifest, resume_seq
+from pnyx.rollout.screen import Screen
 from pnyx.rollout.spool import Spool, spool_folder
 from pnyx.rollout.throttle import Throttle
+from pnyx.rollout.worker_state import Status, Throughput, WorkerOptions, WorkerSummary
 from pnyx.security.keys import load_or_create_key, worker_key_path
 from pnyx.security.signing import Signer
 from pnyx.security.trust import pin_trainer
@@ -54,60 +55,7 @@ from pnyx.store import Store
 
 log = logging.getLogger("pnyx.worker")
 
-Status = Literal["starting", "syncing", "generating", "uploading", "waiting", "stopped", "error"]
-
-
-@dataclass
-class WorkerOptions:
-    """A worker's own settings: everything else comes from the run's run.json."""
-
-    worker_id: str | None = None
-    """Unique id of this worker in the run (default `<hostname>-<pid>`)."""
-    device: str = "cpu"
-    """Torch device for generation: cpu, cuda, cuda:N, mps or auto."""
-    engine: str | None = None
-    """Generation engine: torch, mlx or vllm (None: the run's worker.engine). Chosen once, at join."""
-    int8: bool = False
-    """Run from the int8 actor plane (also on when the run's worker.int8 is set)."""
-    max_groups: int | None = None
-    """Stop after this many groups are uploaded (None: run until stopped)."""
-    spool_dir: str | None = None
-    """Root of the on-disk spool; the worker's folder is `<root>/<run_id>/<worker_id>/` (None: $PNYX_SPOOL_DIR,
-    else $XDG_CACHE_HOME/pnyx/spool, else ~/.cache/pnyx/spool)."""
-    model_path: str | None = None
-    """This machine's copy of the run's model (folder, .gguf or hub id) instead of what run.json names; its
-    files must be the run's (checked at join)."""
-    join_timeout_s: float = 600.0
-    """How long to wait for run.json and the first verified weights before giving up."""
-    flush_deadline_s: float = 30.0
-    """How long one flush may keep uploading (also the final flush after `max_groups`)."""
-    final_flush_s: float = 3.0
-    """How long the final flush after a stop request may keep uploading; the rest stays on disk."""
-    max_backoff_s: float = 30.0
-    """Largest wait between retries while the store is unreachable."""
-    trust: str | None = None
-    """The trainer key fingerprint to require (`--trust`); None: trust run.json's key on first use and pin
-    it (docs/security.md)."""
-    keys_dir: str | None = None
-    """Folder of this worker's key and its pinned trainer keys (None: $PNYX_KEYS_DIR, else
-    $XDG_CACHE_HOME/pnyx/keys, else ~/.cache/pnyx/keys)."""
-
-
-@dataclass
-class WorkerSummary:
-    """What a worker did, returned by `Worker.run` (and printed by the CLI)."""
-
-    worker_id: str
-    groups_uploaded: int
-    groups_pending: int
-    groups_dropped: int
-    groups_skipped_zero_variance: int
-    groups_expired: int
-    rollouts: int
-    tokens: int
-    versions: list[int] = field(default_factory=list)
-    status: Status = "stopped"
-    spool_folder: str | None = None
+__all__ = ["Status", "Worker", "WorkerOptions", "WorkerSummary"]
 
 
 class Worker:
@@ -127,15 +75,14 @@ class Worker:
         self.tokens = 0
         self.skipped_zero_variance = 0
         self.generate_s = 0.0  # seconds generating cohorts (the screening's cost is measured against it)
-        self.screen: Any = None  # pnyx.rollout.screen.Screen, made at join
+        self.screen: Screen | None = None  # made at join
         self.started_at = time.time()
         self._seq = 0
         self._seq_lock = threading.Lock()  # seqs are also taken by the courier (re-keying a collision)
         self._lock = threading.Lock()  # the throttle, shared with the courier
         self._wake = threading.Event()  # wakes the generating thread: spool space, a new demand, a stop
         self._joined = False
-        self._window = (time.monotonic(), 0, 0)  # (start, rollouts, tokens) of the throughput window
-        self._rates = (0.0, 0.0)
+        self._throughput = Throughput()
         self._last_heartbeat = 0.0
         self._stop_reason = ""
         self._made: dict[int, int] = {}  # groups spooled per policy version (the max_groups_per_version cap)
@@ -171,7 +118,6 @@ class Worker:
         from pnyx.models import load_tokenizer, resolve_run_model
         from pnyx.rollout.curriculum import Curriculum
         from pnyx.rollout.engines import check_engine, make_engine
-        from pnyx.rollout.screen import Screen
         from pnyx.weights.syncer import Syncer
 
         self._set_status("starting", "reading run.json")
@@ -241,7 +187,7 @@ class Worker:
             final_flush_s=self.opts.final_flush_s, max_backoff_s=self.opts.max_backoff_s,
         )  # fmt: skip
         self.courier.start()
-        self._window = (time.monotonic(), self.rollouts, self.tokens)
+        self._throughput.restart(self.rollouts, self.tokens)
         self._joined = True
 
     def _load(self, version: int, tensors: dict[str, Any]) -> None:
@@ -292,6 +238,7 @@ class Worker:
             or self.syncer is None
             or self.courier is None
             or self.throttle is None
+            or self.screen is None
             or self.version is None
         ):
             raise RuntimeError("Worker.step() before join(): call run() or join() first")
@@ -352,12 +299,12 @@ class Worker:
         self._kept_frac = 0.8 * self._kept_frac + 0.2 * kept / max(1, len(result.groups))
         self.rollouts += sum(len(g.samples) for g in result.groups)
         self.tokens += result.tokens
-        self._update_rates()
+        self._throughput.update(self.rollouts, self.tokens)
         rewards = [s.reward for g in result.groups for s in g.samples]
         log.info(
             "worker=%s v=%d groups=%d pending=%d skipped=%d reward=%.3f rollouts/s=%.2f tok/s=%.1f",
             self.worker_id, self.version, self.spool.stats.uploaded, len(self.spool), self.skipped_zero_variance,
-            sum(rewards) / max(1, len(rewards)), *self._rates,
+            sum(rewards) / max(1, len(rewards)), *self._throughput.rates,
         )  # fmt: skip
         if kept:
             self._set_status("uploading", f"v={self.version} pending={len(self.spool)}")
@@ -521,19 +468,6 @@ class Worker:
         self.status = status
         self.detail = detail
 
-    def _update_rates(self) -> None:
-        """Rollouts/s and tokens/s since the previous cohort, smoothed (EMA 0.5) for the heartbeat."""
-        now = time.monotonic()
-        start, r0, t0 = self._window
-        if now - start <= 0:
-            return
-        rates = ((self.rollouts - r0) / (now - start), (self.tokens - t0) / (now - start))
-        old = self._rates
-        self._rates = (
-            rates if old == (0.0, 0.0) else tuple(0.5 * a + 0.5 * b for a, b in zip(old, rates, strict=True))
-        )
-        self._window = (now, self.rollouts, self.tokens)
-
     def _heartbeat_bytes(self, final: bool = False) -> bytes:
         """This worker's heartbeat record; `final` reports the end (stopped, or error) whatever the
         generating thread is doing."""
@@ -558,8 +492,8 @@ class Worker:
             groups_pending=len(spool) if spool is not None else 0,
             groups_expired=spool.stats.expired if spool is not None else 0,
             started_at=self.started_at,
-            tokens_per_s=round(self._rates[1], 3),
-            rollouts_per_s=round(self._rates[0], 3),
+            tokens_per_s=round(self._throughput.rates[1], 3),
+            rollouts_per_s=round(self._throughput.rates[0], 3),
             status=status,
             detail=detail[:500],
             digest=self.digest,

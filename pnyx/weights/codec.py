@@ -12,8 +12,7 @@ record stores new values instead of differences (kept for the benchmark's baseli
 This module owns the chunk format, the public encode/apply API and the threads; finding the changes lives
 in `scan.py` and the integer packing in `pack.py` (their public names are re-exported here).
 Reconstruction is `old + change mod 2^bits`, bit-exact by construction; callers verify digests anyway.
-Decoding copies each record's range from the base and patches it `APPLY_ELEMS` at a time, into arrays the
-caller may recycle (`reuse`); the base is never written.
+Applying chunks onto a base lives in `apply.py`.
 Knows nothing about the store, manifests or torch. Chunk layout: MAGIC, u32 header length, msgpack
 `ChunkHeader`, then the body of zstd frames the records point into.
 """
@@ -32,16 +31,11 @@ import numpy as np
 import zstandard
 
 from pnyx.errors import IntegrityError
-from pnyx.weights.bits import BitState, TensorBits, unsigned_dtype
+from pnyx.weights.bits import TensorBits, unsigned_dtype
 from pnyx.weights.pack import (
-    CODE_BITS,
-    UINT,
     code_candidates,
     gaps_of,
-    packed_len,
     planes,
-    unpack_codes,
-    unplanes,
     unzigzag,
     width_for,
     zigzag,
@@ -49,20 +43,17 @@ from pnyx.weights.pack import (
 from pnyx.weights.scan import SCAN_ELEMS, changed_positions, changes, entropy_bound_bytes
 
 __all__ = [
-    "APPLY_ELEMS",
     "CHUNK_BYTES",
     "MAGIC",
     "SCAN_ELEMS",
     "SEGMENT_ELEMS",
     "ChunkHeader",
-    "DeltaApplier",
     "DeltaMode",
     "DeltaStats",
     "Layout",
     "Op",
     "Record",
     "Segment",
-    "apply_delta",
     "changed_positions",
     "changes",
     "default_threads",
@@ -337,218 +328,6 @@ def read_header(chunk: bytes) -> tuple[ChunkHeader, memoryview]:
     except msgspec.DecodeError as e:
         raise IntegrityError(f"delta chunk header does not decode: {e}") from None
     return header, memoryview(chunk)[start + hlen :]
-
-
-APPLY_ELEMS = 1 << 20  # elements copied from the base and then patched while still in cache
-
-
-class DeltaApplier:
-    """Applies chunks onto a base state without ever writing into the base.
-
-    `expected` maps each tensor of the target state to (dtype, shape); records naming anything else, or
-    disagreeing with it, raise IntegrityError. `result()` returns the new state (untouched tensors are
-    shared with the base). A touched tensor is built in a work array: each record copies its own range
-    from the base and patches it while that range is in cache (one pass over the bytes, not a copy then a
-    scatter), and `result()` copies whatever no record covered.
-
-    reuse: arrays (by tensor name) the applier may overwrite as work arrays instead of allocating fresh
-    pages, e.g. a retired state's. The caller guarantees nothing else reads them; an array of the wrong
-    dtype/shape, or overlapping the base tensor's memory, is ignored.
-    """
-
-    def __init__(
-        self,
-        base: Mapping[str, TensorBits],
-        expected: Mapping[str, tuple[str, tuple[int, ...]]],
-        threads: int | None = None,
-        reuse: Mapping[str, np.ndarray] | None = None,
-    ):
-        self.base = base
-        self.expected = expected
-        self.work: dict[str, np.ndarray] = {}
-        self.covered: dict[str, list[tuple[int, int]]] = {}
-        self.threads = threads or default_threads()
-        self.reuse = reuse or {}
-
-    def apply(self, chunk: bytes) -> None:
-        """Apply one chunk: first the work arrays of every touched tensor, then the records, spread over
-        threads (records of one chunk cover disjoint element ranges)."""
-        header, body = read_header(chunk)
-        for r in {r.name: r for r in reversed(header.records)}.values():
-            self._target(r)
-        if self.threads > 1 and len(header.records) > 1:
-            with ThreadPoolExecutor(self.threads) as pool:
-                list(pool.map(lambda r: self._apply_record(r, body), header.records))
-        else:
-            for r in header.records:
-                self._apply_record(r, body)
-
-    def _base_of(self, r: Record) -> np.ndarray | None:
-        base = self.base.get(r.name)
-        if base is not None and base.dtype == r.dtype and base.shape == tuple(r.shape):
-            return base.data
-        return None
-
-    def _target(self, r: Record) -> np.ndarray:
-        exp = self.expected.get(r.name)
-        if exp is None or exp[0] != r.dtype or tuple(exp[1]) != tuple(r.shape):
-            raise IntegrityError(
-                f"delta record for {r.name!r} ({r.dtype}{r.shape}) is not in the manifest as such"
-            )
-        arr = self.work.get(r.name)
-        if arr is not None:
-            return arr
-        u = unsigned_dtype(r.dtype)
-        base = self._base_of(r)
-        if r.op != "whole" and base is None:
-            raise IntegrityError(
-                f"delta record for {r.name!r} needs a base tensor {r.dtype}{r.shape} we do not hold"
-            )
-        arr = self.reuse.get(r.name)
-        if (
-            arr is None
-            or arr.dtype.itemsize != u.itemsize
-            or arr.shape != tuple(r.shape)
-            or not arr.flags.c_contiguous
-            or not arr.flags.writeable
-            or (base is not None and np.may_share_memory(arr, base))
-        ):
-            arr = np.empty(tuple(r.shape), dtype=u)
-        arr = arr.view(u)
-        self.work[r.name] = arr
-        self.covered[r.name] = []
-        return arr
-
-    def _frame(self, r: Record, body: memoryview, start: int, length: int, size: int) -> bytes:
-        if length == 0 and size == 0:
-            return b""
-        if start < 0 or length < 0 or start + length > len(body):
-            raise IntegrityError(f"delta record for {r.name!r} points outside its chunk")
-        try:
-            raw = _dctx().decompress(body[start : start + length], max_output_size=size)
-        except zstandard.ZstdError as e:
-            raise IntegrityError(f"delta frame for {r.name!r} does not decompress: {e}") from None
-        if len(raw) != size:
-            raise IntegrityError(
-                f"delta frame for {r.name!r} decompressed to {len(raw)} bytes, expected {size}"
-            )
-        return raw
-
-    def _check(self, r: Record, flat: np.ndarray) -> tuple[int, int, int]:
-        """(n, code bits, gap width) of a record whose fields are consistent, else IntegrityError."""
-        if r.op not in ("diff", "value", "whole"):
-            raise IntegrityError(f"unknown delta op {r.op!r}")
-        w = flat.dtype.itemsize
-        if not (r.start >= 0 and r.count >= 0 and r.start + r.count <= flat.size and 0 <= r.n <= r.count):
-            raise IntegrityError(f"delta record for {r.name!r} covers a bad range")
-        n, bits = (r.count, 8 * w) if r.op == "whole" else (r.n, r.code_bits)
-        gw = 0 if r.op == "whole" else r.gap_width
-        if (r.op != "whole" and gw not in UINT) or (r.op == "whole" and (r.gap_width or r.gap_len)):
-            raise IntegrityError(f"delta record for {r.name!r} has gap width {gw}")
-        if bits not in CODE_BITS or bits > 8 * w or (r.op != "diff" and bits != 8 * w):
-            raise IntegrityError(f"delta record for {r.name!r} has code width {bits}")
-        if (
-            not 0 <= r.esc_n <= n
-            or (r.esc_width not in UINT if r.esc_n else r.esc_width != 0)
-            or (r.esc_n and r.op != "diff")
-        ):
-            raise IntegrityError(f"delta record for {r.name!r} has bad escapes")
-        return n, bits, gw
-
-    def _apply_record(self, r: Record, body: memoryview) -> None:
-        arr = self._target(r)
-        flat = arr.reshape(-1)
-        n, bits, gw = self._check(r, flat)
-        gaps_raw = self._frame(r, body, r.offset, r.gap_len, n * gw)
-        codes_raw = self._frame(
-            r, body, r.offset + r.gap_len, r.code_len, packed_len(n, bits) + r.esc_n * r.esc_width
-        )
-        seg = flat[r.start : r.start + r.count]
-        w = flat.dtype.itemsize
-        if r.op == "whole":
-            seg[:] = unplanes(codes_raw, n, w)
-            self.covered[r.name].append((r.start, r.start + r.count))
-            return
-        gaps = unplanes(gaps_raw, n, gw)
-        if n and int(gaps.max()) >= r.count:
-            raise IntegrityError(f"delta record for {r.name!r} points past its segment")
-        pos = gaps.astype(np.int64)
-        pos += 1
-        np.cumsum(pos, out=pos)
-        pos -= 1
-        if n and pos[-1] >= r.count:
-            raise IntegrityError(f"delta record for {r.name!r} points past its segment")
-        codes = unpack_codes(codes_raw, n, bits).astype(flat.dtype)
-        if r.esc_n:
-            top = flat.dtype.type((1 << bits) - 1)
-            at = np.flatnonzero(codes == top)
-            if len(at) != r.esc_n:
-                raise IntegrityError(
-                    f"delta record for {r.name!r} has {len(at)} escapes, header says {r.esc_n}"
-                )
-            exc = unplanes(memoryview(codes_raw)[packed_len(n, bits) :], r.esc_n, r.esc_width)
-            codes[at] = top + exc.astype(flat.dtype)
-        if r.op == "diff":
-            codes += flat.dtype.type(1)
-            codes = unzigzag(codes)
-        src = self._base_of(r)
-        assert src is not None  # _target checked it
-        src = src.reshape(-1)[r.start : r.start + r.count]
-        cuts = np.searchsorted(pos, np.arange(0, r.count, APPLY_ELEMS)[1:]).tolist()
-        lo = 0
-        for s, hi in zip(range(0, r.count, APPLY_ELEMS), [*cuts, n], strict=True):
-            np.copyto(seg[s : s + APPLY_ELEMS], src[s : s + APPLY_ELEMS])
-            p = pos[lo:hi]
-            if r.op == "value":
-                seg[p] = codes[lo:hi]
-            else:
-                seg[p] += codes[lo:hi]
-            lo = hi
-        self.covered[r.name].append((r.start, r.start + r.count))
-
-    def result(self) -> BitState:
-        """The new state; ranges of touched tensors that no record covered are copied from the base."""
-        out: BitState = {}
-        for name, (dtype, _shape) in self.expected.items():
-            if name in self.work:
-                arr = self.work[name]
-                flat = arr.reshape(-1)
-                base = self.base.get(name)
-                src = (
-                    base.data.reshape(-1)
-                    if base is not None and base.dtype == dtype and base.shape == arr.shape
-                    else None
-                )
-                at = 0
-                for start, end in [*sorted(self.covered[name]), (flat.size, flat.size)]:
-                    if start > at:
-                        if src is not None:
-                            np.copyto(flat[at:start], src[at:start])
-                        else:
-                            flat[at:start] = 0
-                    at = max(at, end)
-                out[name] = TensorBits(dtype, arr)
-            elif name in self.base:
-                out[name] = self.base[name]
-            else:
-                raise IntegrityError(
-                    f"tensor {name!r} is in the manifest but neither in the base nor the delta"
-                )
-        return out
-
-
-def apply_delta(
-    base: Mapping[str, TensorBits],
-    chunks: list[bytes],
-    expected: Mapping[str, tuple[str, tuple[int, ...]]],
-    reuse: Mapping[str, np.ndarray] | None = None,
-    threads: int | None = None,
-) -> BitState:
-    """Convenience: apply all chunks at once (see DeltaApplier)."""
-    ap = DeltaApplier(base, expected, threads=threads, reuse=reuse)
-    for c in chunks:
-        ap.apply(c)
-    return ap.result()
 
 
 def expected_of(state: Mapping[str, TensorBits]) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -17,8 +17,9 @@ import numpy as np
 from pnyx.errors import IntegrityError
 from pnyx.protocol import layout
 from pnyx.store import PutResult, Store
+from pnyx.weights.apply import DeltaApplier
 from pnyx.weights.bits import BitState, TensorBits, h, read_safetensors, write_safetensors
-from pnyx.weights.codec import DeltaApplier, DeltaStats, Segment, encode_windows
+from pnyx.weights.codec import DeltaStats, Segment, encode_windows
 from pnyx.weights.manifest import PayloadObject, PlaneManifest
 
 LOOKAHEAD = 2  # objects in flight while the current one is encoded or decoded

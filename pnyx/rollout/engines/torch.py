@@ -153,9 +153,8 @@ class TorchEngine(WorkerEngine):
                 ids = torch.full((b - a, width), self.engine.pad_id, dtype=torch.long)
                 attn = torch.zeros((b - a, common + width), dtype=torch.long)
                 attn[:, :common] = 1
-                for i, t in enumerate(
-                    tails
-                ):  # right-padded: real tokens keep positions common, common+1, ...
+                # right-padded: real tokens keep positions common, common + 1, ...
+                for i, t in enumerate(tails):
                     ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
                     attn[i, common : common + len(t)] = 1
                 logits = self.model(
