@@ -224,7 +224,9 @@ class SwarmConfig(_Section):
     recent_per_peer: Annotated[int, Field(ge=1, le=4096)] = 8
     """At most this many of each live peer's newest uploads are fetched per round (older ones are skipped)."""
     wait_peers: Annotated[int, Field(ge=0, le=4096)] = 0
-    """Before its first round, wait until this many peers are live (at most peer_timeout_s); 0 = start at once."""
+    """Before its first round, wait until this many peers are live, and in that round, after sharing its own
+    groups, until this many have shared groups it can train on (each wait at most peer_timeout_s), so a fast
+    node does not take its first steps alone; 0 = start at once."""
     checkpoint_every: Annotated[int, Field(ge=0, le=1_000_000)] = 10
     """Checkpoint the node (weights, optimizer, counters, RNG, peer cursor) every this many rounds; 0 = only at
     the end of the run."""

@@ -149,14 +149,14 @@ def fleet_run(tmp_path_factory):
         pytest.skip(f"the shipped base model is missing at {shipped_model_path()}")
     root = tmp_path_factory.mktemp("fleet")
     store_dir = root / "runs" / NAME
-    steps = 40
+    steps = 60
     common = [
         "--no-live",
         "--workers",
         "2",
         f"--run.name={NAME}",
         f"--run.steps={steps}",
-        "--run.time_budget_s=150",
+        "--run.time_budget_s=240",
         "--run.eval_every=0",
         "--run.eval_tasks=100",
         "--run.seed=0",
@@ -186,7 +186,7 @@ def fleet_run(tmp_path_factory):
     stopped_at = latest_version(open_store(store_dir))
     second = _pnyx(["run", "--resume", *common], root, root / "phase2.log")
     try:
-        phase2_rc = second.wait(timeout=240)
+        phase2_rc = second.wait(timeout=300)
     finally:
         if second.poll() is None:
             second.kill()

@@ -120,6 +120,35 @@ def test_external_group_is_used_at_most_once(model_a):
     assert me.drops["short_external"] == 2
 
 
+def test_wait_peers_makes_the_first_round_wait_for_a_peer_that_has_not_shared_yet(model_a):
+    """A live peer that shares only later (slow to generate) still makes the first round's mix; without
+    anyone sharing, the wait ends at its deadline and the node trains alone."""
+    import threading
+    import time
+
+    store = open_store("memory://")
+    peer = _node(store, "p1", _cfg(local_groups=2, external_groups=0), model_a)
+    peer.heartbeat("starting")  # live, nothing shared yet
+    me = _node(store, "me", _cfg(local_groups=1, external_groups=2, wait_peers=1, peer_timeout_s=30), model_a)
+    later = threading.Timer(1.0, peer.round)
+    later.start()
+    t0 = time.monotonic()
+    (stats,) = me.run(1)
+    later.join()
+    assert stats.external_groups == 2 and me.peers_seen == {"p1"}
+    assert 0.9 < time.monotonic() - t0 < 30
+
+    quiet = open_store("memory://")
+    _node(quiet, "silent", _cfg(local_groups=1, external_groups=0), model_a).heartbeat("starting")
+    me2 = _node(
+        quiet, "me2", _cfg(local_groups=1, external_groups=2, wait_peers=1, peer_timeout_s=1.5), model_a
+    )
+    t0 = time.monotonic()
+    (alone,) = me2.run(1)
+    assert alone.external_groups == 0 and alone.step is not None  # trained alone after the deadline
+    assert 1.4 < time.monotonic() - t0 < 10
+
+
 def test_variance_preference_and_per_peer_cap():
     import random
 

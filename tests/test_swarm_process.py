@@ -59,7 +59,8 @@ def node_cmd(url: str, name: str, model: Path, rounds: int, *extra: str) -> list
     ]  # fmt: skip
 
 
-def _run_swarm(url: str, model: Path, env: dict[str, str]) -> None:
+def _run_swarm(url: str, model: Path, env: dict[str, str]) -> dict[str, str]:
+    """Run the three nodes to the end; returns each node's output (for failure messages)."""
     # Every node waits (under a deadline) until the other two are live, so all of them overlap in time
     # however slowly each process starts on a loaded machine.
     wait = [f"--swarm.wait_peers={len(NODES) - 1}", "--swarm.peer_timeout_s=120"]
@@ -86,16 +87,18 @@ def _run_swarm(url: str, model: Path, env: dict[str, str]) -> None:
                 p.wait()
     for name, p, out in zip(NODES, procs, outputs, strict=True):
         assert p.returncode == 0, f"node {name} exited {p.returncode}:\n{out[-4000:]}"
+    return dict(zip(NODES, outputs, strict=True))
 
 
-def _check(url: str) -> None:
+def _check(url: str, outputs: dict[str, str]) -> None:
     store = open_store(url)
     for name in NODES:
         hb = decode_json(store.get(layout.swarm_heartbeat(name)), NodeHeartbeat)
+        out = outputs[name][-3000:]
         assert hb.status == "stopped" and hb.rounds == ROUNDS
         assert hb.version >= 1, f"node {name} never took a step"
         assert len(store.list(layout.swarm_dir(name))) == 2 * ROUNDS  # every local group was shared
-        assert hb.external_trained >= 1, f"node {name} never trained on a peer's group"
+        assert hb.external_trained >= 1, f"node {name} never trained on a peer's group:\n{out}"
         assert hb.peers_seen == len(NODES) - 1
 
 
@@ -103,8 +106,7 @@ def _check(url: str) -> None:
 def test_three_process_swarm_on_local_folder(swarm_env, tmp_path):
     model, env = swarm_env
     url = str(tmp_path / "swarm")
-    _run_swarm(url, model, env)
-    _check(url)
+    _check(url, _run_swarm(url, model, env))
 
 
 def _heartbeat(store, name: str) -> NodeHeartbeat | None:

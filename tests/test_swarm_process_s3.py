@@ -19,5 +19,4 @@ def swarm_env(tmp_path_factory):
 @pytest.mark.s3
 def test_three_process_swarm_on_s3(swarm_env, s3_url):
     model, env = swarm_env
-    _run_swarm(s3_url, model, env)
-    _check(s3_url)
+    _check(s3_url, _run_swarm(s3_url, model, env))

@@ -147,6 +147,7 @@ class SwarmNode:
         self.uploaded = 0
         self.local_trained = 0
         self.external_trained = 0
+        self._await_shared = False  # set by run() under swarm.wait_peers; cleared by the first round
         self.peers_seen: set[str] = set()
         self.last_reward = 0.0
         self.resumed_from = -1
@@ -343,6 +344,9 @@ class SwarmNode:
         local = self.generate()
         self.share(local)
         self.refresh()
+        if self._await_shared:  # the first round of this process with swarm.wait_peers: see the config
+            self._await_shared = False
+            self.wait_for_shared(self.cfg.swarm.wait_peers, self.cfg.swarm.peer_timeout_s)
         picked = self.sample_mix()
         external, stats.paths = self.prepare_external(picked)
         mix = self.local_scored(local) + external
@@ -371,6 +375,25 @@ class SwarmNode:
         log.info(stats.line(self.name))
         return stats
 
+    def wait_for_shared(self, n: int, deadline_s: float) -> int:
+        """Refresh (backoff 0.2 s to 2 s) until the pool holds candidates from `n` peers or `deadline_s`
+        passes; returns how many peers it holds candidates from. Called after this node shared its own
+        groups, so nodes waiting on each other never deadlock."""
+        end = time.monotonic() + deadline_s
+        delay = 0.2
+        while True:
+            have = len({c.peer for c in self.pool.candidates()})
+            if have >= n or time.monotonic() >= end:
+                if have < n:
+                    log.warning(
+                        "%s: %d of %d peers shared groups (waited %.0fs)", self.name, have, n, deadline_s
+                    )
+                return have
+            self.heartbeat("waiting")
+            time.sleep(min(delay, max(0.0, end - time.monotonic())))
+            delay = min(2.0, delay * 1.5)
+            self.refresh()
+
     def run(self, total_rounds: int, time_budget_s: float | None = None) -> list[RoundStats]:
         """Run rounds until the node has completed `total_rounds` (rounds restored from a checkpoint count)
         or the time budget is spent; checkpoint at a clean stop; the heartbeat says "stopped" at the end."""
@@ -378,6 +401,7 @@ class SwarmNode:
         sw = self.cfg.swarm
         if sw.wait_peers:
             self.feed.wait(sw.wait_peers, sw.peer_timeout_s, lambda: self.heartbeat("waiting"))
+            self._await_shared = True
         out = []
         t0 = time.monotonic()
         status, detail = "stopped", ""
