@@ -35,7 +35,7 @@ def measure(path: str, tasks_n: int, group: int, candidates: int, threads: int) 
     from pnyx.models import load_tokenizer, render_prompt
     from pnyx.rollout.engine import SamplingParams
     from pnyx.rollout.engines import make_engine
-    from pnyx.rollout.screen import informative
+    from pnyx.rollout.screen import choose
 
     torch.set_num_threads(threads)
     tok = load_tokenizer(path)
@@ -64,17 +64,21 @@ def measure(path: str, tasks_n: int, group: int, candidates: int, threads: int) 
             passed.append(sum(env.score(t, o.text).reward >= 1.0 for o in outs[j * group : (j + 1) * group]))
     gen_s = time.perf_counter() - t1
     zero = [k in (0, group) for k in passed]
-    rng = random.Random(0)
     n, m = 4, 4 * candidates
-    picked = total = 0
-    for _ in range(200):
-        order = list(range(tasks_n))
-        rng.shuffle(order)
-        for s in range(0, tasks_n - m + 1, m):
-            window = order[s : s + m]
-            best = sorted(window, key=lambda i: (-informative(ps[i], group), i))[:n]
-            picked += sum(zero[i] for i in best)
-            total += n
+    screened = {}
+    for rule in ("informative", "mastered"):  # the same shuffles for both rules
+        rng = random.Random(0)
+        picked = fail = total = 0
+        for _ in range(200):
+            order = list(range(tasks_n))
+            rng.shuffle(order)
+            for s in range(0, tasks_n - m + 1, m):
+                window = order[s : s + m]
+                best = [window[j] for j in choose([ps[i] for i in window], n, rule, group)]
+                picked += sum(zero[i] for i in best)
+                fail += sum(passed[i] == 0 for i in best)
+                total += n
+        screened[rule] = (picked / total, fail / total)
     per_candidate = screen_s / tasks_n
     per_group = gen_s / tasks_n
     return {
@@ -83,7 +87,11 @@ def measure(path: str, tasks_n: int, group: int, candidates: int, threads: int) 
         "mean_p": statistics.mean(ps),
         "corr": statistics.correlation(ps, [k / group for k in passed]),
         "zero_var_unscreened": sum(zero) / tasks_n,
-        "zero_var_screened": picked / total,
+        "all_fail_unscreened": sum(k == 0 for k in passed) / tasks_n,
+        "zero_var_screened": screened["informative"][0],
+        "all_fail_screened": screened["informative"][1],
+        "zero_var_mastered": screened["mastered"][0],
+        "all_fail_mastered": screened["mastered"][1],
         "candidate_over_group": per_candidate / per_group,
         "added_share": candidates * per_candidate / (candidates * per_candidate + per_group),
     }
@@ -104,14 +112,20 @@ def main() -> None:
         f"arith 2-digit, {args.tasks} train tasks x G={args.group_size}, {args.candidates} candidates per task"
     )
     print(
-        "model | pass | mean p | corr(p, pass) | zero-var unscreened | screened | candidate/group cost | added share"
+        "zero-var (all-fail part): as drawn | picked by `informative` | picked by `mastered`; "
+        "cost: one candidate's score / one group's generation"
+    )
+    print(
+        "model | pass | mean p | corr(p, pass) | as drawn | informative | mastered | candidate/group | added share"
     )
     for path in models:
         r = measure(path, args.tasks, args.group_size, args.candidates, args.threads)
         print(
             f"{Path(r['model']).name} | {r['pass']:.3f} | {r['mean_p']:.3f} | {r['corr']:.2f} | "
-            f"{r['zero_var_unscreened']:.3f} | {r['zero_var_screened']:.3f} | {r['candidate_over_group']:.3f} | "
-            f"{100 * r['added_share']:.1f}%"
+            f"{r['zero_var_unscreened']:.3f} ({r['all_fail_unscreened']:.3f}) | "
+            f"{r['zero_var_screened']:.3f} ({r['all_fail_screened']:.3f}) | "
+            f"{r['zero_var_mastered']:.3f} ({r['all_fail_mastered']:.3f}) | "
+            f"{r['candidate_over_group']:.3f} | {100 * r['added_share']:.1f}%"
         )
 
 

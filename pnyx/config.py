@@ -91,13 +91,18 @@ class WorkerConfig(_Section):
     curriculum: bool = False
     """Online difficulty filtering: prefer task levels whose observed pass rate is strictly between 0 and 1
     (pnyx/rollout/curriculum.py); a worker-side choice, task ids are unchanged."""
-    screen: Annotated[int, Field(ge=1, le=64)] = 1
+    screen: Annotated[int, Field(ge=1, le=64)] = 4
     """Pre-rollout screening: draw this many candidate tasks per task generated, score each by the policy's
     probability of the env's reference completion (one forward), and generate the ones most likely to make
-    a group with mixed rewards (pnyx/rollout/screen.py). 1 = off (the default: in `pnyx run`, 4 cut
-    zero-variance groups from 15% to 3% of generated but doubled pass@1 later; BENCHMARKS.md). Applies to
-    environments whose correct completion is essentially their reference (`arith` with tag answers) and
-    engines that can score (torch)."""
+    a group with mixed rewards (pnyx/rollout/screen.py); 1 = off. Applies to environments whose correct
+    completion is essentially their reference (`arith` with tag answers) and engines that can score (torch);
+    elsewhere it does nothing. With `screen_start_above` it cut `pnyx run`'s zero-variance groups from 16%
+    to 5-6% of generated without slowing pass@1 (BENCHMARKS.md)."""
+    screen_start_above: Annotated[float, Field(ge=0, lt=1)] = 0.15
+    """Screening starts once this share of the worker's recent groups had zero variance, then stays on (0:
+    from the first cohort). Early in a run the policy's p predicts little (correlation 0.32 with the pass
+    rate at the shipped model) and screening from the start slowed learning; zero-variance groups pile up
+    later, as tasks are mastered (27% by v175 in `pnyx run`), when p predicts well (0.89)."""
     poll_interval_s: Annotated[float, Field(gt=0, le=600)] = 1.0
     """How often a worker polls the weights HEAD for a newer version (with backoff on errors)."""
     heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0

@@ -164,6 +164,7 @@ def fleet_run(tmp_path_factory):
         # every group uploaded: test_training_reward_rises samples the policy's rewards, not only the groups
         # with reward variance (skipping all-0 and all-1 groups pulls early and late means together)
         "--worker.skip_zero_variance=false",
+        "--worker.screen=1",  # likewise: screening would pick tasks by their predicted pass rate
     ] + ([f"--model.path={model}"] if model else [])
     watcher = Watcher(store_dir)
     watcher.start()

@@ -145,3 +145,52 @@ def test_new_weights_recompute_the_cached_prefix():
     expected = fresh.reference_logprobs(prompts, refs, PARAMS)
     assert after == pytest.approx(expected, abs=1e-4)
     assert max(abs(a - b) for a, b in zip(after, before, strict=True)) > 1e-2
+
+
+class FixedP:
+    """An engine whose p for the i-th candidate of each pool is `ps[i]` (to test the rules exactly)."""
+
+    name = "fixed"
+
+    def __init__(self, ps: list[float]):
+        self.ps = ps
+
+    def reference_logprobs(self, prompts, refs, params):
+        assert len(prompts) == len(self.ps)
+        return [math.log(p) if p > 0 else -math.inf for p in self.ps]
+
+
+def test_mastered_rule_passes_over_the_most_mastered_tasks(engine):
+    """`mastered` drops the largest p^8; hard tasks (p near 0) are kept, unlike with `informative`."""
+    _, tok = engine
+    env = get_env("arith")
+    pool = env.sample("train", seed=4, n=8)
+    ps = [0.99, 0.01, 0.95, 0.5, 0.0, 0.93, 0.97, 0.2]
+    screen = Screen(env, FixedP(ps), tok, candidates=2, group_size=8, rule="mastered")
+    assert [t.id for t in screen.pick(pool, 4, PARAMS)] == [pool[i].id for i in (1, 3, 4, 7)]
+    informative_pick = Screen(env, FixedP(ps), tok, candidates=2, group_size=8).pick(pool, 4, PARAMS)
+    assert pool[4].id not in {t.id for t in informative_pick}  # p = 0 is never informative
+    # the four smallest p^8 (0.01, 0.2, 0.93, 0.95), in stream order
+    ps2 = [0.99, 0.01, 0.95, 0.97, 0.999, 0.93, 0.98, 0.2]
+    picked = Screen(env, FixedP(ps2), tok, candidates=2, group_size=8, rule="mastered").pick(pool, 4, PARAMS)
+    assert [t.id for t in picked] == [pool[i].id for i in (1, 2, 5, 7)]
+
+
+def test_screening_starts_once_the_zero_variance_share_crosses_its_threshold_and_stays_on(engine):
+    _, tok = engine
+    env = get_env("arith")
+    pool = env.sample("train", seed=4, n=8)
+    screen = Screen(env, FixedP([0.99] * 4 + [0.5] * 4), tok, candidates=2, group_size=8, rule="mastered",
+                    start_above=0.1)  # fmt: skip
+    assert not screen.started and screen.pool_size(4) == 4
+    assert [t.id for t in screen.pick(pool, 4, PARAMS)] == [t.id for t in pool[:4]] and screen.scored == 0
+    for _ in range(20):
+        screen.observe(0, 4)  # no zero-variance groups: stays off
+    assert not screen.started
+    for _ in range(3):
+        screen.observe(4, 4)  # every group zero-variance: the EMA passes 0.1 within 3 cohorts
+    assert screen.started and screen.pool_size(4) == 8
+    assert [t.id for t in screen.pick(pool, 4, PARAMS)] == [t.id for t in pool[4:]]
+    for _ in range(50):
+        screen.observe(0, 4)
+    assert screen.started  # stays on: mastery only grows over a run

@@ -241,7 +241,7 @@ def test_screening_worker_generates_the_screens_pick_and_records_its_cost(tmp_pa
     records the time spent screening next to the time generating."""
     from pnyx.envs import get_env
 
-    run = make_run(str(tmp_path / "run"), tiny_model_dir, screen=4)
+    run = make_run(str(tmp_path / "run"), tiny_model_dir, screen=4, screen_start_above=0.0)
     worker = Worker(run.store, WorkerOptions(worker_id="ws", max_groups=4))
     picks: list[list[str]] = []
     pools: list[list[str]] = []

@@ -38,7 +38,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pnyx.envs.base import Environment, Task
 
@@ -55,15 +55,60 @@ def informative(p: float, group_size: int) -> float:
     return 1.0 - p**group_size - (1.0 - p) ** group_size
 
 
-class Screen:
-    """Picks, from a pool of candidate tasks, those most likely to make a mixed group (module docstring)."""
+def all_pass(p: float, group_size: int) -> float:
+    """p^G: the chance that G independent samples with pass probability p all pass."""
+    return min(1.0, max(0.0, p)) ** group_size
 
-    def __init__(self, env: Environment, engine: Any, tokenizer: Any, candidates: int, group_size: int):
+
+Rule = Literal["mastered", "informative"]
+
+
+TRIGGER_EMA = 0.05
+"""Weight of one cohort in the zero-variance share that starts screening (about the last 20 cohorts)."""
+
+
+def choose(ps: Sequence[float], n: int, rule: Rule, group_size: int) -> list[int]:
+    """Indices (ascending: stream order) of the `n` candidates a rule keeps, given each one's pass probability.
+
+    `informative`: the n largest u(p). `mastered`: the n smallest p^G, the chance of an all-pass group: the
+    most mastered candidates are passed over, and tasks the policy cannot solve yet are kept like any
+    other (p^G is ~0 for both, ties go to stream order), so early in a run this keeps the stream as drawn.
+    """
+    if rule == "mastered":
+        key = lambda i: (all_pass(ps[i], group_size), i)  # noqa: E731
+    else:
+        key = lambda i: (-informative(ps[i], group_size), i)  # noqa: E731
+    return sorted(sorted(range(len(ps)), key=key)[:n])
+
+
+class Screen:
+    """Picks, from a pool of candidate tasks, those most likely to make a mixed group (module docstring).
+
+    rule: `informative` (the worker's) takes the n largest u(p); `mastered` passes over the candidates most
+    likely to give an all-pass group (largest p^G) and is kept for `bench_screen`'s comparison (`choose`). start_above: screening starts once the share
+    of zero-variance groups among this worker's recent cohorts (`observe`) exceeds it, and then stays on;
+    0 starts at once."""
+
+    def __init__(
+        self,
+        env: Environment,
+        engine: Any,
+        tokenizer: Any,
+        candidates: int,
+        group_size: int,
+        rule: Rule = "informative",
+        start_above: float = 0.0,
+    ):
         self.env = env
         self.engine = engine
         self.tokenizer = tokenizer
         self.candidates = max(1, int(candidates))
         self.group_size = group_size
+        self.rule: Rule = rule
+        self.start_above = start_above
+        self.zero_variance = 0.0
+        """Share of zero-variance groups among recent cohorts (EMA, weight TRIGGER_EMA)."""
+        self.started = start_above <= 0
         self.enabled = self.candidates > 1 and bool(getattr(env, "screen_by_reference", False))
         self.seconds = 0.0
         """Time spent scoring pools (the screening's whole cost)."""
@@ -72,15 +117,28 @@ class Screen:
         self.last_p: list[float] = []
         """p of the tasks picked by the last `pick` (for logs and tests)."""
 
+    def observe(self, zero_variance: int, groups: int) -> None:
+        """Record one generated cohort: `zero_variance` of its `groups` had all rewards equal."""
+        if groups <= 0 or self.started:
+            return
+        self.zero_variance += TRIGGER_EMA * (zero_variance / groups - self.zero_variance)
+        if self.zero_variance > self.start_above:
+            self.started = True
+            if self.enabled:
+                log.info(
+                    "screening on: %.0f%% of recent groups had zero variance (start_above %.0f%%)",
+                    100 * self.zero_variance, 100 * self.start_above,
+                )  # fmt: skip
+
     def pool_size(self, n: int) -> int:
         """How many candidates to draw for `n` tasks."""
-        return n * self.candidates if self.enabled else n
+        return n * self.candidates if self.enabled and self.started else n
 
     def pick(self, pool: Sequence[Task], n: int, params: SamplingParams) -> list[Task]:
         """The `n` tasks of `pool` with the largest u(p); `pool[:n]` when screening is off or cannot run."""
         from pnyx.models import render_prompt
 
-        if not self.enabled or len(pool) <= n:
+        if not self.enabled or not self.started or len(pool) <= n:
             return list(pool[:n])
         t0 = time.perf_counter()
         prompts = [list(render_prompt(self.tokenizer, t.prompt)) for t in pool]
@@ -97,8 +155,7 @@ class Screen:
             self.enabled = False
             return list(pool[:n])
         ps = [math.exp(min(0.0, float(lp))) if math.isfinite(lp) else 0.0 for lp in totals]
-        order = sorted(range(len(pool)), key=lambda i: (-informative(ps[i], self.group_size), i))[:n]
-        order.sort()  # keep stream order among the picked
+        order = choose(ps, n, self.rule, self.group_size)
         self.seconds += time.perf_counter() - t0
         self.scored += len(pool)
         self.last_p = [ps[i] for i in order]

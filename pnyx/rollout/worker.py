@@ -150,7 +150,9 @@ class Worker:
         self.engine = make_engine(
             engine, path, self.tokenizer, dtype=self.cfg.model.dtype, device=self.opts.device, plane=self.plane
         )  # fmt: skip
-        self.screen = Screen(self.env, self.engine, self.tokenizer, w.screen, w.group_size)
+        self.screen = Screen(
+            self.env, self.engine, self.tokenizer, w.screen, w.group_size, start_above=w.screen_start_above
+        )
         capacity = max(w.spool_max_groups, w.prompts_per_cohort)  # 0 in config: hold one cohort at most
         folder = spool_folder(self.opts.spool_dir, self.run_id, self.worker_id)
         self.spool = Spool(capacity, folder=folder, rekey=self._rekey)
@@ -232,6 +234,7 @@ class Worker:
         cohort and spool its groups. Never calls the store: the courier uploads."""
         from pnyx.envs import stable_hash
         from pnyx.rollout.cohort import CohortSpec, generate_cohort, sampling_params
+        from pnyx.train.advantages import is_zero_variance
 
         if (
             self.spool is None
@@ -296,6 +299,8 @@ class Worker:
         if self.curriculum is not None:
             self.curriculum.observe(tasks, result.groups)
         kept = self._spool_groups(result.groups)
+        zero = sum(is_zero_variance([s.reward for s in g.samples]) for g in result.groups)
+        self.screen.observe(zero, len(result.groups))
         self._kept_frac = 0.8 * self._kept_frac + 0.2 * kept / max(1, len(result.groups))
         self.rollouts += sum(len(g.samples) for g in result.groups)
         self.tokens += result.tokens
