@@ -82,6 +82,8 @@ def test_quarantine_rules_need_a_minimum_count_and_a_rate():
     assert quarantine_reason({"groups": 100, "implausible": 5}, None, q) is None  # under the rate
     assert quarantine_reason({"groups": 20, "implausible": 5}, None, q) is not None
     assert quarantine_reason({"groups": 0, "bad_signature": 50, "stale": 50}, None, q) is None  # never blamed
+    # a lying group is counted twice (its outcome and `reward_lie`) but judged once: 5 of 25, not 5 of 30
+    assert "5 of 25 groups" in (quarantine_reason({"groups": 25, "reward_lie": 5}, None, q) or "")
     liar = KeyEvidence(n=16, z_sum=16 * 2.0)  # each group z=+2 passes alone; together key z = 8
     assert "implausible sampling" in (quarantine_reason({"groups": 16}, liar, q) or "")
     drift = KeyEvidence(n=10_000, z_sum=10_000 * 0.1)  # a small honest bias over a long run
@@ -329,7 +331,7 @@ def test_step_rejects_hostile_groups_before_the_optimizer_step(shipped, budget):
     from pnyx.train.step import train_step
 
     model, tok = shipped
-    honest = [g for g in _generated(model, tok, 6, seed=1) if len(set(g.rewards)) > 1 or True][:3]
+    honest = _generated(model, tok, 6, seed=1)[:3]
     liar = _relabel(honest[0], layout.rollout_key(0, "liar", 0))
     for s in liar.group.samples:
         s.logprobs = [x - 0.5 for x in s.logprobs]  # made-up behaviour logprobs

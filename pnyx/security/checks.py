@@ -98,8 +98,10 @@ least one sample whose claimed reward differs from the re-score. Signature failu
 `bad_signature`) are not in it: the key inside a badly signed frame proves nothing, so it is never blamed
 (anyone could frame an honest key); `stale`, `zero_variance`, `unknown_version` and `duplicate` happen to
 honest workers."""
-JUDGED = frozenset({"groups", "zero_variance"}) | FAULTS
-"""Per-key counters whose sum is the number of the key's groups the trainer judged."""
+JUDGED = (frozenset({"groups", "zero_variance"}) | FAULTS) - {"reward_lie"}
+"""Per-key counters whose sum is the number of the key's groups the trainer judged. `reward_lie` is not
+one: it is counted beside the group's own outcome (`groups`, `zero_variance` or the step's drop reason),
+so adding it would count a lying group twice and halve the key's fault rate."""
 
 
 class KeyEvidence(msgspec.Struct):
