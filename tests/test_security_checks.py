@@ -186,6 +186,22 @@ def test_a_statistical_liar_is_quarantined_by_its_running_z(tmp_path):
     assert "implausible sampling" in ing.cursor.quarantined[LIAR.fingerprint]
 
 
+def test_a_name_squatter_cannot_get_the_honest_owner_quarantined(tmp_path):
+    """Names are first come, first bound: the squatter's key binds an honest worker's name first, so the
+    honest worker's groups under it are `id_theft`. They are rejected, but never blamed on its key."""
+    store = open_store(tmp_path / "s")
+    ing = _ingestor(store)
+    _put(store, make_group(0, "w1", 0, task_index=50), LIAR)  # the squatter takes the name
+    ing.poll(0)
+    victim = [_put(store, make_group(0, "w1", 1 + i, task_index=i), HONEST) for i in range(8)]
+    own = _put(store, make_group(0, "w2", 0, task_index=20), HONEST)
+    ing.poll(0)
+    assert all(ing.cursor.rejected.get(k) == "id_theft" for k in victim)
+    assert ing.cursor.by_key[HONEST.fingerprint]["id_theft"] == 8
+    assert HONEST.fingerprint not in ing.cursor.quarantined
+    assert own in ing._ready  # its groups under its other name are still trained on
+
+
 # --- per-key caps ---------------------------------------------------------------------------------------
 
 

@@ -90,14 +90,16 @@ FAULTS = frozenset(
         "prompt_mismatch",
         "sampling_mismatch",
         "over_budget",
-        "id_theft",
     }
 )
 """Per-key counters (`Cursor.by_key`) that count a faulty group of that key. `reward_lie`: a group with at
 least one sample whose claimed reward differs from the re-score. Signature failures (`unsigned`,
 `bad_signature`) are not in it: the key inside a badly signed frame proves nothing, so it is never blamed
 (anyone could frame an honest key); `stale`, `zero_variance`, `unknown_version` and `duplicate` happen to
-honest workers."""
+honest workers. `id_theft` is not in it either: names are first come, first bound, so an attacker who
+takes an honest worker's name first makes every group of that worker an `id_theft`; blaming the key
+would then quarantine the honest key under all its names. A thief's groups under a stolen name are
+rejected one by one anyway (one GET each)."""
 JUDGED = (frozenset({"groups", "zero_variance"}) | FAULTS) - {"reward_lie"}
 """Per-key counters whose sum is the number of the key's groups the trainer judged. `reward_lie` is not
 one: it is counted beside the group's own outcome (`groups`, `zero_variance` or the step's drop reason),
