@@ -55,11 +55,14 @@ def _entropy(logp: torch.Tensor) -> torch.Tensor:
 
 
 def _surprise_var(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
-    """Var[log p(X)] for X ~ p, per position: E[(log p)^2] - H^2 (no gradient; excluded tokens weigh 0)."""
+    """Var[log p(X)] for X ~ p, per position: E[(log p)^2] - H^2 (no gradient; excluded tokens weigh 0).
+
+    Two full-vocabulary temporaries (p and (log p)^2), not four: log p is clamped at -1e4 instead of
+    masked (exp(-1e4) is 0 in every float format, so an excluded token still weighs exactly 0)."""
     with torch.no_grad():
-        lp = logp.detach().float()
+        lp = logp.detach().float().clamp(min=-1e4)  # a copy: logp itself is left alone
         p = lp.exp()
-        second = (p * torch.where(p > 0, lp * lp, torch.zeros_like(lp))).sum(-1)
+        second = torch.linalg.vecdot(p, lp.square_())
         return (second - entropy.detach().float() ** 2).clamp(min=0.0)
 
 
