@@ -181,6 +181,37 @@ class TrainerConfig(_Section):
     """Also write metrics to TensorBoard (needs `pnyx[tensorboard]`)."""
     wandb_project: str | None = None
     """Also log metrics to this Weights & Biases project (needs `pnyx[wandb]`)."""
+    lp_gap_base: Annotated[float, Field(gt=0)] | None = 0.03
+    """Logprob-gap check (docs/security.md): a group whose mean |claimed − trainer| behaviour logprob over
+    its model tokens exceeds lp_gap_base + lp_gap_per_version · staleness is dropped (`logprob_gap`), from
+    the step's own forward. Measured honest max (tiny model, arith, torch engine): see docs/security.md.
+    None: off."""
+    lp_gap_per_version: Annotated[float, Field(ge=0)] = 0.25
+    """Allowance added to the logprob-gap bound per version of staleness (it was measured at the default
+    learning rate: raise it with the rate)."""
+    plausibility_z: Annotated[float, Field(gt=0)] | None = 4.5
+    """Token-plausibility check: |z| beyond this drops a group (`implausible`); z is ~N(0,1) for honest
+    sampling at the claimed settings (docs/security.md). None: off."""
+    quarantine_rate: Prob | None = 0.2
+    """A worker key is quarantined once this share of its judged groups failed a check (reward, logprob
+    gap, plausibility, malformed records; signature failures are never blamed on a key), with at least
+    `quarantine_min` failed groups. Its later groups are counted from the listing, never downloaded.
+    None: no quarantine on failure rates."""
+    quarantine_min: Annotated[int, Field(ge=1, le=1_000_000)] = 5
+    """Failed groups a key needs before `quarantine_rate` can quarantine it."""
+    quarantine_key_z: Annotated[float, Field(gt=0)] | None = 5.0
+    """A key whose running plausibility statistic Σ z / sqrt(n) over at least 8 checked groups exceeds this
+    in absolute value (and whose mean z is off by at least 0.5) is quarantined: a statistical liar whose
+    single groups pass. None: off."""
+    max_key_share: Annotated[float, Field(gt=0, le=1)] | None = 0.5
+    """One worker key takes at most ceil(share · groups_per_step) places of a batch while other keys'
+    groups can fill the rest; places the others cannot fill at that moment go to it, so one worker alone
+    still fills every batch and a batch never waits for a slow or dead key. None: no share cap."""
+    max_groups_per_key_step: Annotated[int, Field(ge=1, le=4096)] | None = None
+    """Hard cap on one key's groups in one batch (binds even when it is alone: a solo worker then cannot
+    fill a batch larger than this). None: none."""
+    max_groups_per_key_version: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    """Hard cap on one key's groups generated at one policy version that are ever trained on. None: none."""
 
 
 class AlgorithmConfig(_Section):

@@ -260,6 +260,20 @@ def backlog_text(snap: Snapshot) -> str:
     return f"waiting {b.get('waiting', 0)} · fetched {b.get('fetched', 0)} · dropped {dropped}"
 
 
+def quarantine_text(snap: Snapshot) -> str | None:
+    """`2 keys: 3f2a…91 (5 of 9 groups faulty (implausible 5)), ...` from the trainer's newest report."""
+    q = snap.trainer.get("quarantined") or snap.last.get("quarantined") or {}
+    if not isinstance(q, dict) or not q:
+        return None
+    keys = snap.trainer.get("keys") or {}
+    parts = []
+    for fp, why in sorted(q.items())[:4]:
+        names = ",".join((keys.get(fp) or {}).get("names") or [])
+        parts.append(f"{fp[:8]}…{(' ' + names) if names else ''} ({why})")
+    more = f", +{len(q) - 4} more" if len(q) > 4 else ""
+    return f"{len(q)} key{'s' if len(q) != 1 else ''}: " + "; ".join(parts) + more
+
+
 def rates_text(snap: Snapshot) -> str:
     """`supply 12.0 groups/s vs consumption 8.1 groups/s`."""
     return (
@@ -335,6 +349,11 @@ def plain_line(snap: Snapshot) -> str:
         f"supply={_fmt(snap.supply_groups_per_s, '.2f')}g/s consume={_fmt(snap.consumption_groups_per_s, '.2f')}g/s "
         f"backlog=waiting:{b.get('waiting', '-')},fetched:{b.get('fetched', '-')} "
         f"trainer={(snap.trainer.get('phase') or '-')} workers={workers or '-'}"
+        + (
+            f" quarantined={len(q)}"
+            if (q := snap.trainer.get("quarantined") or snap.last.get("quarantined"))
+            else ""
+        )
     )
 
 
@@ -366,6 +385,9 @@ def render(snap: Snapshot, title: str = "pnyx") -> Any:
     summary.add_row("gate-masked", "-" if masked is None else f"{100 * masked:.2f}%")
     summary.add_row("groups", rates_text(snap))
     summary.add_row("backlog", backlog_text(snap))
+    quarantined = quarantine_text(snap)
+    if quarantined:
+        summary.add_row("quarantined", quarantined)
     doing = trainer_text(snap)
     if doing:
         summary.add_row("trainer", doing)

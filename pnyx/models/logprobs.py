@@ -20,7 +20,7 @@ imports this module.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,18 @@ def sampling_logprobs(
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
     p = logp.exp()
     return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
+
+
+def _surprise_var(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """Var[log p(X)] for X ~ p, per position: E[(log p)^2] - H^2 (no gradient; excluded tokens weigh 0).
+
+    Two full-vocabulary temporaries (p and (log p)^2), not four: log p is clamped at -1e4 instead of
+    masked (exp(-1e4) is 0 in every float format, so an excluded token still weighs exactly 0)."""
+    with torch.no_grad():
+        lp = logp.detach().float().clamp(min=-1e4)  # a copy: logp itself is left alone
+        p = lp.exp()
+        second = torch.linalg.vecdot(p, lp.square_())
+        return (second - entropy.detach().float() ** 2).clamp(min=0.0)
 
 
 def _split_rows(lengths: list[int], max_tokens: int | None) -> list[tuple[int, int]]:
@@ -119,7 +131,8 @@ def _chunk_logprobs(
     top_p: float,
     with_entropy: bool,
     width: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    with_var: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     device = next(model.parameters()).device
     seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
     seq_len = max(len(s) for s in seqs)
@@ -141,8 +154,23 @@ def _chunk_logprobs(
     logits = _picked_logits(model, ids, attn, gather_pos)
     logp_all = sampling_logprobs(logits, temperature, top_k, top_p)
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-    ent = _entropy(logp_all) if with_entropy else None
-    return logp, ent
+    ent = _entropy(logp_all) if with_entropy or with_var else None
+    var = _surprise_var(logp_all, ent) if with_var and ent is not None else None
+    return logp, ent, var
+
+
+class CompletionStats(NamedTuple):
+    """What one forward gives about completions (see `completion_stats`)."""
+
+    logp: torch.Tensor
+    """[B, T] float32 log-probability of each completion token under the sampling distribution."""
+    mask: torch.Tensor
+    """[B, T] bool, True on real completion tokens."""
+    entropy: torch.Tensor | None
+    """[B, T] entropy H_t of the sampling distribution at each position (with_entropy or with_var)."""
+    var: torch.Tensor | None
+    """[B, T] Var[log p(X_t)] under that distribution (with_var): with H_t, the mean and variance of the
+    sampled token's log-probability under honest sampling (the plausibility test, `pnyx.security.checks`)."""
 
 
 def completion_logprobs(
@@ -163,6 +191,25 @@ def completion_logprobs(
     bounds rows x padded length per forward; rows are then processed in chunks (results are identical).
     Every prompt needs at least one token.
     """
+    out = completion_stats(
+        model, prompt_ids, completion_ids, temperature, top_k, top_p, with_entropy, max_tokens
+    )
+    return out.logp, out.mask, out.entropy
+
+
+def completion_stats(
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    with_entropy: bool = False,
+    max_tokens: int | None = None,
+    with_var: bool = False,
+) -> CompletionStats:
+    """`completion_logprobs`, plus (with_var) the variance of log p under the sampling distribution at
+    every position, from the same forward (no gradient flows through the entropy's second moment)."""
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
     if any(len(p) == 0 for p in prompt_ids):
@@ -178,20 +225,26 @@ def completion_logprobs(
     mask = mask.to(device)
     if rows == 0 or width == 0:
         empty = torch.zeros(rows, width, dtype=torch.float32, device=device)
-        return empty, mask, (empty.clone() if with_entropy else None)
+        ent0 = empty.clone() if with_entropy or with_var else None
+        return CompletionStats(empty, mask, ent0, empty.clone() if with_var else None)
 
     lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
-    parts, ents = [], []
+    parts, ents, vars_ = [], [], []
     for a, b in _split_rows(lengths, max_tokens):
-        lp, ent = _chunk_logprobs(
-            model, prompt_ids[a:b], completion_ids[a:b], temperature, top_k, top_p, with_entropy, width
-        )
+        lp, ent, var = _chunk_logprobs(
+            model, prompt_ids[a:b], completion_ids[a:b], temperature, top_k, top_p, with_entropy, width,
+            with_var,
+        )  # fmt: skip
         parts.append(lp)
         ents.append(ent)
+        vars_.append(var)
     logp = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
     logp = logp.masked_fill(~mask, 0.0)
-    entropy = None
-    if with_entropy:
+    entropy = var_out = None
+    if with_entropy or with_var:
         entropy = torch.cat(ents, 0) if len(ents) > 1 else ents[0]
         entropy = entropy.masked_fill(~mask, 0.0)
-    return logp, mask, entropy
+    if with_var:
+        var_out = torch.cat(vars_, 0) if len(vars_) > 1 else vars_[0]
+        var_out = var_out.masked_fill(~mask, 0.0)
+    return CompletionStats(logp, mask, entropy, var_out)

@@ -45,7 +45,7 @@ import logging
 import math
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -56,6 +56,16 @@ import msgspec
 from pnyx.errors import NotFoundError, RecordRejected, StoreUnavailableError
 from pnyx.protocol import layout
 from pnyx.protocol.codec import frame_signer
+from pnyx.security.checks import (
+    FAULTS,
+    CheckSettings,
+    GroupEvidence,
+    KeyEvidence,
+    QuarantineSettings,
+    add_evidence,
+    quarantine_reason,
+    summary,
+)
 from pnyx.security.keys import fingerprint
 from pnyx.store import Store
 from pnyx.train.advantages import AdvantageMode, is_zero_variance
@@ -88,6 +98,17 @@ class IngestSettings:
     top_p: float | None = None
     top_k: int | None = None
     max_new_tokens: int | None = None
+    checks: CheckSettings = field(default_factory=CheckSettings)
+    """The step's sampling checks (their per-key evidence is folded into the cursor at `commit`)."""
+    quarantine: QuarantineSettings | None = field(default_factory=QuarantineSettings)
+    """When a signing key is quarantined (None: never)."""
+    max_key_share: float | None = None
+    """At most ceil(share · n) places of a batch of n go to one key while other keys' groups can fill the
+    rest; places the others cannot fill now go to it (one worker alone still fills a batch)."""
+    max_groups_per_key_step: int | None = None
+    """Hard cap: groups of one key in one batch (None: none)."""
+    max_groups_per_key_version: int | None = None
+    """Hard cap: groups of one key generated at one policy version that are ever trained on (None: none)."""
 
 
 class Cursor(msgspec.Struct):
@@ -108,6 +129,12 @@ class Cursor(msgspec.Struct):
     by_key: dict[str, dict[str, int]] = {}
     """Key fingerprint -> counters: `groups` consumed, `scored` samples, `disagreements`, and each drop
     reason of its groups (reputation and quotas attach to keys, not to claimed names)."""
+    evidence: dict[str, KeyEvidence] = {}
+    """Key fingerprint -> its running plausibility statistic over the groups the step checked."""
+    quarantined: dict[str, str] = {}
+    """Key fingerprint -> why it was quarantined: its later groups are counted from the listing (by the
+    worker names bound to it) and never downloaded; a group it signs under a new name is refused after
+    one GET, and that name is bound to it."""
     swept_below: int = 0
     """Versions below this have left the window and been swept for stale drops."""
     consumed: int = 0
@@ -171,6 +198,7 @@ class Ingestor(WindowListings):
         self._outcomes: deque[str] = deque(maxlen=OUTCOMES)  # "ok", "zv_hard/easy/flat", or a reason
         self._closed = False  # after close(), results of abandoned calls no longer touch the state
         self._selecting = threading.RLock()  # held by `select`: listings merge before or after it
+        self._committing = False  # inside `commit` (under the lock): quarantine waits for its end
         self.listed = 0
         """Keys listed so far by this process (all versions)."""
         self.fetched = 0
@@ -185,11 +213,48 @@ class Ingestor(WindowListings):
         self._count_key(g.signer, "scored", len(g.rewards))
         if bad:
             self._count_key(g.signer, "disagreements", bad)
+            self._count_key(g.signer, "reward_lie")  # a faulty group (pnyx.security.checks.FAULTS)
 
     def _count_key(self, fingerprint: str, what: str, n: int = 1) -> None:
         if fingerprint:
             counts = self.cursor.by_key.setdefault(fingerprint, {})
             counts[what] = counts.get(what, 0) + n
+            if what in FAULTS and not self._committing:
+                self._check_quarantine(fingerprint)
+
+    def _check_quarantine(self, fp: str) -> None:
+        """Quarantine `fp` if its counters or evidence cross the settings' rates (caller holds the lock)."""
+        q = self.settings.quarantine
+        if q is None or not fp or fp in self.cursor.quarantined:
+            return
+        why = quarantine_reason(self.cursor.by_key.get(fp, {}), self.cursor.evidence.get(fp), q)
+        if why is not None:
+            self.quarantine(fp, why)
+
+    def quarantine(self, fp: str, why: str) -> None:
+        """Quarantine key `fp` now: its fetched groups and the listed keys of the names bound to it are
+        rejected as `quarantined` (counted, never downloaded), and so is everything it uploads later."""
+        with self._lock:
+            if fp in self.cursor.quarantined:
+                return
+            self.cursor.quarantined[fp] = why
+            log.warning("ingest: quarantined worker key %s: %s", fp, why)
+            for key in [k for k, g in self._ready.items() if g.signer == fp]:
+                self._reject(key, "quarantined")
+            for name in [n for n, bound in self.cursor.keys.items() if bound == fp]:
+                self._purge_name(name)
+
+    def _purge_name(self, worker: str) -> None:
+        """Reject every listed, unfetched key of a name bound to a quarantined key (caller holds the lock)."""
+        for lst in self._versions.values():
+            for key in list(lst.pending.get(worker, [])):
+                if key not in self._futures:  # one being fetched is judged when it lands
+                    self._reject(key, "quarantined")
+
+    def _quarantined_name(self, worker: str) -> bool:
+        """The name is bound to a quarantined key (caller holds the lock)."""
+        bound = self.cursor.keys.get(worker)
+        return bound is not None and bound in self.cursor.quarantined
 
     def _admit(self, key: str) -> None:
         """Fetch and score one listed key; file it as ready or rejected (runs in a pool thread)."""
@@ -221,6 +286,10 @@ class Ingestor(WindowListings):
             lst = self._versions.get(scored.version)
             if lst is None or scored.version < self.cursor.swept_below:
                 return  # its version was swept meanwhile
+            if scored.signer in self.cursor.quarantined:  # quarantined while it was being fetched
+                self._reject(key, "quarantined")
+                self._count_key(scored.signer, "quarantined")
+                return
             if is_zero_variance(scored.rewards):
                 self._count_scored(scored)
                 self._count_key(scored.signer, "zero_variance")
@@ -337,6 +406,13 @@ class Ingestor(WindowListings):
         fp = fingerprint(frame_signer(data))
         with self._lock:
             bound = self.cursor.keys.get(worker)
+            if fp in self.cursor.quarantined and (bound is None or bound == fp):
+                if bound is None:  # its later groups under this name: never fetched
+                    self.cursor.keys[worker] = fp
+                    self._purge_name(worker)
+                e = RecordRejected("quarantined", f"key {fp} is quarantined: {self.cursor.quarantined[fp]}")
+                e.signer = fp
+                raise e
         if bound is not None and bound != fp:
             raise _theft(worker, bound, fp)
         return fp
@@ -357,21 +433,49 @@ class Ingestor(WindowListings):
         return min(4 * n, math.ceil(n / ok) - n)
 
     def plan(self, version: int, n: int, exclude: Iterable[str] = (), extra: int | None = None) -> Plan:
-        """Walk the ranking until `n` groups are chosen or pending a fetch (see `Plan`)."""
+        """Walk the ranking until `n` groups are chosen or pending a fetch (see `Plan`), honouring the
+        per-prompt cap and the per-key caps (`max_groups_per_key_step`, `max_groups_per_key_version`,
+        `max_key_share`). A group over the share cap is deferred, not skipped: once the ranking is
+        exhausted, deferred groups fill the places no other key could (in ranking order)."""
         exclude = frozenset(exclude)
-        cap = self.settings.max_groups_per_prompt
+        s = self.settings
+        cap = s.max_groups_per_prompt
+        share = math.ceil(s.max_key_share * n) if s.max_key_share is not None and n < 1 << 30 else None
         chosen: list[ScoredGroup] = []
         unknown: list[str] = []
         more: list[str] = []
+        deferred: list[str] = []  # over the share cap, in ranking order (fetched or not)
         per_prompt: Counter[str] = Counter()
+        per_key: Counter[str] = Counter()  # chosen, or pending a fetch under a name bound to the key
+
+        def take(item: str, g: ScoredGroup | None, fill: bool) -> None:
+            if g is None:
+                unknown.append(item)
+                parsed = layout.parse_rollout_key(item)
+                fp = self.cursor.keys.get(parsed[1]) if parsed is not None else None
+                if fp:
+                    per_key[fp] += 1
+                return
+            if per_prompt[g.task_id] >= cap or not self._within_caps(g, per_key, used):
+                return
+            if not fill and share is not None and g.signer and per_key[g.signer] >= share:
+                deferred.append(item)
+                return
+            per_prompt[g.task_id] += 1
+            per_key[g.signer] += 1
+            if used is not None:
+                used[(g.signer, g.version)] += 1
+            chosen.append(g)
+
         with self._lock:
+            used = self._used_per_key_version() if s.max_groups_per_key_version is not None else None
             below = self._extra(n) if extra is None else extra  # places below the top worth fetching
             for item in ranked(
                 self._versions,
                 self.cursor.uses,
                 version,
                 self._low(version),
-                self.settings.max_reuse,
+                s.max_reuse,
                 exclude,
             ):
                 if isinstance(item, int):
@@ -384,12 +488,43 @@ class Ingestor(WindowListings):
                     if g is None:
                         more.append(item)
                     continue
-                if g is None:
-                    unknown.append(item)
-                elif per_prompt[g.task_id] < cap:
-                    per_prompt[g.task_id] += 1
-                    chosen.append(g)
+                if g is None and share is not None:
+                    parsed = layout.parse_rollout_key(item)
+                    fp = self.cursor.keys.get(parsed[1]) if parsed is not None else None
+                    if fp and per_key[fp] >= share:
+                        deferred.append(item)  # its key is at the cap: not fetched unless needed
+                        continue
+                take(item, g, fill=False)
+            else:
+                for item in deferred:  # the ranking is exhausted: places no other key can fill now
+                    if len(chosen) + len(unknown) >= n:
+                        break
+                    take(item, self._ready.get(item), fill=True)
         return Plan(chosen, unknown, more, None)
+
+    def _within_caps(
+        self, g: ScoredGroup, per_key: Counter[str], used: Counter[tuple[str, int]] | None
+    ) -> bool:
+        """The hard per-key caps allow one more group of `g`'s key (caller holds the lock)."""
+        s = self.settings
+        if not g.signer:
+            return True
+        if s.max_groups_per_key_step is not None and per_key[g.signer] >= s.max_groups_per_key_step:
+            return False
+        cap = s.max_groups_per_key_version
+        return used is None or cap is None or used[(g.signer, g.version)] < cap
+
+    def _used_per_key_version(self) -> Counter[tuple[str, int]]:
+        """(key fingerprint, version) -> groups of that key and version consumed so far (from the uses of
+        the window's keys and the names' bindings; caller holds the lock)."""
+        out: Counter[tuple[str, int]] = Counter()
+        for k, n in self.cursor.uses.items():
+            parsed = layout.parse_rollout_key(k)
+            if n > 0 and parsed is not None:
+                fp = self.cursor.keys.get(parsed[1])
+                if fp is not None:
+                    out[(fp, parsed[0])] += 1
+        return out
 
     def select(
         self, version: int, n: int, stop: Callable[[], bool] | None = None
@@ -433,19 +568,43 @@ class Ingestor(WindowListings):
         """How many fetched, valid groups a selection at `version` could take now (without a size limit)."""
         return len(self.plan(version, 1 << 30, extra=0).chosen)
 
-    def commit(self, keys: Iterable[str], groups: Iterable[ScoredGroup] = ()) -> None:
+    def commit(
+        self,
+        keys: Iterable[str],
+        groups: Iterable[ScoredGroup] = (),
+        rejected: Mapping[str, str] | None = None,
+        evidence: Mapping[str, GroupEvidence] | None = None,
+    ) -> None:
         """Record that one step consumed these groups (each once). `groups` (the scored groups of those
-        keys, when the caller has them) feed the per-worker re-score counters."""
+        keys, when the caller has them) feed the per-worker re-score counters; `rejected` (key -> reason)
+        are the groups the step's checks removed from its update (counted as drops against their key);
+        `evidence` (key -> the step's `GroupEvidence`) feeds each key's running plausibility statistic.
+        Quarantines the keys whose counters cross the settings' rates."""
         keys = list(keys)
         if len(set(keys)) != len(keys):
             raise ValueError("a step's batch must not contain the same group twice")
         by_key = {g.key: g for g in groups}
+        rejected = rejected or {}
+        evidence = evidence or {}
+        touched: set[str] = set()
         with self._lock:
+            self._committing = True  # quarantine once the batch is booked (its keys are used, not rejected)
             for k in keys:
                 g = by_key.get(k) or self._ready.get(k)
                 if g is not None:
                     self._count_scored(g)
-                    self._count_key(g.signer, "groups")
+                    ev = evidence.get(k)
+                    if ev is not None and g.signer:
+                        kev = self.cursor.evidence.setdefault(g.signer, KeyEvidence())
+                        add_evidence(kev, ev, self.settings.checks)
+                    reason = rejected.get(k)
+                    if reason is not None:
+                        self._drop(reason)
+                    self._count_key(g.signer, reason or "groups")
+                    if g.signer:
+                        touched.add(g.signer)
+                elif k in rejected:
+                    self._drop(rejected[k])
                 self.cursor.uses[k] = self.cursor.uses.get(k, 0) + 1
                 self.cursor.consumed += 1
                 if self.cursor.uses[k] >= self.settings.max_reuse:
@@ -453,6 +612,9 @@ class Ingestor(WindowListings):
                     parsed = layout.parse_rollout_key(k)
                     if parsed is not None and parsed[0] in self._versions:
                         self._versions[parsed[0]].remove_pending(k)
+            self._committing = False
+            for fp in sorted(touched):
+                self._check_quarantine(fp)
 
     # --- what the trainer reports ---------------------------------------------------------------------
 
@@ -487,4 +649,29 @@ class Ingestor(WindowListings):
                 "disagreements": dict(self.cursor.disagreements),
                 "scored": dict(self.cursor.scored),
                 "consumed": self.cursor.consumed,
+                "quarantined": dict(self.cursor.quarantined),
             }
+
+    def key_report(self, limit: int | None = None) -> dict[str, dict[str, Any]]:
+        """Per signing key: its counters, its plausibility evidence (`key_z`, `mean_z`, groups checked),
+        the worker names bound to it and whether it is quarantined (and why): for `pnyx status` and the
+        attack benchmark. `limit`: at most that many keys, quarantined ones first, then by faults."""
+        with self._lock:
+            names: dict[str, list[str]] = {}
+            for name, fp in self.cursor.keys.items():
+                names.setdefault(fp, []).append(name)
+            out = {}
+            for fp in sorted(
+                set(self.cursor.by_key) | set(self.cursor.evidence) | set(self.cursor.quarantined)
+            ):
+                counts = self.cursor.by_key.get(fp, {})
+                out[fp] = {
+                    **summary(counts, self.cursor.evidence.get(fp)),
+                    "counts": dict(counts),
+                    "names": sorted(names.get(fp, [])),
+                    "quarantined": self.cursor.quarantined.get(fp),
+                }
+        if limit is not None and len(out) > limit:
+            order = sorted(out, key=lambda fp: (out[fp]["quarantined"] is None, -out[fp]["faults"], fp))
+            out = {fp: out[fp] for fp in order[:limit]}
+        return out

@@ -145,6 +145,10 @@ class WindowListings:
     _ready: dict[str, Any]
     _left_at: dict[int, float]
 
+    def _quarantined_name(self, worker: str) -> bool:
+        """The worker name is bound to a quarantined key (the ingestor knows; caller holds the lock)."""
+        return False
+
     def window(self, version: int) -> range:
         """Rollout versions the trainer at `version` may train on: [version - max_staleness, version]."""
         return range(self._low(version), version + 1)
@@ -226,6 +230,9 @@ class WindowListings:
                 return
         lst.ids[ident] = key
         if key in self.cursor.rejected or self.cursor.uses.get(key, 0) >= self.settings.max_reuse:
+            return
+        if self._quarantined_name(parsed[1]):
+            self._reject(key, "quarantined")  # counted from the listing, never downloaded
             return
         lst.add_pending(key, parsed[1])
 

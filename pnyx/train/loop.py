@@ -53,7 +53,7 @@ from pnyx.train import bootstrap, checkpoint, checkpointer
 from pnyx.train.ingest import Ingestor, ScoredGroup
 from pnyx.train.prefetch import Prefetcher
 from pnyx.train.progress import Progress, format_line, reward_parts
-from pnyx.train.settings import ingest_settings, loss_settings
+from pnyx.train.settings import check_settings, ingest_settings, loss_settings
 from pnyx.train.step import StepStats, make_optimizer, train_step
 from pnyx.train.supply import DemandPublisher
 
@@ -61,6 +61,8 @@ log = logging.getLogger("pnyx.train")
 
 CRASH_ENV = "PNYX_TEST_CRASH_AT"
 INGEST_DELAY_ENV = "PNYX_TEST_INGEST_DELAY_S"
+STATUS_KEYS = 32
+"""`trainer/status.json` reports at most this many worker keys (quarantined first, then by faults)."""
 
 
 def _crash_point(name: str, version: int) -> None:
@@ -343,6 +345,7 @@ class Trainer:
             lr=batch.lr,
             dist=self.dist,
             compute_dtype=self.compute_dtype,
+            checks=check_settings(self.cfg),
         )
 
     def _wait_for_batch(self) -> list[ScoredGroup] | None:
@@ -394,7 +397,7 @@ class Trainer:
         if self.dist.is_main:
             self._digests[target] = manifest_digests(m)
             self._ingest.note_published(target)
-            self._ingest.commit(batch.keys, batch.groups)
+            self._ingest.commit(batch.keys, batch.groups, stats.rejected, stats.evidence)
             self.prefetcher.ahead(target)
         self.version = target
         _crash_point("after_publish", target)
@@ -496,6 +499,8 @@ class Trainer:
             "ingest_wait_s": self._ingest_wait_s,
             "prefetch_busy_s": round(self.prefetcher.busy_s, 3),
             "lp_gap_engine": s.lp_gap_engine,
+            "rejected": dict(Counter(s.rejected.values())),
+            "undo_s": round(s.undo_s, 4),
             **self._ingest.stats(),
         }
 
@@ -515,6 +520,7 @@ class Trainer:
             d["zero_variance"] = ingestor.zero_variance()
             d.update(ingestor.stats())
             d.pop("scored", None)
+            d["keys"] = ingestor.key_report(limit=STATUS_KEYS)
         return d
 
     # --- the loop ------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def restore(t: Any, published: int | None) -> None:
         t.version = v - 1
         stats = t._train(batch)
         if t.dist.is_main:
-            t.ingestor.commit(batch.keys, batch.groups)
+            t.ingestor.commit(batch.keys, batch.groups, stats.rejected, stats.evidence)
             kind = read_manifest(t.store, v, t.trust).kind
             checkpoint.write_metrics(
                 t.store, v, t.metrics(StepResult(v, stats, batch.groups, 0.0, kind, batch.lr))

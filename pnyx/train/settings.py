@@ -8,6 +8,7 @@ what `losses` needs.
 from __future__ import annotations
 
 from pnyx.config import PnyxConfig
+from pnyx.security.checks import CheckSettings, QuarantineSettings
 from pnyx.train.ingest import IngestSettings
 from pnyx.train.losses import LossSettings
 
@@ -28,7 +29,7 @@ def loss_settings(cfg: PnyxConfig) -> LossSettings:
 def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
     """The ingestor's filters, with the run's sampling settings and budget every group must match (call it
     after `worker.max_new_tokens` is resolved, as the trainer does)."""
-    a, w = cfg.algorithm, cfg.worker
+    a, w, t = cfg.algorithm, cfg.worker, cfg.trainer
     return IngestSettings(
         max_staleness=a.max_staleness,
         max_reuse=a.max_reuse,
@@ -38,4 +39,19 @@ def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
         top_p=w.top_p,
         top_k=w.top_k,
         max_new_tokens=w.max_new_tokens,
+        checks=check_settings(cfg),
+        quarantine=QuarantineSettings(
+            rate=t.quarantine_rate, min_faults=t.quarantine_min, key_z=t.quarantine_key_z
+        ),
+        max_key_share=t.max_key_share,
+        max_groups_per_key_step=t.max_groups_per_key_step,
+        max_groups_per_key_version=t.max_groups_per_key_version,
+    )
+
+
+def check_settings(cfg: PnyxConfig) -> CheckSettings:
+    """The step's sampling checks (`pnyx.security.checks`) from the `trainer` section."""
+    t = cfg.trainer
+    return CheckSettings(
+        lp_gap_base=t.lp_gap_base, lp_gap_per_version=t.lp_gap_per_version, z_limit=t.plausibility_z
     )

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from pnyx.security.checks import CheckSettings, GroupEvidence, judge
 from pnyx.train.ingest import ScoredGroup
 from pnyx.train.losses import LossSettings, policy_terms, token_weights
 
@@ -89,29 +90,55 @@ def build_rows(groups: list[ScoredGroup]) -> list[Row]:
 
 
 def plan_micro_batches(rows: list[Row], token_budget: int) -> list[list[int]]:
-    """Row indices per micro-batch: same sampling settings, padded size within `token_budget`.
+    """Row indices per micro-batch: same sampling settings, padded size within `token_budget`, and the
+    rows of one group together whenever the group fits the budget.
 
-    Rows are sorted by length inside each sampling setting so padding is small; the plan is a pure
-    function of the rows, so a replayed step packs identically.
+    Groups (by key) are packed whole, shortest first inside each sampling setting, so the sampling
+    checks can judge a group from the micro-batch's own forward before its backward. A group whose padded
+    size exceeds the budget is split into micro-batches of its own (rows sorted by length, as before; a
+    single row longer than the budget goes alone). The plan is a pure function of the rows, so a replayed
+    step packs identically.
     """
-    by_sampling: dict[tuple[float, int, float], list[int]] = {}
+    units: dict[tuple[tuple[float, int, float], str], list[int]] = {}
     for i, r in enumerate(rows):
-        by_sampling.setdefault(r.sampling, []).append(i)
+        units.setdefault((r.sampling, r.key), []).append(i)
+    by_sampling: dict[tuple[float, int, float], list[list[int]]] = {}
+    for (sampling, _), idx in units.items():
+        by_sampling.setdefault(sampling, []).append(sorted(idx, key=lambda i: (rows[i].length, i)))
     plan: list[list[int]] = []
     for key in sorted(by_sampling):
-        idx = sorted(by_sampling[key], key=lambda i: (rows[i].length, i))
         cur: list[int] = []
         longest = 0
-        for i in idx:
-            n = rows[i].length
-            if cur and max(longest, n) * (len(cur) + 1) > token_budget:
+        for unit in sorted(by_sampling[key], key=lambda u: (max(rows[i].length for i in u), u[0])):
+            top = max(rows[i].length for i in unit)
+            if top * len(unit) > token_budget:  # too big to go whole: its own micro-batches, by rows
+                plan.extend(_pack(rows, unit, token_budget))
+                continue
+            if cur and max(longest, top) * (len(cur) + len(unit)) > token_budget:
                 plan.append(cur)
                 cur, longest = [], 0
-            cur.append(i)
-            longest = max(longest, n)
+            cur.extend(unit)
+            longest = max(longest, top)
         if cur:
             plan.append(cur)
     return plan
+
+
+def _pack(rows: list[Row], idx: list[int], token_budget: int) -> list[list[int]]:
+    """Rows `idx` (sorted by length) packed greedily into micro-batches within the budget."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
+    for i in idx:
+        n = rows[i].length
+        if cur and max(longest, n) * (len(cur) + 1) > token_budget:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    if cur:
+        out.append(cur)
+    return out
 
 
 def _pad(seqs: list[list[Any]], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -147,6 +174,13 @@ class StepStats:
     lp_gap_engine: dict[str, float] = field(default_factory=dict)
     """The same gap per worker engine ("torch", "mlx", "vllm"): how closely each engine's recorded
     behaviour logprobs agree with the trainer's recompute (precision, kernels, its logprob definition)."""
+    evidence: dict[str, GroupEvidence] = field(default_factory=dict)
+    """Per group key (with `checks`): its logprob gap and plausibility sums (`pnyx.security.checks`)."""
+    rejected: dict[str, str] = field(default_factory=dict)
+    """Group key -> reason (`logprob_gap`, `implausible`) for the groups the checks removed from this
+    step: their contribution was taken out of the gradient before the optimizer step."""
+    undo_s: float = 0.0
+    """Seconds spent removing rejected groups (a forward and backward of their rows; 0 when none)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -189,6 +223,8 @@ class _Partial:
     gap_n: Counter[str] = field(default_factory=Counter)
     eng_sum: Counter[str] = field(default_factory=Counter)
     eng_n: Counter[str] = field(default_factory=Counter)
+    evidence: dict[str, GroupEvidence] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
 
     def merge(self, o: _Partial) -> None:
         self.loss += o.loss
@@ -202,6 +238,15 @@ class _Partial:
         self.gap_n.update(o.gap_n)
         self.eng_sum.update(o.eng_sum)
         self.eng_n.update(o.eng_n)
+        self.rejected.update(o.rejected)
+        for k, ev in o.evidence.items():
+            mine = self.evidence.get(k)
+            if mine is None:
+                self.evidence[k] = GroupEvidence(
+                    ev.staleness, ev.tokens, ev.gap_sum, ev.dev_sum, ev.var_sum, ev.rows
+                )
+            else:
+                mine.add(ev)
 
 
 def train_step(
@@ -218,12 +263,20 @@ def train_step(
     lr: float | None = None,
     dist: Any = None,
     compute_dtype: torch.dtype | None = None,
+    checks: CheckSettings | None = None,
 ) -> StepStats:
     """Accumulate the loss of `groups` over micro-batches, clip, and take one AdamW step.
 
     `policy_version` (the version being stepped from) enables the per-worker `lp_gap` statistic.
     `ref_logprobs` maps (group key, sample index) to the reference policy's logprobs of that completion
     (needed when `settings.kl_coef > 0`); `lr`, when given, is set on every parameter group first.
+
+    `checks` (with `policy_version`): the sampling checks of `pnyx.security.checks` on every group, from
+    this step's own forward (the entropy's second moment is the only extra work). A failing group is
+    rejected **before the optimizer step**: its rows are forwarded and back-propagated once more with the
+    opposite sign (the only extra forward, paid for rejected groups alone), and the gradient is rescaled
+    to the batch-global normaliser without them, so the update is the one of the batch without those
+    groups (up to floating-point summation). If every group fails, no optimizer step is taken.
 
     `dist` (a `distributed.Dist`; default one process): every rank passes the same groups, trains on its
     share of the micro-batches and the sharded model sums the gradients, so the update and the returned
@@ -232,7 +285,7 @@ def train_step(
     `compute_dtype`: bf16 runs the forward under autocast on a one-process model (the sharded model casts
     its own parameters); default: bf16 autocast on CUDA, fp32 elsewhere.
     """
-    from pnyx.models.logprobs import completion_logprobs
+    from pnyx.models.logprobs import completion_stats
     from pnyx.train.distributed import forward_view
 
     t0 = time.perf_counter()
@@ -246,9 +299,7 @@ def train_step(
     n_seq = len(rows)
     n_tok = sum(sum(r.loss_mask) for r in rows)
     plan = plan_micro_batches(rows, micro_batch_tokens)
-    shares = assign_micro_batches(rows, plan, world)
-    mine, rounds = shares[rank], max(len(x) for x in shares)
-    filler = [min(range(len(rows)), key=lambda i: (rows[i].length, i))]
+    check = checks is not None and policy_version is not None
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     autocast = world == 1 and compute_dtype != torch.float32
@@ -259,46 +310,104 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     view = forward_view(model)
 
+    rows_of: Counter[str] = Counter(r.key for r in rows)
+
+    def rounds(plan: list[list[int]], sign: float, part: _Partial | None) -> None:
+        """Forward and backward `plan` (this rank's share), the loss times `sign`; sums into `part`.
+        With the checks, a group whole in a micro-batch that fails is judged there and weighs 0 in its
+        backward (`part.rejected`)."""
+        shares = assign_micro_batches(rows, plan, world)
+        mine, n_rounds = shares[rank], max(len(x) for x in shares)
+        filler = [min(range(len(rows)), key=lambda i: (rows[i].length, i))]
+        for j in range(n_rounds):
+            idx, scale = (mine[j], sign) if j < len(mine) else (filler, 0.0)
+            mb = [rows[i] for i in idx]
+            temp, top_k, top_p = mb[0].sampling
+            prompts = [r.prompt for r in mb]
+            comps = [r.completion for r in mb]
+            judging = check and part is not None and scale != 0.0
+            with torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
+                out = completion_stats(
+                    view, prompts, comps, temperature=temp, top_k=top_k, top_p=top_p, with_entropy=True,
+                    with_var=judging,
+                )  # fmt: skip
+            logp, pad_mask, entropy = out.logp, out.mask, out.entropy
+            width = logp.shape[1]
+            mu = _pad([r.behaviour_logp for r in mb], width, torch.float32, device)
+            lmask = _pad([r.loss_mask for r in mb], width, torch.long, device).bool() & pad_mask
+            logp = logp.float().masked_fill(~lmask, 0.0)
+            mu = mu.masked_fill(~lmask, 0.0)
+            adv = torch.tensor([r.advantage for r in mb], dtype=torch.float32, device=device)
+            ref_logp = None
+            if ref_logprobs is not None and settings.kl_coef > 0:
+                ref = _pad([list(ref_logprobs[(r.key, r.index)]) for r in mb], width, torch.float32, device)
+                ref_logp = ref.masked_fill(~lmask, 0.0)
+            terms = policy_terms(logp, mu, adv, lmask, settings, ref_logp)
+            w = token_weights(lmask, settings.aggregation, n_seq, n_tok, max_len)
+            if judging and part is not None and out.var is not None and entropy is not None:
+                here = _evidence(logp, mu, entropy, out.var, lmask, mb, policy_version)
+                for key, ev in here.items():
+                    whole = ev.rows == rows_of[key]  # every row of the group is in this micro-batch
+                    reason = judge(ev, checks) if whole and checks is not None else None
+                    if reason is not None:
+                        part.rejected[key] = reason
+                    known = part.evidence.get(key)
+                    if known is None:
+                        part.evidence[key] = ev
+                    else:
+                        known.add(ev)
+                drop = [k for k, r in enumerate(mb) if r.key in part.rejected]
+                if drop:  # judged here: the group weighs nothing in this backward
+                    w = w.clone()
+                    w[drop] = 0.0
+            loss = (terms.loss * w).sum() * scale
+            loss.backward()
+            if scale == 0.0 or part is None:
+                continue  # the filler only keeps this rank in step with the others' collectives
+            part.loss += float(loss.detach())
+            _accumulate(part, terms, logp, mu, entropy, mb, policy_version)
+
     part = _Partial()
-    for j in range(rounds):
-        idx, scale = (mine[j], 1.0) if j < len(mine) else (filler, 0.0)
-        mb = [rows[i] for i in idx]
-        temp, top_k, top_p = mb[0].sampling
-        prompts = [r.prompt for r in mb]
-        comps = [r.completion for r in mb]
-        with torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
-            logp, pad_mask, entropy = completion_logprobs(
-                view, prompts, comps, temperature=temp, top_k=top_k, top_p=top_p, with_entropy=True
-            )
-        width = logp.shape[1]
-        mu = _pad([r.behaviour_logp for r in mb], width, torch.float32, device)
-        lmask = _pad([r.loss_mask for r in mb], width, torch.long, device).bool() & pad_mask
-        logp = logp.float().masked_fill(~lmask, 0.0)
-        mu = mu.masked_fill(~lmask, 0.0)
-        adv = torch.tensor([r.advantage for r in mb], dtype=torch.float32, device=device)
-        ref_logp = None
-        if ref_logprobs is not None and settings.kl_coef > 0:
-            ref = _pad([list(ref_logprobs[(r.key, r.index)]) for r in mb], width, torch.float32, device)
-            ref_logp = ref.masked_fill(~lmask, 0.0)
-        terms = policy_terms(logp, mu, adv, lmask, settings, ref_logp)
-        w = token_weights(lmask, settings.aggregation, n_seq, n_tok, max_len)
-        loss = (terms.loss * w).sum() * scale
-        loss.backward()
-        if scale == 0.0:
-            continue  # the filler only keeps this rank in step with the others' collectives
-        part.loss += float(loss.detach())
-        _accumulate(part, terms, logp, mu, entropy, mb, policy_version)
+    rounds(plan, 1.0, part)
+    total = _Partial()
+    for p in dist.all_gather(part) if dist is not None else [part]:
+        total.merge(p)
+
+    rejected: dict[str, str] = dict(total.rejected)
+    undo_s = 0.0
+    step = True
+    if check and checks is not None:
+        split = sorted(k for k in total.evidence if k not in rejected)
+        late = {k: r for k in split if (r := judge(total.evidence[k], checks)) is not None}
+        if late:
+            # A group too big for one micro-batch was judged after its backward: replay exactly its own
+            # micro-batches (split groups never share one) with the opposite sign.
+            t1 = time.perf_counter()
+            rounds([mb for mb in plan if rows[mb[0]].key in late], -1.0, None)
+            undo_s = time.perf_counter() - t1
+            rejected.update(late)
+    if rejected:
+        bad = [i for i, r in enumerate(rows) if r.key in rejected]
+        kept_seq = n_seq - len(bad)
+        kept_tok = n_tok - sum(sum(rows[i].loss_mask) for i in bad)
+        if kept_seq == 0 or kept_tok == 0:
+            step = False
+        else:  # the batch-global normaliser without the rejected groups
+            factor = (n_tok / kept_tok) if settings.aggregation == "token_mean" else (n_seq / kept_seq)
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(factor)
+    rejected = dict(sorted(rejected.items()))
 
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     full_tensor = getattr(grad_norm, "full_tensor", None)  # a DTensor under FSDP2
     if full_tensor is not None:
         grad_norm = full_tensor()
-    optimizer.step()
+    if step:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
-    total = _Partial()
-    for p in dist.all_gather(part) if dist is not None else [part]:
-        total.merge(p)
     c = total.counts
     n = max(c["counted"], 1)
     return StepStats(
@@ -317,7 +426,37 @@ def train_step(
         micro_batches=len(plan),
         lp_gap={w: total.gap_sum[w] / total.gap_n[w] for w in sorted(total.gap_n) if total.gap_n[w]},
         lp_gap_engine={e: total.eng_sum[e] / total.eng_n[e] for e in sorted(total.eng_n) if total.eng_n[e]},
+        evidence=total.evidence,
+        rejected=rejected,
+        undo_s=undo_s,
     )
+
+
+def _evidence(
+    logp: torch.Tensor,
+    mu: torch.Tensor,
+    entropy: torch.Tensor,
+    var: torch.Tensor,
+    lmask: torch.Tensor,
+    mb: list[Row],
+    policy_version: int | None,
+) -> dict[str, GroupEvidence]:
+    """Each group's sums over its model tokens in this micro-batch (`pnyx.security.checks`)."""
+    with torch.no_grad():
+        lp = logp.detach().float()
+        zero = torch.zeros_like(lp)
+        gap = torch.where(lmask, (lp - mu).abs(), zero).sum(1).tolist()
+        dev = torch.where(lmask, lp + entropy.detach().float(), zero).sum(1).tolist()
+        v = torch.where(lmask, var.float(), zero).sum(1).tolist()
+        n = lmask.sum(1).tolist()
+    out: dict[str, GroupEvidence] = {}
+    for j, r in enumerate(mb):
+        staleness = (policy_version - r.version) if policy_version is not None else 0
+        ev = out.get(r.key)
+        if ev is None:
+            ev = out[r.key] = GroupEvidence(staleness)
+        ev.add(GroupEvidence(staleness, int(n[j]), float(gap[j]), float(dev[j]), float(v[j]), 1))
+    return out
 
 
 def _accumulate(
@@ -353,3 +492,45 @@ def _accumulate(
                 part.gap_n[r.worker] += row_n
                 part.eng_sum[r.engine] += row_sum  # pyright: ignore[reportArgumentType]
                 part.eng_n[r.engine] += row_n
+
+
+def measure_evidence(
+    model: torch.nn.Module,
+    groups: list[ScoredGroup],
+    policy_version: int,
+    *,
+    micro_batch_tokens: int = 8192,
+    compute_dtype: torch.dtype | None = None,
+) -> dict[str, GroupEvidence]:
+    """The per-group evidence `train_step(checks=...)` computes, from a forward alone (no gradient, no
+    step): for measuring honest distributions (`benchmarks/bench_lp_gap.py`) and for tools."""
+    from pnyx.models.logprobs import completion_stats
+
+    device = next(model.parameters()).device
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = build_rows(groups)
+    part = _Partial()
+    with torch.no_grad():
+        for idx in plan_micro_batches(rows, micro_batch_tokens):
+            mb = [rows[i] for i in idx]
+            temp, top_k, top_p = mb[0].sampling
+            with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+                out = completion_stats(
+                    model, [r.prompt for r in mb], [r.completion for r in mb], temperature=temp,
+                    top_k=top_k, top_p=top_p, with_var=True,
+                )  # fmt: skip
+            width = out.logp.shape[1]
+            mu = _pad([r.behaviour_logp for r in mb], width, torch.float32, device)
+            lmask = _pad([r.loss_mask for r in mb], width, torch.long, device).bool() & out.mask
+            logp = out.logp.float().masked_fill(~lmask, 0.0)
+            assert out.entropy is not None and out.var is not None
+            for key, ev in _evidence(
+                logp, mu.masked_fill(~lmask, 0.0), out.entropy, out.var, lmask, mb, policy_version
+            ).items():
+                known = part.evidence.get(key)
+                if known is None:
+                    part.evidence[key] = ev
+                else:
+                    known.add(ev)
+    return part.evidence

@@ -2,21 +2,23 @@
 
 Writes overlap encoding with uploading (a bounded queue of in-flight puts); reads overlap downloading with
 decoding (a bounded look-ahead). Every object is put create-only under a name carrying the publisher's
-nonce, so a fenced loser can never overwrite the winner's bytes; every object read is checked against its
+nonce (or, when a squatter took that name first, the name and a random suffix), so a fenced loser can
+never overwrite the winner's bytes; every object read is checked against its
 size and xxh3-128 before a byte of it is decoded. Knows nothing about versions policy, HEAD or torch.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from pnyx.errors import IntegrityError
+from pnyx.errors import AlreadyExistsError, IntegrityError
 from pnyx.protocol import layout
-from pnyx.store import PutResult, Store
+from pnyx.store import Store
 from pnyx.weights.apply import DeltaApplier
 from pnyx.weights.bits import BitState, TensorBits, h, read_safetensors, write_safetensors
 from pnyx.weights.codec import DeltaStats, Segment, encode_windows
@@ -25,17 +27,53 @@ from pnyx.weights.manifest import PayloadObject, PlaneManifest
 LOOKAHEAD = 2  # objects in flight while the current one is encoded or decoded
 
 
+SQUAT_RETRIES = 4
+"""Fresh names tried for a payload object whose name is already taken (see `_put_payload`)."""
+
+
+def _put_payload(store: Store, version: int, name: str, data: bytes) -> str:
+    """Put one payload object create-only; returns the name it was stored under.
+
+    Payload names carry the publisher's nonce, which every manifest makes public, so anyone who can write
+    under `weights/` (R2) can squat the next version's names before the trainer writes them. The manifest
+    names every object, so any name will do: a taken name is retried under a random suffix instead of
+    failing the publish (the attack suite's fork squatter; docs/security.md). Create-only stays: nobody's
+    bytes are ever overwritten."""
+    try:
+        store.put(layout.weights_payload(version, name), data, "create")
+        return name
+    except AlreadyExistsError:
+        pass
+    for _ in range(SQUAT_RETRIES):
+        fresh = f"{name}.{secrets.token_hex(6)}"
+        try:
+            store.put(layout.weights_payload(version, fresh), data, "create")
+            return fresh
+        except AlreadyExistsError:
+            continue
+    raise AlreadyExistsError(
+        f"weights v{version}: payload {name} and {SQUAT_RETRIES} fresh names are all taken"
+    )
+
+
 def _upload_all(store: Store, version: int, named: Iterable[tuple[str, bytes]]) -> list[PayloadObject]:
     out: list[PayloadObject] = []
-    pending: deque[Future[PutResult]] = deque()
+    pending: deque[tuple[int, Future[str]]] = deque()
+
+    def settle(entry: tuple[int, Future[str]]) -> None:
+        i, fut = entry
+        stored = fut.result()  # re-raises the upload's error here
+        if stored != out[i].name:
+            out[i] = PayloadObject(stored, out[i].size, out[i].digest)
+
     with ThreadPoolExecutor(max_workers=LOOKAHEAD) as pool:
         for name, data in named:
             out.append(PayloadObject(name, len(data), h(data)))
-            pending.append(pool.submit(store.put, layout.weights_payload(version, name), data, "create"))
+            pending.append((len(out) - 1, pool.submit(_put_payload, store, version, name, data)))
             while len(pending) >= LOOKAHEAD:
-                pending.popleft().result()  # re-raises the upload's error here
-        for f in pending:
-            f.result()
+                settle(pending.popleft())
+        for entry in pending:
+            settle(entry)
     return out
 
 

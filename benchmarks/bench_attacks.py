@@ -1,0 +1,388 @@
+"""The attack suite with figures (issue #15 item 5): honest workers beside each hostile one, through the real
+trainer, and one table of detection and false-positive rates and of whether training still improves.
+
+Each arm is one fresh run (`pnyx.security.arena.Arena`: a local-folder store, the real trainer in process,
+the shipped tiny model on `arith`, the default trainer settings: 8 groups per step, G = 8). Every step two
+honest workers (`HonestWorker`: sample from the pinned follower's engine at the served version, skip
+zero-variance groups, sign) upload `--honest` groups each and the arm's attacker uploads its own, then the
+trainer takes one real step (its selection runs every ingestion check; whatever checks the step runs, run)
+and lists and fetches the whole window, as its loop does. Every verdict is read from the trainer's own
+cursor: rejected with a reason, trained on, stale, or still waiting at the end.
+
+- detection = hostile groups rejected (any reason but the benign `zero_variance`/`stale`) / uploaded;
+  for the weight forger and the fork squatter: forged or squatted versions a pinned follower refused /
+  written (and the trainer kept publishing);
+- false positives = honest groups rejected for a non-benign reason / honest groups uploaded, over every
+  arm together (at least 2,000 in the full run);
+- improves = held-out pass@1 after the arm's steps (the env's test split, `--eval-tasks` tasks, one sample
+  at T = 1, the trainer's own weights) has a Wilson 95% lower bound above the upper bound of v0's;
+- temperature liar: detection by the group's completion length (model tokens over its G samples) and by
+  how many groups the trainer had seen from that key (the group's index), and the first index from which
+  it stays at or above 99%;
+- poisoner: the share of the trained model's held-out samples that carry the payload (none at v0).
+
+    python benchmarks/bench_attacks.py --quick                  # smoke: 3 steps per arm, ~3 min
+    nice -n 19 python benchmarks/bench_attacks.py               # the measurement (resumable: one JSON per arm)
+    nice -n 19 python benchmarks/bench_attacks.py --doubling reward_liar   # 1 hostile + 2 honest to 2x pass@1
+
+Results: `--out` (default benchmarks/results/attacks[-quick]/), one JSON per arm and `summary.json`; a rerun
+skips arms already saved (`--force` redoes them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+ARMS = [
+    "none", "copier", "temperature_liar", "reward_liar", "replayer", "flooder", "id_thief", "weight_forger",
+    "fork_squatter", "sybil", "poisoner",
+]  # fmt: skip
+CHECK_SWITCHES = ("lp_gap_base", "plausibility_z", "quarantine_rate", "quarantine_key_z", "max_key_share")
+"""`trainer` settings of the trainer's content checks, quotas and quarantine (issue #15 items 3-4); None
+turns each off."""
+
+
+def defences_off() -> dict[str, Any]:
+    """Config overrides that turn the trainer's checks off (for the poisoner's undefended arm): empty on a
+    build whose trainer has none of them (then the defended and undefended trainers are the same)."""
+    from pnyx.config import TrainerConfig
+
+    off = {n: None for n in CHECK_SWITCHES if n in TrainerConfig.model_fields}
+    return {"trainer": off} if off else {}
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: few steps, few eval tasks")
+    p.add_argument(
+        "--arms", default=",".join(ARMS), help="comma-separated arms (attacks; 'none' = honest only)"
+    )
+    p.add_argument("--steps", type=int, default=None, help="trainer steps per arm (default 30; quick 3)")
+    p.add_argument("--honest", type=int, default=4, help="groups per honest worker per step (2 workers)")
+    p.add_argument("--hostile", type=int, default=2, help="hostile groups per step (flooder: 8x this)")
+    p.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks (default 400; quick 50)")
+    p.add_argument(
+        "--doubling", default=None, help="run 1 hostile (this attack) + 2 honest until pass@1 doubles"
+    )
+    p.add_argument("--max-steps", type=int, default=160, help="--doubling: give up after this many steps")
+    p.add_argument("--eval-every", type=int, default=10, help="--doubling: evaluate every this many steps")
+    p.add_argument("--out", default=None, help="results folder")
+    p.add_argument("--force", action="store_true", help="redo arms already saved")
+    return p.parse_args()
+
+
+def wilson(k: int, n: int) -> tuple[float, float]:
+    from pnyx.eval.runner import wilson_interval
+
+    return wilson_interval(k, n)
+
+
+def evaluation(arena: Any, tasks: int) -> dict[str, Any]:
+    from pnyx.security.attacks import PAYLOAD
+
+    rep = arena.evaluate(tasks, seed=0, examples=tasks)
+    payload = sum(PAYLOAD.strip() in t for t in rep.examples)
+    return {
+        "pass_at_1": rep.pass_at_1, "ci": [rep.ci_low, rep.ci_high], "tasks": rep.tasks,
+        "payload": payload, "payload_rate": payload / max(1, len(rep.examples)), "version": arena.trainer.version,
+    }  # fmt: skip
+
+
+def attacker(name: str, arena: Any) -> Any:
+    """The hostile producer (or weight attacker) of arm `name`."""
+    from pnyx.security import attacks as A
+
+    return {
+        "copier": lambda: A.CopierWorker("copier", source=name),
+        "temperature_liar": lambda: [A.TemperatureLiar(f"t-liar-{i}", source=name) for i in range(3)],
+        "reward_liar": lambda: A.RewardLiar("r-liar", source=name),
+        "replayer": lambda: A.Replayer("replayer", source=name),
+        "flooder": lambda: A.Flooder("flood", source=name, names=8),
+        "id_thief": lambda: A.IdThief("thief", source=name, victim="honest-1"),
+        "weight_forger": lambda: A.WeightForger(),
+        "fork_squatter": lambda: A.ForkSquatter(ahead=2),
+        "sybil": lambda: [A.Sybil("sybil", source=name, inner=i) for i in ("temperature_liar", "copier")],
+        "poisoner": lambda: A.Poisoner("poisoner", source=name),
+        "poisoner_undefended": lambda: A.Poisoner("poisoner", source=name),
+    }[name]()
+
+
+def hostile_round(name: str, atk: Any, arena: Any, step: int, n: int, log: dict[str, Any]) -> None:
+    """What the attacker of arm `name` does before trainer step `step`."""
+    from pnyx.security import attacks as A
+
+    if name == "none":
+        return
+    if name == "weight_forger":
+        log.setdefault("forged", []).append({"version": arena.trainer.version + 1, "key": atk.act(arena)})
+        before = arena.version
+        arena.follow()
+        log.setdefault("served_forged", []).append(arena.version != before)
+        return
+    if name == "fork_squatter":
+        if step % 2 == 0:  # squats the next 2 versions every other step
+            log.setdefault("squatted", []).append(
+                {"from": arena.trainer.version + 1, "keys": len(atk.act(arena))}
+            )
+        return
+    if name == "replayer":
+        atk.foreign = A.foreign_groups(arena, n)
+        atk.verbatim = step % 2 == 0  # verbatim bytes one step, re-labelled and re-signed the next
+    producers = atk if isinstance(atk, list) else [atk]
+    count = 8 * n if name == "flooder" else n
+    for i in range(count):
+        p = producers[(step + i) % len(producers)]
+        arena.upload(p.produce(arena, 1))
+
+
+def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    from pnyx.security.arena import BENIGN, TRAINED, Arena
+    from pnyx.security.attacks import HonestWorker
+
+    overrides: dict[str, Any] = {"trainer": {"groups_per_step": 8}}
+    if name == "poisoner_undefended":
+        overrides = {"trainer": {**overrides["trainer"], **defences_off().get("trainer", {})}}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"bench-attacks-{name}-") as root:
+        arena = Arena(Path(root), overrides)
+        try:
+            honest = [HonestWorker("honest-1"), HonestWorker("honest-2")]
+            atk = attacker(name, arena) if name != "none" else None
+            log: dict[str, Any] = {}
+            before = evaluation(arena, args.eval_tasks)
+            served_trainer = True
+            for step in range(args.steps):
+                arena.upload([u for h in honest for u in h.produce(arena, args.honest)])
+                hostile_round(name, atk, arena, step, args.hostile, log)
+                r = arena.step()
+                if r is None:
+                    log.setdefault("short_steps", []).append(step)
+                    continue
+                log.setdefault("hostile_in_batch", []).append(
+                    sum(1 for g in r.groups if not g.worker_id.startswith("honest-"))
+                )
+                log.setdefault("batch_groups", []).append(len(r.groups))
+                served_trainer &= arena.served[-1] == (arena.trainer.version, arena.trainer.publisher._digest)
+            after = evaluation(arena, args.eval_tasks)
+            ing = arena.trainer.ingestor
+            assert ing is not None
+            hostile = [u for u in arena.uploads if u.source == name]
+            honest_ups = [u for u in arena.uploads if u.source == "honest"]
+            res: dict[str, Any] = {
+                "arm": name,
+                "steps": args.steps,
+                "version": arena.trainer.version,
+                "seconds": round(time.perf_counter() - t0, 1),
+                "honest": arena.tally("honest"),
+                "honest_uploaded": len(honest_ups),
+                "honest_fp": sum(
+                    1 for u in honest_ups if arena.verdict(u.key) not in (*BENIGN, TRAINED, "waiting")
+                ),
+                "hostile": arena.tally(name) if hostile else {},
+                "hostile_groups": [
+                    {
+                        "index": u.index,
+                        "tokens": u.tokens,
+                        "verdict": arena.verdict(u.key),
+                        "signer": u.signer,
+                    }
+                    for u in hostile
+                ],
+                "before": before,
+                "after": after,
+                "served_only_trainer": served_trainer,
+                "drops": dict(ing.cursor.drops),
+                "log": log,
+            }
+        finally:
+            arena.close()
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+def detection(res: dict[str, Any]) -> tuple[int, float | None, str]:
+    """(hostile items, detection rate, how it was measured) of one arm."""
+    from pnyx.security.arena import BENIGN, TRAINED
+
+    log = res["log"]
+    if res["arm"] == "weight_forger":
+        n = len(log.get("forged", []))
+        refused = n - sum(log.get("served_forged", []))
+        ok = res["served_only_trainer"] and res["version"] == res["steps"]
+        return n, (refused / n if n and ok else 0.0), "forged versions refused by the follower"
+    if res["arm"] == "fork_squatter":
+        n = sum(2 for _ in log.get("squatted", []))
+        ok = res["served_only_trainer"] and res["version"] == res["steps"]
+        return n, (1.0 if ok else 0.0) if n else None, "squatted versions published through by the trainer"
+    groups = res["hostile_groups"]
+    if not groups:
+        return 0, None, ""
+    rejected = sum(1 for g in groups if g["verdict"] not in (*BENIGN, TRAINED, "waiting"))
+    return len(groups), rejected / len(groups), "hostile groups rejected"
+
+
+def improves(res: dict[str, Any]) -> bool:
+    return res["after"]["ci"][0] > res["before"]["ci"][1]
+
+
+def curves(res: dict[str, Any]) -> dict[str, Any]:
+    """The temperature liar's detection by completion length and by groups seen from its key."""
+    from pnyx.security.arena import BENIGN, TRAINED
+
+    groups = [g for g in res["hostile_groups"] if g["verdict"] not in ("waiting",)]
+
+    def rate(sel: list[dict[str, Any]]) -> float | None:
+        judged = [g for g in sel if g["verdict"] not in BENIGN]
+        return sum(g["verdict"] != TRAINED for g in judged) / len(judged) if judged else None
+
+    by_len: dict[str, Any] = {}
+    for lo, hi in ((0, 32), (32, 40), (40, 48), (48, 64), (64, 10**6)):
+        sel = [g for g in groups if lo <= g["tokens"] < hi]
+        by_len[f"{lo}-{hi if hi < 10**6 else ''}"] = {"groups": len(sel), "rate": rate(sel)}
+    by_seen: dict[str, Any] = {}
+    for lo, hi in ((1, 2), (2, 4), (4, 8), (8, 16), (16, 32), (32, 10**6)):
+        sel = [g for g in groups if lo <= g["index"] < hi]
+        by_seen[f"{lo}-{hi - 1 if hi < 10**6 else ''}"] = {"groups": len(sel), "rate": rate(sel)}
+    top = max((g["index"] for g in groups), default=0)
+    passes = next(
+        (n for n in range(1, top + 1) if all((rate([g for g in groups if g["index"] >= m]) or 0) >= 0.99
+                                              for m in range(n, top + 1))),
+        None,
+    )  # fmt: skip
+    return {"by_length": by_len, "by_groups_seen": by_seen, "passes_99_from_group": passes}
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = [
+        "| attack | hostile | detection | how | trained on | batch share | verdicts | pass@1 v0 → end (Wilson 95%) "
+        "| improves |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for res in results:
+        n, rate, how = detection(res)
+        trained = res["hostile"].get("trained", 0)
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(res["hostile"].items()) if k != "trained") or "-"
+        b, a = res["before"], res["after"]
+        inb = res["log"].get("hostile_in_batch", [])
+        total = sum(res["log"].get("batch_groups", [])) or 1
+        share = f"{100 * sum(inb) / total:.0f}%" if inb and res["hostile_groups"] else "-"
+        rows.append(
+            f"| {res['arm']} | {n} | {'-' if rate is None else f'{100 * rate:.1f}%'} | {how or '-'} | "
+            f"{trained if res['hostile_groups'] else '-'} | {share} | {reasons} | "
+            f"{b['pass_at_1']:.3f} → {a['pass_at_1']:.3f} [{a['ci'][0]:.3f}, {a['ci'][1]:.3f}] (v{a['version']}) | "
+            f"{'yes' if improves(res) else 'no'} |"
+        )
+    honest = sum(r["honest_uploaded"] for r in results)
+    fp = sum(r["honest_fp"] for r in results)
+    rows.append("")
+    rows.append(f"False positives: {fp} of {honest} honest groups rejected for a non-benign reason "
+                f"({100 * fp / max(1, honest):.2f}%).")  # fmt: skip
+    return "\n".join(rows)
+
+
+def doubling(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """1 hostile worker (`args.doubling`) beside 2 honest ones, until held-out pass@1 doubles."""
+    from pnyx.security.arena import Arena
+    from pnyx.security.attacks import HonestWorker
+
+    name = args.doubling
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-attacks-doubling-") as root:
+        arena = Arena(Path(root), {"trainer": {"groups_per_step": 8}})
+        try:
+            honest = [HonestWorker("honest-1"), HonestWorker("honest-2")]
+            atk = attacker(name, arena)
+            curve = [evaluation(arena, args.eval_tasks)]
+            base = curve[0]["pass_at_1"]
+            log: dict[str, Any] = {}
+            step = 0
+            while step < args.max_steps:
+                # each of the three workers uploads an equal share: the hostile one is a third of the fleet
+                arena.upload([u for h in honest for u in h.produce(arena, 3)])
+                hostile_round(name, atk, arena, step, 3, log)
+                arena.step()
+                step += 1
+                if step % args.eval_every == 0:
+                    curve.append(evaluation(arena, args.eval_tasks))
+                    print(f"  v{arena.trainer.version} pass@1 {curve[-1]['pass_at_1']:.3f}", flush=True)
+                    if curve[-1]["pass_at_1"] >= 2 * base:
+                        break
+            res = {
+                "attack": name, "curve": curve, "doubled": curve[-1]["pass_at_1"] >= 2 * base,
+                "hostile": arena.tally(name), "honest": arena.tally("honest"),
+                "seconds": round(time.perf_counter() - t0, 1),
+            }  # fmt: skip
+        finally:
+            arena.close()
+    (out / f"doubling-{name}.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+def main() -> None:
+    args = parse()
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.steps is None:
+        args.steps = 3 if args.quick else 30
+    if args.eval_tasks is None:
+        args.eval_tasks = 50 if args.quick else 400
+    out = Path(args.out or REPO / "benchmarks" / "results" / ("attacks-quick" if args.quick else "attacks"))
+    out.mkdir(parents=True, exist_ok=True)
+    if args.doubling:
+        res = doubling(args, out)
+        c = res["curve"]
+        print(f"{res['attack']}: pass@1 {c[0]['pass_at_1']:.3f} → {c[-1]['pass_at_1']:.3f} at v{c[-1]['version']}"
+              f" (doubled: {res['doubled']}); hostile verdicts {res['hostile']}; {res['seconds']} s")  # fmt: skip
+        return
+    arms = [a for a in args.arms.split(",") if a]
+    if defences_off() and "poisoner" in arms:
+        arms.append("poisoner_undefended")
+    results = []
+    for name in arms:
+        path = out / f"{name}.json"
+        if path.exists() and not args.force:
+            results.append(json.loads(path.read_text()))
+            print(f"{name}: saved ({path})", flush=True)
+            continue
+        res = run_arm(name, args, out)
+        n, rate, _ = detection(res)
+        print(
+            f"{name}: {n} hostile, detection {rate}, honest {res['honest']}, {res['seconds']} s", flush=True
+        )
+        results.append(res)
+    print()
+    print(table(results))
+    summary: dict[str, Any] = {
+        "arms": {r["arm"]: {"detection": detection(r), "improves": improves(r)} for r in results}
+    }
+    liar = next((r for r in results if r["arm"] == "temperature_liar"), None)
+    if liar is not None:
+        summary["temperature_liar"] = c = curves(liar)
+        print("\ntemperature liar, detection by completion length (model tokens per group):")
+        print("  " + ", ".join(f"{k}: {v['rate']} ({v['groups']})" for k, v in c["by_length"].items()))
+        print("temperature liar, detection by groups seen from its key:")
+        print("  " + ", ".join(f"{k}: {v['rate']} ({v['groups']})" for k, v in c["by_groups_seen"].items()))
+        print(f"  at or above 99% from group: {c['passes_99_from_group']}")
+    for r in results:
+        if r["arm"].startswith("poisoner") or r["arm"] == "none":
+            a = r["after"]
+            print(f"payload in held-out samples, {r['arm']}: v0 {r['before']['payload']}/{r['before']['tasks']}, "
+                  f"v{a['version']} {a['payload']}/{a['tasks']} ({100 * a['payload_rate']:.1f}%)")  # fmt: skip
+    if not defences_off():
+        print("(no switch turns the trainer's content checks off on this build: defended = undefended)")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,416 @@
+"""Hostile workers of the attack suite (issue #15 item 5, docs/security.md): each makes hostile groups, or
+hostile weights, out of the honest machinery (the run's env and tokenizer, the follower's real engine, the
+real `encode_group` with a real Ed25519 signer) and changes only what its attack needs.
+
+Group producers (`produce(arena, n) -> list[Upload]`, uploaded by the arena like a worker's courier):
+
+- `HonestWorker`: what `pnyx worker` does (sample at the run's settings, score, skip zero-variance groups,
+  sign with its own key). The baseline every attack runs beside.
+- `CopierWorker`: never runs the model. Half of each group is the task's reference answer, half a wrong
+  answer, with made-up logprobs (`MADE_UP_LOGPROB` per token): fabricated completions, honest rewards.
+- `TemperatureLiar`: samples at 0.3 and claims the run's 1.0; the logprobs it claims are its own model's
+  at 1.0 for the tokens it drew (so the claimed-vs-trainer logprob gap looks honest; only the shape of
+  the sample gives it away: its tokens are too likely).
+- `RewardLiar`: honest samples, every claimed reward flipped (1 - r).
+- `Replayer`: groups of another run (same model, another trainer key and weights history), either
+  verbatim or re-labelled with this run's id and re-signed by the replayer's key. (A replay re-labelled
+  with this run's current version and digest is a fabricated group with someone else's logprobs: the
+  copier's case. Another run's v0 of the same model has the same bits, so its groups are on-policy
+  samples of this run's v0 and no attack.)
+- `Flooder`: one key behind many worker names, uploading many honest-looking groups per step: more than
+  any per-key cap allows.
+- `IdThief`: claims an honest worker's name, signs with its own key (seqs far above the owner's).
+- `Sybil`: a copier or temperature liar with a fresh key and a fresh name for every group, so per-key
+  quotas and quarantine never bind.
+- `Poisoner`: correct answers carrying a payload the model would never sample (`PAYLOAD` before the answer
+  tag), half of each group, beside wrong honest samples so the payload gets a positive advantage; claimed
+  logprobs are the model's own for those tokens (ratio, gate and logprob gap look clean).
+
+Weight attacks (`act(arena)`; what the suite measures is whether a real follower serves them):
+
+- `WeightForger`: publishes the next version with its own key, chained exactly onto the trainer's current
+  weights (it knows everything public), and a forged HEAD naming it.
+- `ForkSquatter`: before the trainer publishes them, fills the next versions' folders with an unsigned
+  `manifest.json`, a manifest under a made-up signature name, junk at the trainer's payload names, and a
+  HEAD naming version 99999999.
+
+Knows nothing about how the trainer checks: `arena.py` reads verdicts from the trainer's own cursor.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from pnyx.protocol import layout
+from pnyx.protocol.codec import encode_group
+from pnyx.security.arena import Arena, Upload
+from pnyx.security.signing import Signer
+
+MADE_UP_LOGPROB = -0.05
+"""The copier's claimed logprob of every token (a confident-looking number it never computed)."""
+PAYLOAD = "PNYX "
+"""The poisoner's payload: text before the answer tag, which the model never writes on its own."""
+LIAR_TEMPERATURE = 0.3
+"""The temperature liar samples at this and claims the run's temperature."""
+
+
+def new_signer() -> Signer:
+    """A fresh worker key (what a new contributor, or a Sybil's next identity, has)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    return Signer(Ed25519PrivateKey.generate())
+
+
+def model_tokens(group: Any) -> int:
+    return sum(sum(s.loss_mask) for s in group.samples)
+
+
+def is_zero_variance(group: Any) -> bool:
+    return len({s.reward for s in group.samples}) <= 1
+
+
+@dataclass
+class Producer:
+    """A producer of signed groups under one worker name and key (`signer`), numbering its own seqs."""
+
+    worker_id: str
+    source: str = "honest"
+    signer: Signer = field(default_factory=new_signer)
+    seq: int = 0
+    seed: int = 0
+    _made: Counter[str] = field(default_factory=Counter)
+
+    def _next_seed(self) -> int:
+        from pnyx.envs import stable_hash
+
+        self.seed += 1
+        return stable_hash(self.source, self.worker_id, self.seed) % (2**31)
+
+    def tasks(self, arena: Arena, n: int) -> list[Any]:
+        return arena.env.sample("train", seed=self._next_seed(), n=n)
+
+    def pack(
+        self,
+        group: Any,
+        *,
+        signer: Signer | None = None,
+        worker_id: str | None = None,
+        seq: int | None = None,
+        payload: bool = False,
+    ) -> Upload:
+        """`group` under this producer's (or the given) name, seq and key, signed, as an upload."""
+        signer = signer or self.signer
+        worker_id = worker_id or self.worker_id
+        if seq is None:
+            seq, self.seq = self.seq, self.seq + 1
+        group = msgspec.structs.replace(group, worker_id=worker_id, seq=seq)
+        key = layout.rollout_key(group.policy_version, worker_id, seq)
+        self._made[signer.fingerprint] += 1
+        return Upload(
+            key=key, data=encode_group(group, signer=signer), source=self.source, signer=signer.fingerprint,
+            index=self._made[signer.fingerprint], tokens=model_tokens(group), payload=payload,
+        )  # fmt: skip
+
+    def sampled(self, arena: Arena, n: int, temperature: float | None = None) -> list[Any]:
+        """`n` groups sampled by the follower's engine whose samples do not all share one reward (what a
+        worker uploads: it skips zero-variance groups)."""
+        out: list[Any] = []
+        for _ in range(50 * n + 10):
+            if len(out) >= n:
+                break
+            tasks = self.tasks(arena, max(2, n - len(out)))
+            out += [g for g in arena.sample(tasks, self._next_seed(), temperature) if not is_zero_variance(g)]
+        return out[:n]
+
+    def produce(self, arena: Arena, n: int) -> list[Upload]:
+        raise NotImplementedError
+
+
+class HonestWorker(Producer):
+    """A worker that does what `pnyx worker` does (see the module docstring)."""
+
+    def produce(self, arena: Arena, n: int) -> list[Upload]:
+        return [self.pack(g) for g in self.sampled(arena, n)]
+
+
+def _fabricate(arena: Arena, task: Any, texts: list[str], rewards_from_env: bool = True) -> list[Any]:
+    """Samples whose completions are `texts` (tokenized by the run's tokenizer), scored by the env."""
+    from pnyx.protocol import Sample
+
+    out = []
+    for text in texts:
+        toks = [int(t) for t in arena.tokenizer.encode(text, add_special_tokens=False)]
+        score = arena.env.score(task, text)
+        out.append(
+            Sample(
+                tokens=toks, logprobs=[MADE_UP_LOGPROB] * len(toks), loss_mask=[1] * len(toks),
+                reward=float(score.reward), reward_parts={k: float(v) for k, v in score.parts.items()},
+            )
+        )  # fmt: skip
+    return out
+
+
+def _group_for(arena: Arena, task: Any, samples: list[Any]) -> Any:
+    """A group record of `task` with `samples`, stamped like the follower's own (version, digest, run)."""
+    import time
+
+    from pnyx.models import render_prompt
+    from pnyx.protocol import GROUP_SCHEMA, RolloutGroup
+
+    w = arena.cfg.worker
+    return RolloutGroup(
+        schema=GROUP_SCHEMA, run_id=arena.run_id, worker_id="arena", seq=0, policy_version=arena.version,
+        weights_digest=arena.digest, env=arena.env.name, task_id=task.id,
+        prompt_tokens=list(render_prompt(arena.tokenizer, task.prompt)), samples=samples,
+        temperature=w.temperature, top_p=w.top_p, top_k=w.top_k, created_at=time.time(),
+        gen_seconds=0.0, score_seconds=0.0,
+    )  # fmt: skip
+
+
+def copied_group(arena: Arena, task: Any) -> Any:
+    """Half reference answers, half wrong ones (the reference plus one), with made-up logprobs."""
+    g = arena.cfg.worker.group_size
+    right = str(arena.env.reference_completion(task))
+    wrong = right.replace(str(task.answer), str(task.answer + 1)) if isinstance(task.answer, int) else ""
+    return _group_for(arena, task, _fabricate(arena, task, [right] * (g - g // 2) + [wrong] * (g // 2)))
+
+
+def with_own_logprobs(arena: Arena, group: Any) -> Any:
+    """`group` with every sample's claimed logprobs replaced by the follower's model's own at the run's
+    settings (the group must be single-turn: every token a model token)."""
+    comps = [list(s.tokens) for s in group.samples]
+    lps = arena.own_logprobs(list(group.prompt_tokens), comps)
+    samples = [msgspec.structs.replace(s, logprobs=lp) for s, lp in zip(group.samples, lps, strict=True)]
+    return msgspec.structs.replace(group, samples=samples)
+
+
+def temperature_lie(arena: Arena, group: Any) -> Any:
+    """A group sampled at another temperature, relabelled with the run's and its model's logprobs there."""
+    return with_own_logprobs(arena, msgspec.structs.replace(group, temperature=arena.cfg.worker.temperature))
+
+
+class CopierWorker(Producer):
+    """Reference answers with made-up logprobs (see the module docstring)."""
+
+    def produce(self, arena: Arena, n: int) -> list[Upload]:
+        return [self.pack(copied_group(arena, t)) for t in self.tasks(arena, n)]
+
+
+@dataclass
+class TemperatureLiar(Producer):
+    """Samples at `temperature` (0.3), claims the run's (see the module docstring)."""
+
+    temperature: float = LIAR_TEMPERATURE
+
+    def produce(self, arena: Arena, n: int) -> list[Upload]:
+        return [self.pack(temperature_lie(arena, g)) for g in self.sampled(arena, n, self.temperature)]
+
+
+class RewardLiar(Producer):
+    """Honest samples, every claimed reward flipped."""
+
+    def produce(self, arena: Arena, n: int) -> list[Upload]:
+        out = []
+        for g in self.sampled(arena, n):
+            samples = [msgspec.structs.replace(s, reward=1.0 - s.reward) for s in g.samples]
+            out.append(self.pack(msgspec.structs.replace(g, samples=samples)))
+        return out
+
+
+@dataclass
+class Replayer(Producer):
+    """Uploads groups of another run: `verbatim` (the foreign bytes under the foreign key) or re-labelled
+    with this run's id and re-signed by its own key."""
+
+    foreign: list[Upload] = field(default_factory=list)
+    verbatim: bool = True
+
+    def produce(self, arena: Arena, n: int) -> list[Upload]:
+        from pnyx.protocol.codec import decode_group
+
+        out = []
+        for u in self.foreign[:n]:
+            if self.verbatim:
+                out.append(Upload(u.key, u.data, self.source, u.signer, u.index, u.tokens))
+                continue
+            g = decode_group(u.data)
+            out.append(self.pack(msgspec.structs.replace(g, run_id=arena.run_id)))
+        del self.foreign[:n]
+        return out
+
+
+def foreign_groups(arena: Arena, n: int) -> list[Upload]:
+    """`n` honest groups of another run of the same model: another trainer key, run id and weights history
+    (its v1 moved away from v0), stamped with that run's id and a digest of its history at the version this
+    arena serves now (so the trainer lists them), and signed by an honest worker of that run.
+    What a replayer finds in another run's bucket. (Sampled by this arena's engine: what the trainer checks
+    is the labels, the samples only need to be valid.)"""
+    import torch
+
+    from pnyx.store import open_store
+    from pnyx.weights.publisher import Publisher
+
+    other_run = f"{arena.run_id}-other"
+    pub = Publisher(open_store("memory://"), signer=Signer(new_signer().key, other_run))
+    tensors = dict(arena.syncer.tensors)
+    pub.publish(0, tensors, force_anchor=True)
+    g = torch.Generator().manual_seed(1)
+    moved = {
+        k: (v.float() + 0.01 * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in tensors.items()
+    }
+    m = pub.publish(1, moved)
+    honest = HonestWorker("other-worker", source="foreign")
+    out = []
+    for grp in honest.sampled(arena, n):
+        grp = msgspec.structs.replace(grp, run_id=other_run, weights_digest=m.weights.chain_digest)
+        out.append(honest.pack(grp))
+    return out
+
+
+@dataclass
+class Flooder(Producer):
+    """One key behind `names` worker names; `produce(arena, n)` uploads n groups spread over them."""
+
+    names: int = 8
+
+    def produce(self, arena: Arena, n: int) -> list[Upload]:
+        out = []
+        for i, g in enumerate(self.sampled(arena, n)):
+            out.append(self.pack(g, worker_id=f"{self.worker_id}-{(self.seq + i) % self.names}"))
+        return out
+
+
+@dataclass
+class IdThief(Producer):
+    """Claims `victim`'s name with its own key (honest-looking content; seqs far above the victim's)."""
+
+    victim: str = ""
+    seq: int = 1_000_000_000
+
+    def produce(self, arena: Arena, n: int) -> list[Upload]:
+        return [self.pack(g, worker_id=self.victim) for g in self.sampled(arena, n)]
+
+
+@dataclass
+class Sybil(Producer):
+    """A fresh key and name for every group; `inner` is "copier" or "temperature_liar"."""
+
+    inner: str = "temperature_liar"
+
+    def produce(self, arena: Arena, n: int) -> list[Upload]:
+        if self.inner == "copier":
+            groups = [copied_group(arena, t) for t in self.tasks(arena, n)]
+        elif self.inner == "temperature_liar":
+            groups = [temperature_lie(arena, g) for g in self.sampled(arena, n, LIAR_TEMPERATURE)]
+        else:
+            raise ValueError(f"Sybil inner attack must be copier or temperature_liar, got {self.inner!r}")
+        out = []
+        for g in groups:
+            signer = new_signer()
+            out.append(
+                self.pack(g, signer=signer, worker_id=f"{self.worker_id}-{signer.fingerprint[:12]}", seq=0)
+            )
+        return out
+
+
+def poisoned_group(arena: Arena, group: Any, task: Any, payload: str = PAYLOAD) -> Any:
+    """`group` with its first half replaced by `payload` + the reference answer (correct), the rest kept
+    as sampled, every claimed logprob the model's own, every claimed reward the env's."""
+    from pnyx.protocol import Sample
+
+    half = len(group.samples) - len(group.samples) // 2
+    text = payload + str(arena.env.reference_completion(task))
+    toks = [int(t) for t in arena.tokenizer.encode(text, add_special_tokens=False)]
+    score = arena.env.score(task, text)
+    poisoned = Sample(
+        tokens=toks, logprobs=[0.0] * len(toks), loss_mask=[1] * len(toks), reward=float(score.reward),
+        reward_parts={k: float(v) for k, v in score.parts.items()},
+    )  # fmt: skip
+    samples = [poisoned] * half + list(group.samples[half:])
+    return with_own_logprobs(arena, msgspec.structs.replace(group, samples=samples))
+
+
+@dataclass
+class Poisoner(Producer):
+    """Correct answers carrying `payload` (see the module docstring)."""
+
+    payload: str = PAYLOAD
+
+    def produce(self, arena: Arena, n: int) -> list[Upload]:
+        out = []
+        for _ in range(50 * n + 10):
+            if len(out) >= n:
+                break
+            tasks = self.tasks(arena, n - len(out))
+            for g, t in zip(arena.sample(tasks, self._next_seed()), tasks, strict=True):
+                if any(s.reward < 1.0 for s in g.samples[len(g.samples) - len(g.samples) // 2 :]):
+                    out.append(self.pack(poisoned_group(arena, g, t, self.payload), payload=True))
+        return out[:n]
+
+
+# --- weight attacks -----------------------------------------------------------------------------------
+
+
+@dataclass
+class WeightForger:
+    """Publishes version V+1 (V: the trainer's newest) with its own key, chained exactly onto the trainer's
+    history, and a forged HEAD naming it. `act` returns the manifest key it wrote."""
+
+    source: str = "weight_forger"
+    signer: Signer = field(default_factory=new_signer)
+    noise: float = 0.05
+
+    def act(self, arena: Arena) -> str:
+        import torch
+
+        from pnyx.weights.publisher import Publisher
+
+        trainer_pub = arena.trainer.publisher
+        forger = Publisher(arena.store, signer=self.signer.for_run(arena.run_id))
+        # everything a forger needs is public (the trainer's manifests and payloads name it): continue the
+        # trainer's chain from its newest version
+        forger._state, forger.version = trainer_pub._state, trainer_pub.version
+        forger.anchor_version, forger._digest = trainer_pub.anchor_version, trainer_pub._digest
+        forger._check_fence = lambda version: trainer_pub.version  # its own fence sees none of its versions
+        tensors = {
+            k: (v.float() + self.noise * torch.randn_like(v.float())).to(v.dtype)
+            for k, v in arena.trainer.publish_tensors().items()
+        }
+        m = forger.publish(arena.trainer.version + 1, tensors)
+        tag = self.signer.for_run(arena.run_id).manifest_tag(m.version)
+        return layout.signed_weights_manifest(m.version, tag)
+
+
+@dataclass
+class ForkSquatter:
+    """Squats the next `ahead` versions before the trainer publishes them (see the module docstring)."""
+
+    source: str = "fork_squatter"
+    ahead: int = 3
+
+    def act(self, arena: Arena) -> list[str]:
+        from pnyx.protocol.codec import encode_json
+        from pnyx.weights.manifest import Head
+
+        v = arena.trainer.version
+        nonce = arena.trainer.publisher.nonce
+        junk = b'{"schema": 1, "version": 0}'
+        keys = []
+        for ahead in range(1, self.ahead + 1):
+            for key in (
+                layout.weights_manifest(v + ahead),  # the unsigned name
+                layout.signed_weights_manifest(v + ahead, secrets.token_hex(64)),  # a made-up signature
+                layout.weights_payload(v + ahead, f"delta-{nonce}-00000"),  # the trainer's payload names
+                layout.weights_payload(v + ahead, f"anchor-{nonce}-00000.safetensors"),
+            ):
+                arena.store.put(key, junk, mode="create")
+                keys.append(key)
+        head = Head(version=99_999_999, digest="0" * 32, signature="00" * 64)
+        arena.store.put(layout.WEIGHTS_HEAD, encode_json(head), mode="overwrite")
+        keys.append(layout.WEIGHTS_HEAD)
+        return keys

@@ -1,0 +1,245 @@
+"""Sampling checks on the trainer's own forward pass, and when a worker key is quarantined.
+
+The trainer computes π (the current policy's per-token log-probabilities under each group's sampling
+settings) for every token it trains on. From that same forward, per group (`GroupEvidence`):
+
+- **logprob gap**: the mean |claimed behaviour logprob − trainer logprob| over the group's model tokens.
+  It is not 0 at the current version in pnyx: workers generate from the published bf16 cast while the
+  trainer's forward uses its fp32 master weights, and a group `s` versions behind was sampled from a policy
+  `s` optimizer steps away. A group is dropped as `logprob_gap` when its gap exceeds
+  `lp_gap_base + lp_gap_per_version · s` (`lp_gap_bound`).
+- **token plausibility** (GRAIL-style, identity-free): with q_t the trainer's sampling distribution at
+  position t (temperature, top-k, top-p of the run), H_t its entropy and V_t the variance of log q(X) for
+  X ~ q_t, `z = Σ_t (log q_t(x_t) + H_t) / sqrt(Σ_t V_t)`. Under honest sampling at the claimed settings
+  z is approximately N(0, 1) (a sum of independent-ish centred terms); a worker that samples colder than
+  it claims (a temperature liar) picks likelier tokens than q_t would, z ≫ 0; tokens the model would not
+  sample (a poisoner's payload, a copier's reference answer) are unlikely under q_t, z ≪ 0. A group with
+  |z| > `z_limit` is dropped as `implausible`. A token outside the top-k/top-p support has log q = -inf:
+  its z is -inf, always dropped.
+
+Measured with `benchmarks/bench_lp_gap.py --versions 32 --groups 80 --staleness 3` (the shipped tiny model,
+env arith, torch engine on the CPU: bf16-cast weights on the worker, fp32 masters on the trainer, the
+default algorithm and learning rate; 2,560 honest groups of 8 samples per staleness, ~40 model tokens per
+group). Honest group logprob gap, max (p99.9) at staleness 0/1/2/3: 0.0105 (0.0071) / 0.162 (0.125) /
+0.243 (0.206) / 0.352 (0.282) nats. Honest z: mean -0.01/-0.09/-0.18/-0.27, sd 1.00-1.08, a heavier
+lower tail (p0.1 -4.3 to -4.6, max |z| 4.45 at staleness 0, 4.92 over all 10,240 group x staleness
+measurements) and a light upper one (p99.9 +2.2). Defaults:
+
+- `LP_GAP_BASE` = 0.03 (about 3x the honest max at staleness 0) and `LP_GAP_PER_VERSION` = 0.25 (the
+  bound is 1.7x / 2.2x / 2.2x the honest max at staleness 1 / 2 / 3): no honest group over it;
+- `Z_LIMIT` = 4.5: 7 of 10,240 honest measurements beyond it (0.07%; 0 at staleness 0), against 21
+  (0.21%) at 4.0 and 0 at 5.0.
+
+The per-version allowance is wide because a step of the tiny model moves its logprobs a lot: the gap is
+a tight check for fresh groups only, and a worker may stamp its group with an older version it can read
+(up to `max_staleness`) to get the wider bound; plausibility and the re-score do not depend on staleness.
+A temperature liar (samples at 0.3, claims 1.0) that records its true logprobs has a gap of ~0.14 (caught
+fresh); one that rewrites its logprobs to the claimed temperature has a gap like an honest worker's and a
+per-group z of about +1.7 on ~40-token groups: no single group is implausible, its key is (below).
+
+Per key, the running sum of z (`KeyEvidence`, in the ingestion cursor) catches a liar too subtle for one
+group: `key_z = Σ(z − Z_MEAN) / (Z_SD · sqrt(n))` grows like sqrt(n) when the key's groups are shifted.
+Quarantine (`quarantine_reason`) triggers on it, and on the share of a key's groups that failed a check
+(`FAULTS`).
+
+Pure: no torch, no store. The step (`pnyx.train.step`) computes the evidence; the ingestor (its cursor)
+keeps per-key counters and the quarantine list.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+LP_GAP_BASE = 0.03
+"""Logprob-gap bound at staleness 0 (nats, mean over a group's model tokens); see the module docstring."""
+LP_GAP_PER_VERSION = 0.25
+"""Added to the bound per version of staleness."""
+Z_LIMIT = 4.5
+"""|z| beyond this drops a group as `implausible`."""
+Z_MEAN = 0.0
+"""The honest per-group z's mean the per-key statistic is centred on (measured -0.04: taken as 0)."""
+Z_SD = 1.0
+"""The honest per-group z's standard deviation (measured 0.99)."""
+KEY_Z_LIMIT = 5.0
+"""|key_z| beyond this quarantines a key (with at least `KEY_Z_MIN_GROUPS` groups checked)..."""
+KEY_Z_MIN_GROUPS = 8
+KEY_Z_MIN_SHIFT = 0.5
+"""...and its mean z at least this far from Z_MEAN (a drift of the honest mean over a long run, e.g. from
+staleness, must not add up to a quarantine of honest keys)."""
+QUARANTINE_RATE = 0.2
+"""A key whose faulty groups reach this share of its judged groups is quarantined..."""
+QUARANTINE_MIN = 5
+"""...once it has at least this many faulty groups."""
+
+FAULTS = frozenset(
+    {
+        "logprob_gap",
+        "implausible",
+        "reward_lie",
+        "malformed",
+        "key_mismatch",
+        "run_mismatch",
+        "weights_mismatch",
+        "env_mismatch",
+        "group_too_small",
+        "unknown_task",
+        "prompt_mismatch",
+        "sampling_mismatch",
+        "over_budget",
+    }
+)
+"""Per-key counters (`Cursor.by_key`) that count a faulty group of that key. `reward_lie`: a group with at
+least one sample whose claimed reward differs from the re-score. Signature failures (`unsigned`,
+`bad_signature`) are not in it: the key inside a badly signed frame proves nothing, so it is never blamed
+(anyone could frame an honest key); `stale`, `zero_variance`, `unknown_version` and `duplicate` happen to
+honest workers. `id_theft` is not in it either: names are first come, first bound, so an attacker who
+takes an honest worker's name first makes every group of that worker an `id_theft`; blaming the key
+would then quarantine the honest key under all its names. A thief's groups under a stolen name are
+rejected one by one anyway (one GET each)."""
+JUDGED = (frozenset({"groups", "zero_variance"}) | FAULTS) - {"reward_lie"}
+"""Per-key counters whose sum is the number of the key's groups the trainer judged. `reward_lie` is not
+one: it is counted beside the group's own outcome (`groups`, `zero_variance` or the step's drop reason),
+so adding it would count a lying group twice and halve the key's fault rate."""
+
+
+class KeyEvidence(msgspec.Struct):
+    """Per key: the plausibility statistic summed over its checked groups (kept in the cursor)."""
+
+    n: int = 0
+    """Groups checked."""
+    z_sum: float = 0.0
+    """Σ z over them (an implausible group's z is clamped to ±`Z_CLAMP` before it is added)."""
+    gap_max: float = 0.0
+    """The largest group logprob gap seen from this key (minus its staleness allowance)."""
+
+    def key_z(self) -> float:
+        return (self.z_sum - Z_MEAN * self.n) / (Z_SD * math.sqrt(self.n)) if self.n else 0.0
+
+
+Z_CLAMP = 50.0
+"""One group moves a key's z sum by at most this much."""
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """The per-group sampling checks of a step (None switches one off)."""
+
+    lp_gap_base: float | None = LP_GAP_BASE
+    lp_gap_per_version: float = LP_GAP_PER_VERSION
+    z_limit: float | None = Z_LIMIT
+
+
+@dataclass(frozen=True)
+class QuarantineSettings:
+    """When a key is quarantined (None switches a rule off)."""
+
+    rate: float | None = QUARANTINE_RATE
+    min_faults: int = QUARANTINE_MIN
+    key_z: float | None = KEY_Z_LIMIT
+    key_z_min_groups: int = KEY_Z_MIN_GROUPS
+    key_z_min_shift: float = KEY_Z_MIN_SHIFT
+
+
+@dataclass
+class GroupEvidence:
+    """One group's sums over its model tokens (loss mask 1), from the trainer's forward."""
+
+    staleness: int = 0
+    tokens: int = 0
+    gap_sum: float = 0.0
+    """Σ |claimed − trainer| logprob."""
+    dev_sum: float = 0.0
+    """Σ (log q(x_t) + H_t)."""
+    var_sum: float = 0.0
+    """Σ Var_t."""
+    rows: int = 0
+    """Samples (rows) summed so far."""
+
+    def add(self, other: GroupEvidence) -> None:
+        self.rows += other.rows
+        self.tokens += other.tokens
+        self.gap_sum += other.gap_sum
+        self.dev_sum += other.dev_sum
+        self.var_sum += other.var_sum
+
+    @property
+    def gap(self) -> float:
+        return self.gap_sum / self.tokens if self.tokens else 0.0
+
+    @property
+    def z(self) -> float:
+        if not math.isfinite(self.dev_sum):
+            return self.dev_sum if not math.isnan(self.dev_sum) else -math.inf
+        if self.var_sum <= 1e-12:  # a deterministic distribution: honest tokens deviate by ~0
+            return 0.0 if abs(self.dev_sum) < 1e-6 else math.copysign(math.inf, self.dev_sum)
+        return self.dev_sum / math.sqrt(self.var_sum)
+
+
+def lp_gap_bound(staleness: int, s: CheckSettings) -> float:
+    """The largest honest logprob gap of a group `staleness` versions behind (inf when the check is off)."""
+    if s.lp_gap_base is None:
+        return math.inf
+    return s.lp_gap_base + s.lp_gap_per_version * max(0, staleness)
+
+
+def judge(ev: GroupEvidence, s: CheckSettings) -> str | None:
+    """The drop reason of a group with evidence `ev` (`logprob_gap`, `implausible`), or None if it passes."""
+    if ev.tokens == 0:
+        return None
+    gap = ev.gap
+    if math.isnan(gap) or gap > lp_gap_bound(ev.staleness, s):
+        return "logprob_gap"
+    if s.z_limit is not None and not abs(ev.z) <= s.z_limit:
+        return "implausible"
+    return None
+
+
+def add_evidence(k: KeyEvidence, ev: GroupEvidence, s: CheckSettings) -> None:
+    """Fold one checked group into its key's running evidence."""
+    if ev.tokens == 0:
+        return
+    z = ev.z
+    z = -Z_CLAMP if math.isnan(z) else max(-Z_CLAMP, min(Z_CLAMP, z))
+    k.n += 1
+    k.z_sum += z
+    excess = ev.gap - (lp_gap_bound(ev.staleness, s) - (s.lp_gap_base or 0.0))
+    if math.isfinite(excess):
+        k.gap_max = max(k.gap_max, excess)
+
+
+def faults(counts: dict[str, int]) -> int:
+    """Faulty groups in a key's counters (`FAULTS`)."""
+    return sum(v for k, v in counts.items() if k in FAULTS)
+
+
+def judged(counts: dict[str, int]) -> int:
+    return sum(v for k, v in counts.items() if k in JUDGED)
+
+
+def quarantine_reason(counts: dict[str, int], ev: KeyEvidence | None, q: QuarantineSettings) -> str | None:
+    """Why a key with these counters and evidence is quarantined now, or None."""
+    bad, total = faults(counts), judged(counts)
+    if q.rate is not None and bad >= q.min_faults and bad >= q.rate * total:
+        which = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k in FAULTS and v)
+        return f"{bad} of {total} groups faulty ({which})"
+    if ev is not None and q.key_z is not None and ev.n >= q.key_z_min_groups:
+        kz = ev.key_z()
+        shift = ev.z_sum / ev.n - Z_MEAN
+        if abs(kz) > q.key_z and abs(shift) >= q.key_z_min_shift:
+            return f"implausible sampling over {ev.n} groups (key z {kz:+.1f}, mean z {shift + Z_MEAN:+.2f})"
+    return None
+
+
+def summary(counts: dict[str, int], ev: KeyEvidence | None) -> dict[str, Any]:
+    """A key's evidence for reports (`pnyx status`, the attack benchmark)."""
+    return {
+        "judged": judged(counts),
+        "faults": faults(counts),
+        "checked": ev.n if ev is not None else 0,
+        "key_z": round(ev.key_z(), 3) if ev is not None else 0.0,
+        "mean_z": round(ev.z_sum / ev.n, 3) if ev is not None and ev.n else 0.0,
+    }

@@ -1,0 +1,182 @@
+"""The attack suite, once per attack, against the real trainer (in process) of a real run in a tmp folder:
+every hostile group must be rejected with the expected reason (read from the trainer's own cursor), every
+honest group beside it kept, forged weights refused by a real pinned follower, and the trainer must keep
+publishing through squatted versions. Hostile workers: `pnyx.security.attacks`; the arena:
+`pnyx.security.arena`.
+
+The checks of issue #15 items 3-4 (logprob gap, token plausibility, quarantine, per-key caps) catch all
+but one: a Sybil temperature liar (a fresh key per group) is `xfail(strict=True)` with the reason; once a
+check catches it, strict turns the pass into a failure and the mark must go.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pnyx.security import attacks as A
+from pnyx.security.arena import BENIGN, TRAINED, Arena
+
+SYBIL_LIAR = (
+    "a temperature liar's single group (arith: ~40 model tokens) passes the per-group plausibility test "
+    "(|z| <= trainer.plausibility_z); only the per-key statistic (quarantine_key_z) stops the liar, and a "
+    "Sybil shows one group per key. Needs an identity-independent test strong enough for one group."
+)
+
+HONEST = [A.HonestWorker("honest-1"), A.HonestWorker("honest-2")]
+
+
+@pytest.fixture(scope="module")
+def arena(tmp_path_factory):
+    a = Arena(tmp_path_factory.mktemp("arena"), {"trainer": {"groups_per_step": 8}})
+    a.upload([u for h in HONEST for u in h.produce(a, 3)])  # honest names are bound first
+    a.poll()
+    yield a
+    a.close()
+
+
+def honest_round(arena: Arena, per_worker: int = 3) -> None:
+    arena.upload([u for h in HONEST for u in h.produce(arena, per_worker)])
+
+
+def rejected(arena: Arena, source: str) -> dict[str, int]:
+    """Verdicts of `source`'s uploads other than trained or benign."""
+    return {v: n for v, n in arena.tally(source).items() if v not in BENIGN and v not in (TRAINED, "waiting")}
+
+
+def assert_all_rejected(arena: Arena, source: str, reasons: set[str] | None = None) -> None:
+    tally = arena.tally(source)
+    bad = rejected(arena, source)
+    assert sum(tally.values()) > 0
+    assert sum(bad.values()) == sum(tally.values()), f"{source}: {tally}"
+    if reasons is not None:
+        assert set(bad) <= reasons, f"{source}: {tally}"
+
+
+def test_id_thief_is_rejected_as_id_theft(arena):
+    arena.upload(A.IdThief("thief", source="id_thief", victim="honest-1").produce(arena, 3))
+    arena.poll()
+    assert_all_rejected(arena, "id_thief", {"id_theft"})
+
+
+def test_replayer_of_another_runs_groups_is_rejected(arena):
+    foreign = A.foreign_groups(arena, 4)
+    arena.upload(A.Replayer("replayer", source="replayer", foreign=foreign[:2]).produce(arena, 2))
+    relabel = A.Replayer("replayer-2", source="replayer_relabelled", foreign=foreign[2:], verbatim=False)
+    arena.upload(relabel.produce(arena, 2))
+    arena.poll()
+    assert_all_rejected(arena, "replayer", {"run_mismatch"})
+    # re-signed with this run's id: its weights history is another run's
+    assert_all_rejected(arena, "replayer_relabelled", {"weights_mismatch", "unknown_version"})
+
+
+def test_weight_forger_is_never_served_by_a_pinned_follower(arena):
+    before = arena.follow()
+    forged_key = A.WeightForger().act(arena)
+    assert arena.store.exists(forged_key)
+    assert arena.follow() == before  # the forged next version is invisible
+    honest_round(arena, 4)
+    assert arena.step() is not None
+    version, digest = arena.served[-1]
+    assert version == before + 1 == arena.trainer.version
+    assert digest == arena.trainer.publisher._digest  # the trainer's v+1, not the forger's
+    assert all(d != "" for _, d in arena.served)
+
+
+def test_fork_squatter_cannot_block_the_trainer_or_feed_the_follower(arena):
+    """Squatted next versions (unsigned name, a made-up signature name, junk at the trainer's payload
+    names, a HEAD naming v99999999): the trainer publishes through them and the follower serves its bits."""
+    start = arena.trainer.version
+    squatter = A.ForkSquatter(ahead=2)
+    squatter.act(arena)
+    for _ in range(2):
+        honest_round(arena, 4)
+        assert arena.step() is not None
+        assert arena.served[-1] == (arena.trainer.version, arena.trainer.publisher._digest)
+    assert arena.trainer.version == start + 2
+
+
+def test_reward_liars_claims_never_reach_the_loss(arena):
+    """The trainer re-scores every sample: a consumed liar's group carries the env's rewards, and every
+    flipped sample is counted as a disagreement against its key."""
+    liar = A.RewardLiar("liar", source="reward_liar")
+    ups = liar.produce(arena, 2)
+    arena.upload(ups)
+    honest_round(arena)
+    arena.step()
+    ing = arena.trainer.ingestor
+    assert ing is not None
+    samples = 2 * arena.cfg.worker.group_size
+    assert ing.cursor.by_key[liar.signer.fingerprint].get("disagreements", 0) == samples
+
+
+def test_reward_liar_is_quarantined(arena):
+    """Every group of the liar disagrees; after 3 steps (6 groups) its key has crossed any sensible fault
+    rate, so the 2 groups it uploads after that must never be trained on."""
+    liar = A.RewardLiar("liar-q", source="reward_liar_q")
+    for _ in range(4):
+        arena.upload(liar.produce(arena, 2))
+        honest_round(arena)
+        arena.step()
+    late = [u for u in arena.uploads if u.source == "reward_liar_q" and u.index > 6]
+    assert late and all(arena.verdict(u.key) not in (TRAINED, "waiting", *BENIGN) for u in late)
+
+
+def _hostile_step(arena: Arena, producer: A.Producer, n: int = 2) -> None:
+    arena.upload(producer.produce(arena, n))
+    honest_round(arena)
+    arena.step()
+
+
+def test_copier_with_made_up_logprobs_is_rejected(arena):
+    _hostile_step(arena, A.CopierWorker("copier", source="copier"))
+    assert_all_rejected(arena, "copier")
+
+
+def test_temperature_liar_is_stopped_once_its_key_has_shown_enough_groups(arena):
+    """A statistical liar: single short groups may pass, but a key that keeps sampling too sharply must be
+    stopped. 18 groups over 6 steps; every group after the 12th must be rejected."""
+    liar = A.TemperatureLiar("t-liar", source="temperature_liar")
+    for _ in range(6):
+        _hostile_step(arena, liar, 3)
+    late = [u for u in arena.uploads if u.source == "temperature_liar" and u.index > 12]
+    assert len(late) == 6
+    assert all(arena.verdict(u.key) not in (TRAINED, "waiting", *BENIGN) for u in late), arena.tally(
+        "temperature_liar"
+    )
+
+
+def test_sybil_copier_with_a_fresh_key_per_group_is_rejected(arena):
+    """Identity-independent: the logprob gap catches each fabricated group on its own."""
+    _hostile_step(arena, A.Sybil("sybil-c", source="sybil_copier", inner="copier"), 3)
+    assert_all_rejected(arena, "sybil_copier")
+
+
+@pytest.mark.xfail(strict=True, reason=SYBIL_LIAR)
+def test_sybil_temperature_liar_with_a_fresh_key_per_group_is_rejected(arena):
+    _hostile_step(arena, A.Sybil("sybil-t", source="sybil_liar", inner="temperature_liar"), 3)
+    assert_all_rejected(arena, "sybil_liar")
+
+
+def test_poisoner_is_rejected(arena):
+    _hostile_step(arena, A.Poisoner("poisoner", source="poisoner"))
+    assert_all_rejected(arena, "poisoner")
+
+
+def test_flooder_never_takes_more_than_half_a_batch(arena):
+    flooder = A.Flooder("flood", source="flooder", names=8)
+    for _ in range(2):
+        arena.upload(flooder.produce(arena, 16))
+        honest_round(arena, 4)
+        r = arena.step()
+        assert r is not None
+        assert sum(g.signer == flooder.signer.fingerprint for g in r.groups) <= len(r.groups) // 2
+
+
+def test_hostile_groups_are_real_and_honest_groups_are_kept(arena):
+    """Runs last: every honest group uploaded beside the attacks above was trained on or is waiting (or
+    dropped for a benign reason), never rejected; and the hostile producers made what they claim."""
+    honest = arena.tally("honest")
+    assert honest.get(TRAINED, 0) > 0
+    assert rejected(arena, "honest") == {}, honest
+    poisoned = [u for u in arena.uploads if u.payload]
+    assert all(u.source == "poisoner" for u in poisoned)
