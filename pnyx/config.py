@@ -203,6 +203,10 @@ class TrainerConfig(_Section):
     """A key whose running plausibility statistic Σ z / sqrt(n) over at least 8 checked groups exceeds this
     in absolute value (and whose mean z is off by at least 0.5) is quarantined: a statistical liar whose
     single groups pass. None: off."""
+    reject_reward_lies: bool = True
+    """Drop a group whose claimed rewards disagree with the trainer's re-score of the same completions
+    (`reward_lie`; a fault of its key). Workers score with the same deterministic verifier, so an honest
+    group never disagrees; False: train on such a group with the trainer's own rewards."""
     max_key_share: Annotated[float, Field(gt=0, le=1)] | None = 0.5
     """One worker key takes at most ceil(share · groups_per_step) places of a batch while other keys'
     groups can fill the rest; places the others cannot fill at that moment go to it, so one worker alone

@@ -103,6 +103,28 @@ def _reward_liar(store, ing: Ingestor, n: int, version: int = 0, start: int = 0)
     return keys
 
 
+def test_reject_reward_lies_drops_every_lying_group_and_judges_it_once(tmp_path):
+    """With `reject_reward_lies` (the trainer's default) a lying group is never selected: dropped as
+    `reward_lie`, one fault and one judged group of its key; honest groups are untouched."""
+    store = open_store(tmp_path / "s")
+    ing = _ingestor(store, reject_reward_lies=True)
+    honest = [_put(store, make_group(0, "w1", i, task_index=i), HONEST) for i in range(3)]
+    lies = [_put(store, make_group(0, "liar", i, task_index=i, claimed=[0.0, 1.0]), LIAR) for i in range(4)]
+    ing.poll(0)
+    chosen = ing.select(0, 10)
+    assert sorted(g.key for g in chosen) == sorted(honest)
+    assert all(ing.cursor.rejected[k] == "reward_lie" for k in lies) and ing.cursor.drops["reward_lie"] == 4
+    counts = ing.cursor.by_key[LIAR.fingerprint]
+    assert counts["reward_lie"] == 4 and counts["lie_dropped"] == 4
+    assert "4 of 4 groups" in (
+        quarantine_reason(counts, None, QuarantineSettings(rate=0.2, min_faults=4)) or ""
+    )
+    assert LIAR.fingerprint not in ing.cursor.quarantined  # default minimum: 5 faults
+    _put(store, make_group(0, "liar", 4, task_index=4, claimed=[0.0, 1.0]), LIAR)
+    ing.poll(0)
+    assert LIAR.fingerprint in ing.cursor.quarantined
+
+
 def test_a_key_whose_rewards_disagree_is_quarantined_and_its_later_groups_are_never_downloaded(tmp_path):
     inner = open_store(tmp_path / "s")
     store = CountingStore(inner)

@@ -100,10 +100,11 @@ honest workers. `id_theft` is not in it either: names are first come, first boun
 takes an honest worker's name first makes every group of that worker an `id_theft`; blaming the key
 would then quarantine the honest key under all its names. A thief's groups under a stolen name are
 rejected one by one anyway (one GET each)."""
-JUDGED = (frozenset({"groups", "zero_variance"}) | FAULTS) - {"reward_lie"}
+JUDGED = (frozenset({"groups", "zero_variance", "lie_dropped"}) | FAULTS) - {"reward_lie"}
 """Per-key counters whose sum is the number of the key's groups the trainer judged. `reward_lie` is not
-one: it is counted beside the group's own outcome (`groups`, `zero_variance` or the step's drop reason),
-so adding it would count a lying group twice and halve the key's fault rate."""
+one: it is counted beside the group's own outcome (`lie_dropped` when `trainer.reject_reward_lies` drops
+it, else `groups`, `zero_variance` or the step's drop reason), so adding it would count a lying group twice
+and halve the key's fault rate."""
 
 
 class KeyEvidence(msgspec.Struct):

@@ -109,6 +109,9 @@ class IngestSettings:
     """Hard cap: groups of one key in one batch (None: none)."""
     max_groups_per_key_version: int | None = None
     """Hard cap: groups of one key generated at one policy version that are ever trained on (None: none)."""
+    reject_reward_lies: bool = False
+    """Drop a group whose claimed rewards disagree with the re-score (`reward_lie`), instead of training on
+    it with the trainer's own rewards."""
 
 
 class Cursor(msgspec.Struct):
@@ -146,6 +149,11 @@ class Cursor(msgspec.Struct):
     @classmethod
     def from_json(cls, data: bytes) -> Cursor:
         return msgspec.json.decode(data, type=cls)
+
+
+def _lies(g: ScoredGroup) -> bool:
+    """Some sample's claimed reward differs from the trainer's re-score."""
+    return any(abs(a - b) > REWARD_TOL for a, b in zip(g.worker_rewards, g.rewards, strict=True))
 
 
 def _theft(worker: str, bound: str, fp: str) -> RecordRejected:
@@ -289,6 +297,12 @@ class Ingestor(WindowListings):
             if scored.signer in self.cursor.quarantined:  # quarantined while it was being fetched
                 self._reject(key, "quarantined")
                 self._count_key(scored.signer, "quarantined")
+                return
+            if self.settings.reject_reward_lies and _lies(scored):
+                self._count_scored(scored)  # its samples, disagreements and the key's `reward_lie` fault
+                self._count_key(scored.signer, "lie_dropped")  # ...and its outcome (checks.JUDGED)
+                self._reject(key, "reward_lie")
+                self._outcomes.append("reward_lie")
                 return
             if is_zero_variance(scored.rewards):
                 self._count_scored(scored)

@@ -46,6 +46,7 @@ def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
         max_key_share=t.max_key_share,
         max_groups_per_key_step=t.max_groups_per_key_step,
         max_groups_per_key_version=t.max_groups_per_key_version,
+        reject_reward_lies=t.reject_reward_lies,
     )
 
 
