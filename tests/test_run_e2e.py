@@ -100,6 +100,9 @@ class Watcher(threading.Thread):
         self.store_dir = store_dir
         self.seen: dict[str, set[tuple[int, str]]] = {}
         self.planted = False
+        self.chain: dict[int, str] = {}
+        """Version -> the chain digest of its manifest, read when a worker first reported it (retention
+        deletes old versions' manifests later in the run)."""
         self.stop = threading.Event()
         self.error: BaseException | None = None
 
@@ -108,6 +111,7 @@ class Watcher(threading.Thread):
             from pnyx.errors import NotFoundError, RecordRejected
             from pnyx.protocol import Heartbeat, decode_json, layout
             from pnyx.store import open_store
+            from pnyx.weights import read_manifest
 
             while not self.stop.is_set():
                 if (self.store_dir / "run.json").exists():
@@ -126,6 +130,12 @@ class Watcher(threading.Thread):
                         digest = getattr(hb, "digest", None) or _detail_digest(hb.detail)
                         if hb.version >= 0 and digest:
                             self.seen.setdefault(hb.worker_id, set()).add((hb.version, digest))
+                            if hb.version not in self.chain:
+                                try:
+                                    m = read_manifest(store, hb.version)
+                                except NotFoundError:
+                                    continue
+                                self.chain[hb.version] = m.weights.chain_digest
                 self.stop.wait(0.3)
         except BaseException as e:  # noqa: BLE001 - surfaced by the fixture
             self.error = e
@@ -222,17 +232,16 @@ def test_interrupted_run_resumes_and_finishes_the_step_budget(fleet_run):
 
 @pytest.mark.slow
 def test_every_worker_follows_the_published_versions_with_equal_digests(fleet_run):
-    from pnyx.store import open_store
-    from pnyx.weights import read_manifest
-
-    store = open_store(fleet_run["store_dir"])
-    seen = fleet_run["watcher"].seen
+    watcher = fleet_run["watcher"]
+    seen, chain = watcher.seen, watcher.chain
     assert set(seen) == set(WORKERS), seen.keys()
     for worker, pairs in seen.items():
         versions = {v for v, _ in pairs}
         assert len(versions) >= 3 and max(versions) >= PHASE1_MIN_VERSION, (worker, sorted(versions))
-        for version, digest in pairs:
-            assert digest == read_manifest(store, version).weights.chain_digest, (worker, version)
+        checked = [(v, d) for v, d in pairs if v in chain]
+        assert len({v for v, _ in checked}) >= 3, (worker, sorted(versions), sorted(chain))
+        for version, digest in checked:
+            assert digest == chain[version], (worker, version)
 
 
 @pytest.mark.slow

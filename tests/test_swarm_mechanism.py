@@ -5,8 +5,9 @@ train split only): node A on the right answers (held-out reward about 0.7), node
 (a deliberately damaged checkpoint: the same answer format, a wrong rule; held-out reward about 0.03).
 Both generate and train on pm1 for the same rounds at the same batch (8 groups of 8 per step). B trains on
 its own 8 groups (no sharing) or on 4 of its own and 4 of A's (SAPO 4/4), re-scored by its own verifier,
-in each foreign-text mode. With sharing, B's held-out reward on pm1 ends well above where it ends alone.
-(Alone it does not stay at its start: its few correct samples give it a signal of its own.)
+in each foreign-text mode. With sharing, B trains on A's groups and its held-out reward on pm1 rises from
+its start. (Alone it rises too: its few correct samples give it a signal of its own; whether sharing
+beats that is the open question of issue #17, measured over seeds by the benchmark.)
 `benchmarks/bench_swarm_mechanism.py` measures the same over seeds, with a late joiner (BENCHMARKS.md).
 
 Deterministic (fixed seeds, one thread, nodes round-robin in one process). The premise (A can, B cannot)
@@ -65,12 +66,16 @@ def alone(setup):
 # did NOT carry the skill at this seed (B ended at 0.172 with sharing vs 0.238 alone, start 0.016), so the
 # claim holds for `onpolicy` alone until the seeded benchmark (issue #17) says more about `gated`.
 @pytest.mark.parametrize("mode", ["onpolicy"])
-def test_sharing_carries_a_skill_to_a_node_that_lacks_it(setup, alone, mode):
+def test_a_node_lacking_a_skill_learns_it_while_training_on_a_peers_groups(setup, alone, mode):
     assert alone.start < 0.1, f"premise: B must start unable to solve pm1 (held-out {alone.start:.3f})"
     assert alone.a_end > 0.5, f"premise: A must solve pm1 (held-out {alone.a_end:.3f})"
     shared = _run(setup, 4, mode)
     assert shared.start == alone.start and shared.a_end == alone.a_end  # the same B and the same A
     assert shared.external_trained >= ROUNDS and alone.external_trained == 0
-    assert shared.end - alone.end >= MARGIN, (
-        f"{mode}: with sharing B reached {shared.end:.3f}, alone {alone.end:.3f} (start {alone.start:.3f})"
+    # B learns pm1 while training on A's groups. Whether it learns *more* than alone is not asserted: over
+    # 5 seeds the difference was +0.143 [-0.152, +0.438] (95% CI, `bench_swarm_mechanism.py`, issue #17),
+    # and this single seed went either way across code changes (at least +0.1 at de15b13, -0.062 in the
+    # CI run of 2026-12-01 16:50 after this session's merges).
+    assert shared.end - shared.start >= MARGIN, (
+        f"{mode}: with sharing B reached {shared.end:.3f} from {shared.start:.3f} (alone {alone.end:.3f})"
     )
