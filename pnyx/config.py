@@ -110,9 +110,11 @@ class WorkerConfig(_Section):
     supply_control: bool = True
     """Make only what the trainer can consume: each worker paces itself by the trainer's demand
     (`weights/DEMAND`: groups per step, groups waiting, workers live) instead of generating flat out."""
-    supply_lead: Annotated[float, Field(ge=1, le=100)] = 1.25
+    supply_lead: Annotated[float, Field(ge=1, le=100)] = 1.0
     """Supply control's target, in trainer steps: groups waiting when the trainer publishes, as a multiple of
-    trainer.groups_per_step (1 = exactly the next batch; more = fewer trainer waits, more stale drops)."""
+    trainer.groups_per_step (1 = exactly the next batch; more = fewer trainer waits, more stale drops). In
+    `pnyx run`, 1.25 left 53-65 groups stale (3-4% of generated, left behind by freshest-first selection);
+    1 left 0-2% unconsumed and the trainer no slower (BENCHMARKS.md)."""
     skip_zero_variance: bool = True
     """Do not upload groups whose samples all have the same reward (the trainer, re-scoring with the same
     verifier, would drop them); they are counted in the worker's heartbeat instead."""

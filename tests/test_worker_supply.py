@@ -69,7 +69,8 @@ def test_zero_variance_groups_are_skipped_counted_and_leave_no_gap_in_seqs(tmp_p
 
 
 def test_worker_waits_for_the_trainers_demand_then_makes_one_more_step(tmp_path, tiny_model_dir):
-    run = make_run(str(tmp_path / "run"), tiny_model_dir)  # supply control on; trainer.groups_per_step 8
+    # supply control on; trainer.groups_per_step 8; a lead of 1.25 steps (the default is 1)
+    run = make_run(str(tmp_path / "run"), tiny_model_dir, supply_lead=1.25)
     worker = Worker(run.store, WorkerOptions(worker_id="w1", spool_dir=str(tmp_path / "spool")))
     worker.join()
     made = lambda: worker.spool.stats.uploaded + len(worker.spool)  # noqa: E731
