@@ -108,3 +108,22 @@ def test_spool_permission_error_propagates_and_keeps_the_group(tmp_path):
 def test_spool_refuses_a_key_that_is_not_a_rollout_key():
     with pytest.raises(ValueError, match="not a rollout key"):
         Spool(4).add("weights/HEAD", b"x")
+
+
+def test_uploaded_plus_pending_never_misses_a_group_while_a_flush_moves_it(tmp_path):
+    """`accounted()` is what `max_groups` counts against: read while the courier flushes, it never drops
+    below the groups made (two separate reads of uploaded and pending once let a worker make one too many)."""
+    import threading
+
+    store = open_store(tmp_path / "s")
+    spool = Spool(400, folder=tmp_path / "spool")
+    for i in range(300):
+        spool.add(layout.rollout_key(0, "w1", i), b"x" * 64)
+    seen: list[int] = []
+    flusher = threading.Thread(target=spool.flush, args=(store,))
+    flusher.start()
+    while flusher.is_alive():
+        seen.append(spool.accounted())
+    flusher.join()
+    assert spool.stats.uploaded == 300 and len(spool) == 0
+    assert seen and set(seen) == {300}

@@ -92,6 +92,12 @@ class Spool:
         with self._lock:
             return len(self._items)
 
+    def accounted(self) -> int:
+        """Groups uploaded plus groups pending, read together: a flush moves a group from one to the other
+        under the lock, so the sum never misses it (two separate reads could)."""
+        with self._lock:
+            return self.stats.uploaded + len(self._items)
+
     def pending_keys(self) -> list[str]:
         """The pending keys, oldest first."""
         with self._lock:
@@ -157,19 +163,20 @@ class Spool:
                     break
                 except StorePermissionError:
                     raise
-                self._remove(key)
-                self.stats.uploaded += 1
+                self._remove(key, uploaded=True)
                 done += 1
         return done
 
     # -- internals --
 
-    def _remove(self, key: str) -> None:
+    def _remove(self, key: str, uploaded: bool = False) -> None:
         with self._lock:
             if self._items and self._items[0][0] == key:
                 self._items.popleft()
             else:  # dropped for space meanwhile (folder-less spool only)
                 self._items = deque(item for item in self._items if item[0] != key)
+            if uploaded:  # in the same critical section: `accounted` never sees it in neither place
+                self.stats.uploaded += 1
         self._unlink(key)
 
     def _resolve_collision(self, store: Store, key: str, data: bytes) -> bool:

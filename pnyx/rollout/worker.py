@@ -276,7 +276,7 @@ class Worker:
             # prompts for `allowed` uploadable groups, given how many recently had zero variance
             n = min(n, math.ceil(allowed / max(0.25, self._kept_frac)))
         if self.opts.max_groups is not None:
-            n = min(n, self.opts.max_groups - self.spool.stats.uploaded - len(self.spool))
+            n = min(n, self.opts.max_groups - self.spool.accounted())
             if n <= 0:  # the quota is spooled: wait for the courier to upload it
                 self._set_status("uploading", f"pending={len(self.spool)}")
                 self._pause(0.5)
