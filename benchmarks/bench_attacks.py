@@ -45,10 +45,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 ARMS = [
-    "none", "copier", "temperature_liar", "reward_liar", "replayer", "flooder", "id_thief", "weight_forger",
-    "fork_squatter", "sybil", "poisoner",
+    "none", "copier", "temperature_liar", "reward_liar", "replayer", "flooder", "eager", "id_thief",
+    "weight_forger", "fork_squatter", "sybil", "sybil_temperature_liar", "poisoner",
 ]  # fmt: skip
-CHECK_SWITCHES = ("lp_gap_base", "plausibility_z", "quarantine_rate", "quarantine_key_z", "max_key_share")
+NOT_ATTACKS = {"eager": "not an attack: honest content under the flood limit, held to a fair share"}
+"""Arms that show a limit, not a detection: their groups are not expected to be rejected."""
+CHECK_SWITCHES = (
+    "lp_gap_base", "plausibility_z", "quarantine_rate", "quarantine_key_z", "max_key_share", "flood_limit",
+)  # fmt: skip
 """`trainer` settings of the trainer's content checks, quotas and quarantine (issue #15 items 3-4); None
 turns each off."""
 
@@ -70,7 +74,14 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--steps", type=int, default=None, help="trainer steps per arm (default 30; quick 3)")
     p.add_argument("--honest", type=int, default=4, help="groups per honest worker per step (2 workers)")
-    p.add_argument("--hostile", type=int, default=2, help="hostile groups per step (flooder: 8x this)")
+    p.add_argument("--hostile", type=int, default=2, help="hostile groups per step (eager: 8x this)")
+    p.add_argument(
+        "--flood", type=int, default=80, help="flooder's groups per step (over the flood limit: 64 here)"
+    )
+    p.add_argument(
+        "--poison-steps", type=int, default=None, help="steps of the poisoner arms (default: --steps)"
+    )
+    p.add_argument("--poison", type=int, default=None, help="poisoned groups per step (default: --hostile)")
     p.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks (default 400; quick 50)")
     p.add_argument(
         "--doubling", default=None, help="run 1 hostile (this attack) + 2 honest until pass@1 doubles"
@@ -109,10 +120,14 @@ def attacker(name: str, arena: Any) -> Any:
         "reward_liar": lambda: A.RewardLiar("r-liar", source=name),
         "replayer": lambda: A.Replayer("replayer", source=name),
         "flooder": lambda: A.Flooder("flood", source=name, names=8),
+        "eager": lambda: A.Flooder("eager", source=name, names=8),
         "id_thief": lambda: A.IdThief("thief", source=name, victim="honest-1"),
         "weight_forger": lambda: A.WeightForger(),
         "fork_squatter": lambda: A.ForkSquatter(ahead=2),
-        "sybil": lambda: [A.Sybil("sybil", source=name, inner=i) for i in ("temperature_liar", "copier")],
+        "sybil": lambda: [
+            A.Sybil("sybil", source=name, inner=i) for i in ("copier", "reward_liar", "poisoner")
+        ],
+        "sybil_temperature_liar": lambda: A.Sybil("sybil-t", source=name, inner="temperature_liar"),
         "poisoner": lambda: A.Poisoner("poisoner", source=name),
         "poisoner_undefended": lambda: A.Poisoner("poisoner", source=name),
     }[name]()
@@ -139,9 +154,11 @@ def hostile_round(name: str, atk: Any, arena: Any, step: int, n: int, log: dict[
     if name == "replayer":
         atk.foreign = A.foreign_groups(arena, n)
         atk.verbatim = step % 2 == 0  # verbatim bytes one step, re-labelled and re-signed the next
+    if name in ("flooder", "eager"):  # one producer, many groups at once (mostly copies)
+        arena.upload(atk.produce(arena, n))
+        return
     producers = atk if isinstance(atk, list) else [atk]
-    count = 8 * n if name == "flooder" else n
-    for i in range(count):
+    for i in range(n):
         p = producers[(step + i) % len(producers)]
         arena.upload(p.produce(arena, 1))
 
@@ -162,9 +179,16 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
             log: dict[str, Any] = {}
             before = evaluation(arena, args.eval_tasks)
             served_trainer = True
-            for step in range(args.steps):
+            steps, hostile_n = args.steps, args.hostile
+            if name.startswith("poisoner"):
+                steps, hostile_n = args.poison_steps or args.steps, args.poison or args.hostile
+            elif name == "flooder":
+                hostile_n = args.flood
+            elif name == "eager":
+                hostile_n = 8 * args.hostile
+            for step in range(steps):
                 arena.upload([u for h in honest for u in h.produce(arena, args.honest)])
-                hostile_round(name, atk, arena, step, args.hostile, log)
+                hostile_round(name, atk, arena, step, hostile_n, log)
                 r = arena.step()
                 if r is None:
                     log.setdefault("short_steps", []).append(step)
@@ -181,7 +205,7 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
             honest_ups = [u for u in arena.uploads if u.source == "honest"]
             res: dict[str, Any] = {
                 "arm": name,
-                "steps": args.steps,
+                "steps": steps,
                 "version": arena.trainer.version,
                 "seconds": round(time.perf_counter() - t0, 1),
                 "honest": arena.tally("honest"),
@@ -228,6 +252,8 @@ def detection(res: dict[str, Any]) -> tuple[int, float | None, str]:
     groups = res["hostile_groups"]
     if not groups:
         return 0, None, ""
+    if res["arm"] in NOT_ATTACKS:
+        return len(groups), None, NOT_ATTACKS[res["arm"]]
     rejected = sum(1 for g in groups if g["verdict"] not in (*BENIGN, TRAINED, "waiting"))
     return len(groups), rejected / len(groups), "hostile groups rejected"
 
@@ -302,7 +328,7 @@ def doubling(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         arena = Arena(Path(root), {"trainer": {"groups_per_step": 8}})
         try:
             honest = [HonestWorker("honest-1"), HonestWorker("honest-2")]
-            atk = attacker(name, arena)
+            atk = attacker(name, arena) if name != "none" else None
             curve = [evaluation(arena, args.eval_tasks)]
             base = curve[0]["pass_at_1"]
             log: dict[str, Any] = {}

@@ -209,10 +209,17 @@ class TrainerConfig(_Section):
     """Drop a group whose claimed rewards disagree with the trainer's re-score of the same completions
     (`reward_lie`; a fault of its key). Workers score with the same deterministic verifier, so an honest
     group never disagrees; False: train on such a group with the trainer's own rewards."""
-    max_key_share: Annotated[float, Field(gt=0, le=1)] | None = 0.5
+    max_key_share: Annotated[float, Field(gt=0, le=1)] | Literal["fair"] | None = "fair"
     """One worker key takes at most ceil(share · groups_per_step) places of a batch while other keys'
     groups can fill the rest; places the others cannot fill at that moment go to it, so one worker alone
-    still fills every batch and a batch never waits for a slow or dead key. None: no share cap."""
+    still fills every batch and a batch never waits for a slow or dead key. "fair": share = 1 / (keys with
+    groups waiting), so k keys get ceil(groups_per_step / k) places each. None: no share cap."""
+    flood_limit: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["auto"] | None = "auto"
+    """A worker key with more than this many groups listed at one policy version is flooding: it is
+    quarantined from the listing (its groups are counted, never downloaded). "auto": 2 · (max_staleness + 1)
+    · groups_per_step, twice what could ever be trained from one version. Workers stop at half of it per
+    version (`worker.max_groups_per_version` can lower that), so an honest worker never reaches it. None:
+    no limit."""
     max_groups_per_key_step: Annotated[int, Field(ge=1, le=4096)] | None = None
     """Hard cap on one key's groups in one batch (binds even when it is alone: a solo worker then cannot
     fill a batch larger than this). None: none."""

@@ -19,7 +19,8 @@ from pnyx.security.arena import BENIGN, TRAINED, Arena
 SYBIL_LIAR = (
     "a temperature liar's single group (arith: ~40 model tokens) passes the per-group plausibility test "
     "(|z| <= trainer.plausibility_z); only the per-key statistic (quarantine_key_z) stops the liar, and a "
-    "Sybil shows one group per key. Needs an identity-independent test strong enough for one group."
+    "Sybil shows one group per key. On completions of 32+ tokens one group is enough "
+    "(benchmarks/bench_liar_length.py); arith's are 3-5."
 )
 
 HONEST = [A.HonestWorker("honest-1"), A.HonestWorker("honest-2")]
@@ -162,14 +163,38 @@ def test_poisoner_is_rejected(arena):
     assert_all_rejected(arena, "poisoner")
 
 
-def test_flooder_never_takes_more_than_half_a_batch(arena):
-    flooder = A.Flooder("flood", source="flooder", names=8)
+def test_an_eager_key_under_the_flood_limit_takes_at_most_a_fair_share(arena):
+    """16 honest-looking groups per step beside 2 honest workers (3 keys waiting): ceil(8 / 3) places."""
+    eager = A.Flooder("eager", source="eager", names=8)
     for _ in range(2):
-        arena.upload(flooder.produce(arena, 16))
+        arena.upload(eager.produce(arena, 16))
         honest_round(arena, 4)
+        arena.poll()  # this round's groups listed before the step (each honest key has 4 >= its share)
         r = arena.step()
         assert r is not None
-        assert sum(g.signer == flooder.signer.fingerprint for g in r.groups) <= len(r.groups) // 2
+        assert sum(g.signer == eager.signer.fingerprint for g in r.groups) <= 3
+    assert eager.signer.fingerprint not in arena.trainer.ingestor.cursor.quarantined
+
+
+def test_flooder_over_the_flood_limit_is_quarantined_from_the_listing(arena):
+    """More groups at one version than the run's flood limit (2 x (max_staleness + 1) x groups_per_step =
+    64 here): quarantined once its names are bound (one GET each), every group rejected."""
+    flooder = A.Flooder("flood", source="flooder", names=8)
+    arena.upload(flooder.produce(arena, 80))
+    arena.poll()
+    assert flooder.signer.fingerprint in arena.trainer.ingestor.cursor.quarantined
+    assert_all_rejected(arena, "flooder", {"quarantined"})
+
+
+@pytest.mark.parametrize("inner", ["reward_liar", "poisoner"])
+def test_sybil_reward_liar_and_poisoner_with_a_fresh_key_per_group_are_rejected(arena, inner):
+    """Identity-independent: the re-score catches each lying group, plausibility each poisoned one."""
+    _hostile_step(arena, A.Sybil(f"sybil-{inner}", source=f"sybil_{inner}", inner=inner), 3)
+    for _ in range(4):  # a poisoned group is judged by the step that selects it
+        if "waiting" not in arena.tally(f"sybil_{inner}"):
+            break
+        arena.step()
+    assert_all_rejected(arena, f"sybil_{inner}")
 
 
 def test_hostile_groups_are_real_and_honest_groups_are_kept(arena):

@@ -519,3 +519,88 @@ def test_trainer_drops_a_logprob_liar_quarantines_its_key_and_keeps_it_across_a_
     again.ingestor.poll(4)
     assert all(again.ingestor.cursor.rejected.get(k) == "quarantined" for k in later)
     assert not set(later) & set(counting.gets)
+
+
+def test_fair_share_gives_each_of_three_keys_a_third_of_the_batch(tmp_path):
+    store = open_store(tmp_path / "s")
+    third = Signer(Ed25519PrivateKey.generate())
+    for i in range(6):
+        _put(store, make_group(0, "a", i, task_index=i), HONEST)
+        _put(store, make_group(0, "b", i, task_index=100 + i), OTHER)
+    for j in range(4):  # the eager key: 24 groups under 4 names
+        for i in range(6):
+            _put(store, make_group(0, f"x{j}", i, task_index=200 + 10 * j + i), third)
+    ing = _ingestor(store, max_key_share="fair")
+    ing.poll(0)
+    ing.fetch([k for lst in ing._versions.values() for ks in lst.pending.values() for k in ks])
+    chosen = ing.select(0, 9)
+    assert chosen is not None and len(chosen) == 9
+    assert [sum(g.signer == s.fingerprint for g in chosen) for s in (HONEST, OTHER, third)] == [3, 3, 3]
+    # under a fixed share of 0.5 the eager key takes ceil(0.5 * 9) = 5 places
+    half = _ingestor(store, max_key_share=0.5)
+    half.poll(0)
+    half.fetch([k for lst in half._versions.values() for ks in lst.pending.values() for k in ks])
+    assert sum(g.signer == third.fingerprint for g in half.select(0, 9) or []) == 5
+
+
+def test_fair_share_lets_a_lone_key_fill_the_batch(tmp_path):
+    store = open_store(tmp_path / "s")
+    for i in range(8):
+        _put(store, make_group(0, "a", i, task_index=i), HONEST)
+    ing = _ingestor(store, max_key_share="fair")
+    ing.poll(0)
+    assert len(ing.select(0, 8) or []) == 8
+
+
+def test_a_key_over_the_flood_limit_is_quarantined_and_its_groups_never_downloaded(tmp_path):
+    store = CountingStore(open_store(tmp_path / "s"))
+    for i in range(4):
+        _put(store, make_group(0, "a", i, task_index=i), HONEST)
+    flood = [
+        _put(store, make_group(0, f"f{j}", i, task_index=100 + 10 * j + i), LIAR)
+        for j in range(3)
+        for i in range(5)
+    ]
+    ing = _ingestor(store, flood_limit=10)
+    ing.poll(0)  # lists 15 groups of 3 unbound names; one GET per name binds it to LIAR: 5, 10, 15 > 10
+    assert LIAR.fingerprint in ing.cursor.quarantined
+    assert "flooding: 15 groups at version 0" in ing.cursor.quarantined[LIAR.fingerprint]
+    assert HONEST.fingerprint not in ing.cursor.quarantined
+    assert all(ing.cursor.rejected.get(k) == "quarantined" for k in flood if k not in ing.cursor.uses)
+    assert sum(k in flood for k in store.gets) <= 3 + ing.fetch_workers  # a name is bound by one GET
+    chosen = ing.select(0, 8) or []
+    assert {g.signer for g in chosen} == {HONEST.fingerprint} and len(chosen) == 4
+    # a later upload of the flooder under a name it already used is counted from the listing
+    before = len(store.gets)
+    late = _put(store, make_group(0, "f0", 99, task_index=199), LIAR)
+    ing.poll(0)
+    assert ing.cursor.rejected.get(late) == "quarantined" and late not in store.gets[before:]
+    # the quarantine survives a restart (the cursor)
+    again = _ingestor(store, Cursor.from_json(ing.cursor_json()), flood_limit=10)
+    assert LIAR.fingerprint in again.cursor.quarantined
+
+
+def test_keys_under_the_flood_limit_are_not_quarantined(tmp_path):
+    store = open_store(tmp_path / "s")
+    _two_keys(store, 10)
+    ing = _ingestor(store, flood_limit=10)
+    ing.poll(0)
+    ing.fetch([k for lst in ing._versions.values() for ks in lst.pending.values() for k in ks])
+    assert ing.cursor.quarantined == {}
+    assert {fp: n for fp, n in ing._versions[0].by_key.items()} == {
+        HONEST.fingerprint: 10,
+        OTHER.fingerprint: 10,
+    }
+
+
+def test_flood_limit_defaults_to_twice_what_a_version_can_feed_and_workers_stop_at_half():
+    from pnyx.config import load_config
+    from pnyx.train.settings import flood_limit, ingest_settings, worker_version_cap
+
+    cfg = load_config(overrides={"trainer": {"groups_per_step": 8}, "algorithm": {"max_staleness": 3}})
+    assert flood_limit(cfg) == 64 and ingest_settings(cfg).flood_limit == 64
+    assert worker_version_cap(cfg) == 32
+    assert worker_version_cap(load_config(overrides={"worker": {"max_groups_per_version": 5}})) == 5
+    off = load_config(overrides={"trainer": {"flood_limit": None}})
+    assert flood_limit(off) is None and worker_version_cap(off) is None
+    assert ingest_settings(load_config()).max_key_share == "fair"

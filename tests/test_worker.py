@@ -208,8 +208,18 @@ def test_stop_while_waiting_for_the_run_returns_cleanly(tmp_path):
     assert '"status": "stopped"' in store.get(layout.worker_heartbeat("early")).decode()
 
 
-def test_back_pressure_waits_for_the_next_version_instead_of_making_stale_groups(tmp_path, tiny_model_dir):
-    run = make_run(str(tmp_path / "run"), tiny_model_dir, max_groups_per_version=2)
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"max_groups_per_version": 2},
+        {"trainer": {"flood_limit": 4}},
+    ],  # a worker stops at half the flood limit
+    ids=["worker_cap", "half_the_flood_limit"],
+)
+def test_back_pressure_waits_for_the_next_version_instead_of_making_stale_groups(
+    tmp_path, tiny_model_dir, settings
+):
+    run = make_run(str(tmp_path / "run"), tiny_model_dir, **settings)
     worker = Worker(run.store, WorkerOptions(worker_id="w1", max_groups=4))
     worker.join()
     try:

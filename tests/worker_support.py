@@ -84,8 +84,11 @@ def create_signed_run(store: Any, config: dict[str, Any], info: dict[str, Any]) 
     return manifest, signer.for_run(manifest.run_id)
 
 
-def make_run(url: str, model_dir: Path, anchor_every: int = 20, **worker: Any) -> TinyRun:
-    """run.json (via the trainer's init_run) + version 0 in the store at `url`."""
+def make_run(
+    url: str, model_dir: Path, anchor_every: int = 20, trainer: dict[str, Any] | None = None, **worker: Any
+) -> TinyRun:
+    """run.json (via the trainer's init_run) + version 0 in the store at `url` (`trainer`: overrides of
+    the run's trainer section, which workers read too)."""
     import torch
 
     from pnyx.config import load_config
@@ -100,6 +103,7 @@ def make_run(url: str, model_dir: Path, anchor_every: int = 20, **worker: Any) -
             "model": {"path": str(model_dir)},
             "env": {"name": "arith", "kwargs": {"digits": 1}},
             "worker": worker_settings(**worker),
+            "trainer": trainer or {},
         }
     )
     model = load_model(model_dir)

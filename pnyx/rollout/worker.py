@@ -85,7 +85,8 @@ class Worker:
         self._throughput = Throughput()
         self._last_heartbeat = 0.0
         self._stop_reason = ""
-        self._made: dict[int, int] = {}  # groups spooled per policy version (the max_groups_per_version cap)
+        self.version_cap: int | None = None  # groups made per policy version before waiting for the next
+        self._made: dict[int, int] = {}  # groups spooled per policy version (for version_cap)
         self._kept_frac = 1.0  # recent share of groups not skipped as zero-variance (sizes throttled cohorts)
         self.spool: Spool | None = None
         self.syncer: Any = None
@@ -131,6 +132,9 @@ class Worker:
             " (created)" if created else "",
         )  # fmt: skip
         self.cfg = config_from_dict(manifest.config)
+        from pnyx.train.settings import worker_version_cap
+
+        self.version_cap = worker_version_cap(self.cfg)  # half the run's flood limit (docs/security.md)
         if self.opts.int8 and not self.cfg.worker.int8:
             raise ConfigError(
                 "--int8: this run's trainer does not publish the int8 actor plane. Start the run with "
@@ -251,7 +255,7 @@ class Worker:
             self._load(*fresh)
             log.info("worker %s swapped to v=%d digest=%s", self.worker_id, self.version, self.digest[:12])
         w = self.cfg.worker
-        cap = w.max_groups_per_version
+        cap = self.version_cap
         if cap is not None and self._groups_at_version() >= cap:
             self._set_status("waiting", f"v={self.version}: {cap} groups made, waiting for the next version")
             self._pause(w.poll_interval_s)

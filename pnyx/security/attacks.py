@@ -17,11 +17,11 @@ Group producers (`produce(arena, n) -> list[Upload]`, uploaded by the arena like
   with this run's current version and digest is a fabricated group with someone else's logprobs: the
   copier's case. Another run's v0 of the same model has the same bits, so its groups are on-policy
   samples of this run's v0 and no attack.)
-- `Flooder`: one key behind many worker names, uploading many honest-looking groups per step: more than
-  any per-key cap allows.
+- `Flooder`: one key behind many worker names, uploading more honest-looking groups per version than the
+  run's flood limit (`trainer.flood_limit`; copies of a few fresh samples under new seqs).
 - `IdThief`: claims an honest worker's name, signs with its own key (seqs far above the owner's).
-- `Sybil`: a copier or temperature liar with a fresh key and a fresh name for every group, so per-key
-  quotas and quarantine never bind.
+- `Sybil`: a copier, reward liar, poisoner or temperature liar with a fresh key and a fresh name for every
+  group, so per-key quotas and quarantine never bind.
 - `Poisoner`: correct answers carrying a payload the model would never sample (`PAYLOAD` before the answer
   tag), half of each group, beside wrong honest samples so the payload gets a positive advantage; claimed
   logprobs are the model's own for those tokens (ratio, gate and logprob gap look clean).
@@ -211,15 +211,18 @@ class TemperatureLiar(Producer):
         return [self.pack(temperature_lie(arena, g)) for g in self.sampled(arena, n, self.temperature)]
 
 
+def flipped(group: Any) -> Any:
+    """`group` with every claimed reward flipped (1 - r)."""
+    return msgspec.structs.replace(
+        group, samples=[msgspec.structs.replace(s, reward=1.0 - s.reward) for s in group.samples]
+    )
+
+
 class RewardLiar(Producer):
     """Honest samples, every claimed reward flipped."""
 
     def produce(self, arena: Arena, n: int) -> list[Upload]:
-        out = []
-        for g in self.sampled(arena, n):
-            samples = [msgspec.structs.replace(s, reward=1.0 - s.reward) for s in g.samples]
-            out.append(self.pack(msgspec.structs.replace(g, samples=samples)))
-        return out
+        return [self.pack(flipped(g)) for g in self.sampled(arena, n)]
 
 
 @dataclass
@@ -274,14 +277,22 @@ def foreign_groups(arena: Arena, n: int) -> list[Upload]:
 
 @dataclass
 class Flooder(Producer):
-    """One key behind `names` worker names; `produce(arena, n)` uploads n groups spread over them."""
+    """One key behind `names` worker names; `produce(arena, n)` uploads n groups spread over them. At most
+    `fresh` of them are new samples, the rest copies of those under new seqs (a flooder spends nothing on
+    content: every object is a valid, signed, honest-looking group)."""
 
     names: int = 8
+    fresh: int = 8
 
     def produce(self, arena: Arena, n: int) -> list[Upload]:
+        groups = self.sampled(arena, min(n, self.fresh))
         out = []
-        for i, g in enumerate(self.sampled(arena, n)):
-            out.append(self.pack(g, worker_id=f"{self.worker_id}-{(self.seq + i) % self.names}"))
+        for i in range(n if groups else 0):
+            out.append(
+                self.pack(
+                    groups[i % len(groups)], worker_id=f"{self.worker_id}-{(self.seq + i) % self.names}"
+                )
+            )
         return out
 
 
@@ -296,19 +307,29 @@ class IdThief(Producer):
         return [self.pack(g, worker_id=self.victim) for g in self.sampled(arena, n)]
 
 
+SYBIL_INNER = ("copier", "reward_liar", "poisoner", "temperature_liar")
+"""What a Sybil's groups can be: the three deterministic content attacks, or the statistical one."""
+
+
 @dataclass
 class Sybil(Producer):
-    """A fresh key and name for every group; `inner` is "copier" or "temperature_liar"."""
+    """A fresh key and name for every group; `inner` (one of `SYBIL_INNER`) is what the groups are."""
 
-    inner: str = "temperature_liar"
+    inner: str = "copier"
 
     def produce(self, arena: Arena, n: int) -> list[Upload]:
         if self.inner == "copier":
             groups = [copied_group(arena, t) for t in self.tasks(arena, n)]
+        elif self.inner == "reward_liar":
+            groups = [flipped(g) for g in self.sampled(arena, n)]
+        elif self.inner == "poisoner":
+            groups = poisoned_groups(self, arena, n)
         elif self.inner == "temperature_liar":
             groups = [temperature_lie(arena, g) for g in self.sampled(arena, n, LIAR_TEMPERATURE)]
         else:
-            raise ValueError(f"Sybil inner attack must be copier or temperature_liar, got {self.inner!r}")
+            raise ValueError(
+                f"Sybil inner attack must be one of {', '.join(SYBIL_INNER)}, got {self.inner!r}"
+            )
         out = []
         for g in groups:
             signer = new_signer()
@@ -342,15 +363,21 @@ class Poisoner(Producer):
     payload: str = PAYLOAD
 
     def produce(self, arena: Arena, n: int) -> list[Upload]:
-        out = []
-        for _ in range(50 * n + 10):
-            if len(out) >= n:
-                break
-            tasks = self.tasks(arena, n - len(out))
-            for g, t in zip(arena.sample(tasks, self._next_seed()), tasks, strict=True):
-                if any(s.reward < 1.0 for s in g.samples[len(g.samples) - len(g.samples) // 2 :]):
-                    out.append(self.pack(poisoned_group(arena, g, t, self.payload), payload=True))
-        return out[:n]
+        return [self.pack(g, payload=True) for g in poisoned_groups(self, arena, n, self.payload)]
+
+
+def poisoned_groups(producer: Producer, arena: Arena, n: int, payload: str = PAYLOAD) -> list[Any]:
+    """`n` poisoned groups of `producer`'s tasks: sampled groups whose kept half holds a wrong answer (so
+    the payload's half gets a positive advantage), poisoned (`poisoned_group`)."""
+    out: list[Any] = []
+    for _ in range(50 * n + 10):
+        if len(out) >= n:
+            break
+        tasks = producer.tasks(arena, n - len(out))
+        for g, t in zip(arena.sample(tasks, producer._next_seed()), tasks, strict=True):
+            if any(s.reward < 1.0 for s in g.samples[len(g.samples) - len(g.samples) // 2 :]):
+                out.append(poisoned_group(arena, g, t, payload))
+    return out[:n]
 
 
 # --- weight attacks -----------------------------------------------------------------------------------

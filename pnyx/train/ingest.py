@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -102,9 +102,13 @@ class IngestSettings:
     """The step's sampling checks (their per-key evidence is folded into the cursor at `commit`)."""
     quarantine: QuarantineSettings | None = field(default_factory=QuarantineSettings)
     """When a signing key is quarantined (None: never)."""
-    max_key_share: float | None = None
+    max_key_share: float | Literal["fair"] | None = None
     """At most ceil(share · n) places of a batch of n go to one key while other keys' groups can fill the
-    rest; places the others cannot fill now go to it (one worker alone still fills a batch)."""
+    rest; places the others cannot fill now go to it (one worker alone still fills a batch). "fair": the
+    share is 1 / (keys with groups waiting in the window), so k keys each get ceil(n / k)."""
+    flood_limit: int | None = None
+    """A key with more than this many groups listed at one policy version is flooding: it is quarantined
+    from the listing (its groups are counted, never downloaded). None: no limit."""
     max_groups_per_key_step: int | None = None
     """Hard cap: groups of one key in one batch (None: none)."""
     max_groups_per_key_version: int | None = None
@@ -259,6 +263,26 @@ class Ingestor(WindowListings):
                 if key not in self._futures:  # one being fetched is judged when it lands
                     self._reject(key, "quarantined")
 
+    def _check_flood(self, fp: str, version: int, n: int) -> None:
+        """Quarantine `fp` once it has more groups listed at `version` than the flood limit (caller holds
+        the lock). Honest workers stop at half the limit (`pnyx.train.settings.worker_version_cap`)."""
+        limit = self.settings.flood_limit
+        if limit is None or n <= limit or fp in self.cursor.quarantined or self.settings.quarantine is None:
+            return
+        self._count_key(fp, "flood")
+        self.quarantine(
+            fp, f"flooding: {n} groups at version {version}, over the limit of {limit} per key and version"
+        )
+
+    def _bind(self, worker: str, fp: str) -> None:
+        """`worker` was just bound to key `fp`: its groups listed so far count against the key's flood limit
+        (caller holds the lock)."""
+        for lst in list(self._versions.values()):
+            c = lst.counts.get(worker, 0)
+            if c:
+                n = lst.by_key[fp] = lst.by_key.get(fp, 0) + c
+                self._check_flood(fp, lst.version, n)
+
     def _quarantined_name(self, worker: str) -> bool:
         """The name is bound to a quarantined key (caller holds the lock)."""
         bound = self.cursor.keys.get(worker)
@@ -409,7 +433,10 @@ class Ingestor(WindowListings):
         scored.signer = signer
         if signer:
             with self._lock:  # a valid group binds its name to its key, unless another key was first
-                bound = self.cursor.keys.setdefault(parsed[1], signer)
+                bound = self.cursor.keys.get(parsed[1])
+                if bound is None:
+                    bound = self.cursor.keys[parsed[1]] = signer
+                    self._bind(parsed[1], signer)
             if bound != signer:
                 raise _theft(parsed[1], bound, signer)
         return scored
@@ -454,7 +481,7 @@ class Ingestor(WindowListings):
         exclude = frozenset(exclude)
         s = self.settings
         cap = s.max_groups_per_prompt
-        share = math.ceil(s.max_key_share * n) if s.max_key_share is not None and n < 1 << 30 else None
+        share = self._share(version, n)
         chosen: list[ScoredGroup] = []
         unknown: list[str] = []
         more: list[str] = []
@@ -515,6 +542,23 @@ class Ingestor(WindowListings):
                         break
                     take(item, self._ready.get(item), fill=True)
         return Plan(chosen, unknown, more, None)
+
+    def _share(self, version: int, n: int) -> int | None:
+        """Places of a batch of `n` one key may take while others can fill the rest (None: no cap)."""
+        s = self.settings
+        if s.max_key_share is None or n >= 1 << 30:
+            return None
+        if s.max_key_share != "fair":
+            return math.ceil(s.max_key_share * n)
+        with self._lock:  # keys (or, before their first fetch, names) with groups waiting in the window
+            keys = {
+                self.cursor.keys.get(name) or f"name:{name}"
+                for v in self.window(version)
+                if v in self._versions
+                for name, pending in self._versions[v].pending.items()
+                if pending
+            }
+        return math.ceil(n / max(1, len(keys)))
 
     def _within_caps(
         self, g: ScoredGroup, per_key: Counter[str], used: Counter[tuple[str, int]] | None

@@ -58,6 +58,11 @@ class VersionListing:
     """Worker id -> keys that may still be trained on (not rejected, not used up), sorted (oldest first)."""
     ids: dict[tuple[str, int], str] = field(default_factory=dict)
     """(worker, seq) -> the key that holds that group: a second key for the same group is a duplicate."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """Worker id -> distinct groups listed under it at this version (used, rejected or waiting)."""
+    by_key: dict[str, int] = field(default_factory=dict)
+    """Key fingerprint -> distinct groups listed at this version under the names bound to it (the flood
+    limit, `IngestSettings.flood_limit`)."""
     high_ms: int = -1
     """The highest upload stamp listed so far (-1: none)."""
     listed_at: float | None = None
@@ -149,6 +154,17 @@ class WindowListings:
         """The worker name is bound to a quarantined key (the ingestor knows; caller holds the lock)."""
         return False
 
+    def _check_flood(self, fp: str, version: int, n: int) -> None:
+        """Key `fp` has `n` groups listed at `version` (the ingestor judges; caller holds the lock)."""
+
+    def _count_listed(self, lst: VersionListing, worker: str) -> None:
+        """One more distinct group of `worker` listed at `lst.version`, and of the key its name is bound to."""
+        lst.counts[worker] = lst.counts.get(worker, 0) + 1
+        fp = self.cursor.keys.get(worker)
+        if fp:
+            n = lst.by_key[fp] = lst.by_key.get(fp, 0) + 1
+            self._check_flood(fp, lst.version, n)
+
     def window(self, version: int) -> range:
         """Rollout versions the trainer at `version` may train on: [version - max_staleness, version]."""
         return range(self._low(version), version + 1)
@@ -228,6 +244,8 @@ class WindowListings:
                 self._reject(dup, "duplicate")
             if keep is other:
                 return
+        else:
+            self._count_listed(lst, parsed[1])
         lst.ids[ident] = key
         if key in self.cursor.rejected or self.cursor.uses.get(key, 0) >= self.settings.max_reuse:
             return

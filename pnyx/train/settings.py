@@ -44,10 +44,29 @@ def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
             rate=t.quarantine_rate, min_faults=t.quarantine_min, key_z=t.quarantine_key_z
         ),
         max_key_share=t.max_key_share,
+        flood_limit=flood_limit(cfg),
         max_groups_per_key_step=t.max_groups_per_key_step,
         max_groups_per_key_version=t.max_groups_per_key_version,
         reject_reward_lies=t.reject_reward_lies,
     )
+
+
+def flood_limit(cfg: PnyxConfig) -> int | None:
+    """Groups one key may have listed at one policy version before it is quarantined as a flooder
+    (`trainer.flood_limit`; "auto": twice the most that could ever be trained from one version)."""
+    limit = cfg.trainer.flood_limit
+    if limit == "auto":
+        return 2 * (cfg.algorithm.max_staleness + 1) * cfg.trainer.groups_per_step
+    return limit
+
+
+def worker_version_cap(cfg: PnyxConfig) -> int | None:
+    """Groups an honest worker makes at one policy version before it waits for the next: half the run's
+    flood limit, or `worker.max_groups_per_version` if lower (None: no cap). Half, so a worker restarted
+    at the same version (its count starts over) still stays under the limit."""
+    limit = flood_limit(cfg)
+    caps = [c for c in (cfg.worker.max_groups_per_version, limit // 2 if limit else None) if c]
+    return max(1, min(caps)) if caps else None
 
 
 def check_settings(cfg: PnyxConfig) -> CheckSettings:
