@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from pnyx.cli.run import newest_run, plan_run, thread_split
+from pnyx.cli.run_fleet import thread_split
+from pnyx.cli.run_folder import newest_run, plan_run
 from pnyx.config import PnyxConfig, load_config, overlay_changed, shipped_model_path
 from pnyx.errors import ConfigError
 

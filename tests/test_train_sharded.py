@@ -17,7 +17,8 @@ from test_train_step import scored_groups
 
 from pnyx.train.distributed import Dist, prepare_model
 from pnyx.train.losses import LossSettings
-from pnyx.train.step import Row, assign_micro_batches, plan_micro_batches, train_step
+from pnyx.train.microbatch import Row, assign_micro_batches, plan_micro_batches
+from pnyx.train.step import train_step
 
 torch.set_num_threads(1)
 

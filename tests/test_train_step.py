@@ -10,7 +10,8 @@ import torch
 from pnyx.protocol.records import RolloutGroup, Sample
 from pnyx.train.ingest import ScoredGroup
 from pnyx.train.losses import LossSettings
-from pnyx.train.step import Row, build_rows, make_optimizer, plan_micro_batches, train_step
+from pnyx.train.microbatch import Row, build_rows, plan_micro_batches
+from pnyx.train.step import make_optimizer, train_step
 
 torch.set_num_threads(1)
 

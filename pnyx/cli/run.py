@@ -4,14 +4,15 @@ The orchestrator owns processes and the run folder, nothing else: the trainer (`
 workers (`pnyx worker`) are separate processes that meet only in the store, exactly as they would across
 machines. What this module adds on top:
 
-- the run folder `./runs/<name>/` (the default local-folder store root, `config.toml`, `logs/<role>.log`,
-  `evals.jsonl`, `learning_curve.png`, `summary.json`);
+- the run folder `./runs/<name>/` (`pnyx.cli.run_folder`: the default local-folder store root,
+  `config.toml`, `logs/<role>.log`, `evals.jsonl`, `learning_curve.png`, `summary.json`);
 - held-out evaluation of published versions (v0, every `run.eval_every` versions, the final one) in a
   background thread of this process with one torch thread (`pnyx.eval.runner.EvalLoop`), so it never
   starves the fleet;
 - the budgets: the trainer stops itself after `run.steps`; this process stops everything after
   `run.time_budget_s`, on Ctrl-C, or on SIGTERM: SIGINT to every child's process group, a deadline, then
-  SIGKILL. `--resume` continues the newest run (or `--run.name`) with the trainer's `--resume`.
+  SIGKILL (`pnyx.cli.run_fleet`). `--resume` continues the newest run (or `--run.name`) with the
+  trainer's `--resume`.
 
 Knows nothing about RL internals. Exit status: 0 when the trainer finished or was stopped cleanly, 1 when
 it failed (the message names the log to read).
@@ -19,202 +20,21 @@ it failed (the message names the log to read).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from pnyx.config import PnyxConfig, load_config, overlay_changed, resolve_model_path, to_toml
+from pnyx.cli.run_fleet import Fleet
+from pnyx.cli.run_folder import CURVE_FILE, SUMMARY_FILE, RunPlan, plan_run
+from pnyx.config import PnyxConfig, resolve_model_path
 from pnyx.errors import ConfigError
 from pnyx.store import Store
 
-RUNS_ROOT = Path("runs")
-CONFIG_FILE = "config.toml"
-SUMMARY_FILE = "summary.json"
-CURVE_FILE = "learning_curve.png"
-STOP_DEADLINE_S = 60.0
 START_DEADLINE_S = 180.0
 TICK_S = 1.0
-
-
-# --- the run folder ----------------------------------------------------------------------------------
-
-
-@dataclass
-class RunPlan:
-    """Where a run lives and how it is configured."""
-
-    name: str
-    folder: Path
-    store_url: str
-    cfg: PnyxConfig
-    resumed: bool
-
-    @property
-    def logs(self) -> Path:
-        return self.folder / "logs"
-
-    @property
-    def evals_path(self) -> Path:
-        return self.folder / "evals.jsonl"
-
-
-def newest_run(root: Path) -> str | None:
-    """The name of the most recently modified run folder under `root` that has a saved config."""
-    runs = [p for p in root.glob(f"*/{CONFIG_FILE}") if p.is_file()]
-    if not runs:
-        return None
-    return max(runs, key=lambda p: p.stat().st_mtime).parent.name
-
-
-def plan_run(cfg: PnyxConfig, resume: bool, root: Path = RUNS_ROOT) -> RunPlan:
-    """Resolve the run's name, folder, store URL and config; write `config.toml` for the trainer."""
-    cfg = cfg.model_copy(deep=True)
-    if resume:
-        name = cfg.run.name or newest_run(root)
-        if name is None:
-            raise ConfigError(f"--resume found no run under {root}/: start one with `pnyx run` first")
-        saved = root / name / CONFIG_FILE
-        if not saved.is_file():
-            raise ConfigError(f"--resume: {saved} does not exist; runs available: {_names(root)}")
-        cfg = overlay_changed(load_config(saved), cfg)
-    else:
-        name = cfg.run.name or time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
-        if (root / name / CONFIG_FILE).exists():
-            raise ConfigError(
-                f"run {name!r} already exists in {root}/: continue it with `pnyx run --resume --run.name={name}` "
-                "or pick another --run.name"
-            )
-    cfg.run.name = name
-    folder = (root / name).resolve()
-    if cfg.store.url is None:
-        cfg.store.url = str(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "logs").mkdir(exist_ok=True)
-    (folder / CONFIG_FILE).write_text(to_toml(cfg))
-    return RunPlan(name=name, folder=folder, store_url=cfg.store.url, cfg=cfg, resumed=resume)
-
-
-def _names(root: Path) -> str:
-    return ", ".join(sorted(p.parent.name for p in root.glob(f"*/{CONFIG_FILE}"))) or "none"
-
-
-# --- processes -------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Child:
-    """One fleet process: its role, Popen handle and log file."""
-
-    role: str
-    proc: subprocess.Popen
-    log: Path
-    stopped_by_us: bool = False
-
-    @property
-    def rc(self) -> int | None:
-        return self.proc.poll()
-
-
-def thread_split(workers: int, cores: int | None = None) -> tuple[int, int]:
-    """(trainer threads, threads per worker): the trainer gets an equal share, the workers split the rest,
-    so the fleet does not oversubscribe the machine's cores (beyond one thread per process)."""
-    cores = cores or os.cpu_count() or 1
-    trainer = max(1, cores // (workers + 1))
-    per_worker = max(1, (cores - trainer) // workers) if workers else 1
-    return trainer, per_worker
-
-
-class Fleet:
-    """The trainer and worker processes of one run, each in its own process group with its own log."""
-
-    def __init__(self, plan: RunPlan, workers: int):
-        self.plan = plan
-        self.n_workers = workers
-        self.trainer: Child | None = None
-        self.workers: list[Child] = []
-        self.trainer_threads, self.worker_threads = thread_split(workers)
-
-    @property
-    def started_trainer(self) -> Child:
-        """The trainer process, which exists from `start_trainer()` on."""
-        if self.trainer is None:
-            raise RuntimeError("the fleet's trainer was not started")
-        return self.trainer
-
-    def _spawn(self, role: str, args: list[str], threads: int) -> Child:
-        log = self.plan.logs / f"{role}.log"
-        env = dict(
-            os.environ,
-            OMP_NUM_THREADS=str(threads),
-            MKL_NUM_THREADS=str(threads),
-            TOKENIZERS_PARALLELISM="false",
-        )
-        with open(log, "ab") as fh:
-            fh.write(
-                f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} start {role}: pnyx {' '.join(args)}\n".encode()
-            )
-            fh.flush()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "pnyx", *args],
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,  # own process group: the terminal's Ctrl-C reaches only us
-            )
-        return Child(role, proc, log)
-
-    def start_trainer(self) -> None:
-        args = ["trainer", "--store", self.plan.store_url, "--config", str(self.plan.folder / CONFIG_FILE)]
-        if self.plan.resumed:
-            args.append("--resume")
-        self.trainer = self._spawn("trainer", args, self.trainer_threads)
-
-    def start_workers(self) -> None:
-        for i in range(1, self.n_workers + 1):
-            args = [
-                "worker",
-                "--store",
-                self.plan.store_url,
-                "--id",
-                f"local-{i}",
-                "--threads",
-                str(self.worker_threads),
-            ]
-            self.workers.append(self._spawn(f"worker-{i}", args, self.worker_threads))
-
-    @property
-    def children(self) -> list[Child]:
-        return ([self.trainer] if self.trainer else []) + self.workers
-
-    def stop(self, deadline_s: float = STOP_DEADLINE_S) -> list[str]:
-        """SIGINT every live child's group, wait up to `deadline_s`, SIGKILL what is left; returns notes."""
-        notes = []
-        for c in self.children:
-            if c.rc is None:
-                c.stopped_by_us = True
-                _signal_group(c.proc, signal.SIGINT)
-        end = time.monotonic() + deadline_s
-        for c in self.children:
-            try:
-                c.proc.wait(timeout=max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(c.proc, signal.SIGKILL)
-                c.proc.wait()
-                notes.append(f"{c.role} did not stop within {deadline_s:.0f}s and was killed (log: {c.log})")
-        return notes
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # already gone
-        os.killpg(proc.pid, sig)
 
 
 # --- evaluation in the background ---------------------------------------------------------------------------

@@ -13,8 +13,8 @@ Invariants: no round waits for a peer (missing peers only shorten the external p
 trains this node at most once and only with rewards from this node's verifier; every dropped object or
 group is counted by reason in `drops`. Every `swarm.checkpoint_every` rounds and at a clean stop the node
 writes its whole state to the store (`pnyx.swarm.checkpoint`) and, restarted under the same name, resumes
-from it. Each method is one stage, testable alone. Imports torch at module level: only heavy code imports
-this module.
+from it. Each method is one stage, testable alone; what a round records and which groups its step trains
+on are `pnyx.swarm.rounds`. Imports torch at module level: only heavy code imports this module.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import logging
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +36,7 @@ from pnyx.swarm import foreign
 from pnyx.swarm.checkpoint import capture, load_node_checkpoint, restore, save_node_checkpoint
 from pnyx.swarm.foreign import Candidate, EnvCache, ForeignRows
 from pnyx.swarm.records import NodeHeartbeat, SwarmGroup
+from pnyx.swarm.rounds import RoundStats, ensure_trainable, trainable
 from pnyx.swarm.sample import Pool, sample_external
 from pnyx.swarm.share import (
     PeerFeed,
@@ -49,52 +49,13 @@ from pnyx.swarm.share import (
 from pnyx.train.advantages import group_advantages, is_zero_variance
 from pnyx.train.ingest import ScoredGroup
 from pnyx.train.settings import loss_settings
-from pnyx.train.step import StepStats, make_optimizer, train_step
+from pnyx.train.step import make_optimizer, train_step
+from pnyx.train.stepstats import StepStats
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger("pnyx.swarm")
-
-
-@dataclass
-class RoundStats:
-    """What one round did (logged as one line; the benchmark sums `local_reward`)."""
-
-    round: int
-    version: int
-    local_groups: int = 0
-    external_groups: int = 0
-    trained_groups: int = 0
-    """Groups in the optimizer step (the mix minus zero-variance groups)."""
-    trained_local: int = 0
-    trained_external: int = 0
-    local_reward: float = 0.0
-    """Mean reward (own verifier) of the completions this node generated this round."""
-    external_reward: float = 0.0
-    """Mean reward (own verifier) of the external completions in the mix."""
-    paths: Counter = field(default_factory=Counter)
-    """External groups by token path: exact / aligned."""
-    zero_variance: int = 0
-    forged: int = 0
-    """Claimed foreign rewards this node overwrote in the mix."""
-    step: StepStats | None = None
-    seconds: float = 0.0
-
-    def line(self, node: str) -> str:
-        s = self.step
-        step = (
-            f"loss={s.loss:.4f} masked={100 * s.masked_frac:.2f}% clip={100 * s.clip_frac:.2f}% iw={s.iw_mean:.3f}"
-            if s is not None
-            else "no-step"
-        )
-        return (
-            f"node={node} round={self.round} v={self.version} local={self.local_groups} ext={self.external_groups} "
-            f"trained={self.trained_groups} reward={self.local_reward:.3f} ext_reward={self.external_reward:.3f} "
-            f"zero_var={self.zero_variance} forged={self.forged} paths={dict(self.paths)} {step} "
-            f"s={self.seconds:.2f}"
-        )
 
 
 def _model_id(model_dir: Path, model: Any) -> str:
@@ -321,7 +282,7 @@ class SwarmNode:
         if not live:
             return None
         longest = max(len(s.tokens) for g in live for s in g.group.samples)
-        _ensure_trainable(self.model)
+        ensure_trainable(self.model)
         stats = train_step(
             self.model,
             self.optimizer,
@@ -461,32 +422,6 @@ class SwarmNode:
             if parsed is not None and parsed[0] == self.name:
                 nxt = max(nxt, parsed[1] + 1)
         return nxt
-
-
-def _ensure_trainable(model: torch.nn.Module) -> None:
-    """Give back autograd-usable storage to any parameter the engine left as an inference-mode tensor.
-
-    An engine that re-points parameters at tensors built inside `torch.inference_mode` (an early version of
-    the fused decoder did) leaves them unusable by autograd. A no-op when no parameter is affected; when
-    one is, it is copied and a warning names the regression instead of the step failing.
-    """
-    import torch
-
-    fixed = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.is_inference():
-                p.data = p.data.clone()
-                fixed += 1
-    if fixed:
-        log.warning(
-            "%d parameters were inference-mode tensors after generation (engine regression?); copied", fixed
-        )
-
-
-def trainable(groups: list[ScoredGroup]) -> list[ScoredGroup]:
-    """The groups that carry a GRPO signal (rewards that differ) and have completion tokens."""
-    return [g for g in groups if not is_zero_variance(g.rewards) and any(s.tokens for s in g.group.samples)]
 
 
 def _mean(xs: list[float]) -> float:

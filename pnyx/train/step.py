@@ -2,7 +2,9 @@
 π with `completion_logprobs`, accumulate the decoupled-PPO loss, clip the gradient, AdamW.
 
 Knows nothing about the store, publishing or checkpoints (the loop does those) and nothing about how the
-groups were chosen (ingestion). Imports torch at module level: only heavy code imports this module.
+groups were chosen (ingestion). Imports torch at module level: only heavy code imports this module. The
+micro-batch plan is `pnyx.train.microbatch` and the statistics records are `pnyx.train.stepstats` (both
+pure); this module runs the forward, the backward and the optimizer.
 
 Invariants:
 - memory is bounded by `micro_batch_tokens`: a micro-batch's padded size (rows x longest prompt+completion)
@@ -21,11 +23,9 @@ Invariants:
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,112 +33,8 @@ import torch
 from pnyx.security.checks import CheckSettings, GroupEvidence, judge
 from pnyx.train.ingest import ScoredGroup
 from pnyx.train.losses import LossSettings, policy_terms, token_weights
-
-
-@dataclass
-class Row:
-    """One completion of the batch, ready for the forward pass."""
-
-    prompt: list[int]
-    completion: list[int]
-    behaviour_logp: list[float]
-    loss_mask: list[int]
-    advantage: float
-    sampling: tuple[float, int, float]
-    """(temperature, top_k, top_p) of the group: π is recomputed under the same distribution."""
-    worker: str = ""
-    """Who produced it (for the per-worker behaviour-logprob check)."""
-    version: int = -1
-    """The policy version that produced it."""
-    key: str = ""
-    """The group's key, with `index`: where the reference logprobs of this completion are found."""
-    index: int = 0
-    """The sample's index in its group."""
-    engine: str = "torch"
-    """The worker engine that generated it (for the per-engine behaviour-logprob check)."""
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.completion)
-
-
-def build_rows(groups: list[ScoredGroup]) -> list[Row]:
-    """Flatten groups into rows (one per sample), carrying the trainer's advantages; skip empty completions."""
-    rows = []
-    for g in groups:
-        rec = g.group
-        sampling = (float(rec.temperature), int(rec.top_k), float(rec.top_p))
-        for i, (s, adv) in enumerate(zip(rec.samples, g.advantages, strict=True)):
-            if not s.tokens:
-                continue
-            rows.append(
-                Row(
-                    list(rec.prompt_tokens),
-                    list(s.tokens),
-                    list(s.logprobs),
-                    list(s.loss_mask),
-                    adv,
-                    sampling,
-                    g.worker_id,
-                    g.version,
-                    g.key,
-                    i,
-                    str(getattr(rec, "engine", "torch")),
-                )
-            )
-    return rows
-
-
-def plan_micro_batches(rows: list[Row], token_budget: int) -> list[list[int]]:
-    """Row indices per micro-batch: same sampling settings, padded size within `token_budget`, and the
-    rows of one group together whenever the group fits the budget.
-
-    Groups (by key) are packed whole, shortest first inside each sampling setting, so the sampling
-    checks can judge a group from the micro-batch's own forward before its backward. A group whose padded
-    size exceeds the budget is split into micro-batches of its own (rows sorted by length, as before; a
-    single row longer than the budget goes alone). The plan is a pure function of the rows, so a replayed
-    step packs identically.
-    """
-    units: dict[tuple[tuple[float, int, float], str], list[int]] = {}
-    for i, r in enumerate(rows):
-        units.setdefault((r.sampling, r.key), []).append(i)
-    by_sampling: dict[tuple[float, int, float], list[list[int]]] = {}
-    for (sampling, _), idx in units.items():
-        by_sampling.setdefault(sampling, []).append(sorted(idx, key=lambda i: (rows[i].length, i)))
-    plan: list[list[int]] = []
-    for key in sorted(by_sampling):
-        cur: list[int] = []
-        longest = 0
-        for unit in sorted(by_sampling[key], key=lambda u: (max(rows[i].length for i in u), u[0])):
-            top = max(rows[i].length for i in unit)
-            if top * len(unit) > token_budget:  # too big to go whole: its own micro-batches, by rows
-                plan.extend(_pack(rows, unit, token_budget))
-                continue
-            if cur and max(longest, top) * (len(cur) + len(unit)) > token_budget:
-                plan.append(cur)
-                cur, longest = [], 0
-            cur.extend(unit)
-            longest = max(longest, top)
-        if cur:
-            plan.append(cur)
-    return plan
-
-
-def _pack(rows: list[Row], idx: list[int], token_budget: int) -> list[list[int]]:
-    """Rows `idx` (sorted by length) packed greedily into micro-batches within the budget."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    longest = 0
-    for i in idx:
-        n = rows[i].length
-        if cur and max(longest, n) * (len(cur) + 1) > token_budget:
-            out.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    if cur:
-        out.append(cur)
-    return out
+from pnyx.train.microbatch import Row, assign_micro_batches, build_rows, plan_micro_batches
+from pnyx.train.stepstats import PartialStats, StepStats
 
 
 def _pad(seqs: list[list[Any]], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -148,105 +44,11 @@ def _pad(seqs: list[list[Any]], width: int, dtype: torch.dtype, device: torch.de
     return out.to(device)
 
 
-@dataclass
-class StepStats:
-    """What one step measured (logged and written as metrics)."""
-
-    loss: float = 0.0
-    grad_norm: float = 0.0
-    tokens: int = 0
-    """Counted (model-generated) completion tokens."""
-    masked_frac: float = 0.0
-    """Fraction of counted tokens the DPPO gate removed."""
-    clip_frac: float = 0.0
-    iw_mean: float = 0.0
-    iw_max: float = 0.0
-    iw_min: float = 0.0
-    ess: float = 0.0
-    """Normalised effective sample size of the importance weights, (Σw)² / (n·Σw²) in (0, 1]."""
-    entropy: float = 0.0
-    kl: float = 0.0
-    seconds: float = 0.0
-    micro_batches: int = 0
-    lp_gap: dict[str, float] = field(default_factory=dict)
-    """Per worker: mean |log π - log μ| over its fresh tokens (groups generated by the policy being stepped
-    from). Near 0 for an honest worker on the same precision; large means wrong weights or forged logprobs."""
-    lp_gap_engine: dict[str, float] = field(default_factory=dict)
-    """The same gap per worker engine ("torch", "mlx", "vllm"): how closely each engine's recorded
-    behaviour logprobs agree with the trainer's recompute (precision, kernels, its logprob definition)."""
-    evidence: dict[str, GroupEvidence] = field(default_factory=dict)
-    """Per group key (with `checks`): its logprob gap and plausibility sums (`pnyx.security.checks`)."""
-    rejected: dict[str, str] = field(default_factory=dict)
-    """Group key -> reason (`logprob_gap`, `implausible`) for the groups the checks removed from this
-    step: their contribution was taken out of the gradient before the optimizer step."""
-    undo_s: float = 0.0
-    """Seconds spent removing rejected groups (a forward and backward of their rows; 0 when none)."""
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
 def make_optimizer(
     model: torch.nn.Module, lr: float, betas: tuple[float, float], weight_decay: float
 ) -> torch.optim.Optimizer:
     """AdamW over the fp32 master parameters (sharded ones too: each rank steps its own shard)."""
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
-
-
-def assign_micro_batches(rows: list[Row], plan: list[list[int]], world: int) -> list[list[list[int]]]:
-    """Micro-batches per rank: each, in plan order, to the rank with the fewest padded tokens so far.
-
-    A pure function of the plan, so every rank computes the same assignment without talking."""
-    out: list[list[list[int]]] = [[] for _ in range(world)]
-    load = [0] * world
-    for mb in plan:
-        r = min(range(world), key=lambda k: (load[k], k))
-        out[r].append(mb)
-        load[r] += len(mb) * max(rows[i].length for i in mb)
-    return out
-
-
-@dataclass
-class _Partial:
-    """One rank's sums over its micro-batches; merged across ranks into `StepStats`."""
-
-    loss: float = 0.0
-    counts: Counter[str] = field(default_factory=Counter)
-    iw_sum: float = 0.0
-    iw_sq: float = 0.0
-    iw_max: float = -math.inf
-    iw_min: float = math.inf
-    ent_sum: float = 0.0
-    kl_sum: float = 0.0
-    gap_sum: Counter[str] = field(default_factory=Counter)
-    gap_n: Counter[str] = field(default_factory=Counter)
-    eng_sum: Counter[str] = field(default_factory=Counter)
-    eng_n: Counter[str] = field(default_factory=Counter)
-    evidence: dict[str, GroupEvidence] = field(default_factory=dict)
-    rejected: dict[str, str] = field(default_factory=dict)
-
-    def merge(self, o: _Partial) -> None:
-        self.loss += o.loss
-        self.counts.update(o.counts)
-        self.iw_sum += o.iw_sum
-        self.iw_sq += o.iw_sq
-        self.iw_max, self.iw_min = max(self.iw_max, o.iw_max), min(self.iw_min, o.iw_min)
-        self.ent_sum += o.ent_sum
-        self.kl_sum += o.kl_sum
-        self.gap_sum.update(o.gap_sum)
-        self.gap_n.update(o.gap_n)
-        self.eng_sum.update(o.eng_sum)
-        self.eng_n.update(o.eng_n)
-        self.rejected.update(o.rejected)
-        for k, ev in o.evidence.items():
-            mine = self.evidence.get(k)
-            if mine is None:
-                self.evidence[k] = GroupEvidence(
-                    ev.staleness, ev.tokens, ev.gap_sum, ev.dev_sum, ev.var_sum, ev.rows
-                )
-            else:
-                mine.add(ev)
 
 
 def train_step(
@@ -312,7 +114,7 @@ def train_step(
 
     rows_of: Counter[str] = Counter(r.key for r in rows)
 
-    def rounds(plan: list[list[int]], sign: float, part: _Partial | None) -> None:
+    def rounds(plan: list[list[int]], sign: float, part: PartialStats | None) -> None:
         """Forward and backward `plan` (this rank's share), the loss times `sign`; sums into `part`.
         With the checks, a group whole in a micro-batch that fails is judged there and weighs 0 in its
         backward (`part.rejected`)."""
@@ -367,9 +169,9 @@ def train_step(
             part.loss += float(loss.detach())
             _accumulate(part, terms, logp, mu, entropy, mb, policy_version)
 
-    part = _Partial()
+    part = PartialStats()
     rounds(plan, 1.0, part)
-    total = _Partial()
+    total = PartialStats()
     for p in dist.all_gather(part) if dist is not None else [part]:
         total.merge(p)
 
@@ -460,7 +262,7 @@ def _evidence(
 
 
 def _accumulate(
-    part: _Partial,
+    part: PartialStats,
     terms: Any,
     logp: torch.Tensor,
     mu: torch.Tensor,
@@ -510,7 +312,7 @@ def measure_evidence(
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = build_rows(groups)
-    part = _Partial()
+    part = PartialStats()
     with torch.no_grad():
         for idx in plan_micro_batches(rows, micro_batch_tokens):
             mb = [rows[i] for i in idx]

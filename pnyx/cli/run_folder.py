@@ -1,0 +1,78 @@
+"""The run folder of `pnyx run`: `./runs/<name>/` with its `config.toml` (what the trainer reads), `logs/`,
+`evals.jsonl`, `learning_curve.png` and `summary.json`; naming a new run, finding the newest one to resume.
+
+Knows nothing about processes, evaluation or the store beyond defaulting its URL to the folder.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pnyx.config import PnyxConfig, load_config, overlay_changed, to_toml
+from pnyx.errors import ConfigError
+
+RUNS_ROOT = Path("runs")
+CONFIG_FILE = "config.toml"
+SUMMARY_FILE = "summary.json"
+CURVE_FILE = "learning_curve.png"
+
+
+@dataclass
+class RunPlan:
+    """Where a run lives and how it is configured."""
+
+    name: str
+    folder: Path
+    store_url: str
+    cfg: PnyxConfig
+    resumed: bool
+
+    @property
+    def logs(self) -> Path:
+        return self.folder / "logs"
+
+    @property
+    def evals_path(self) -> Path:
+        return self.folder / "evals.jsonl"
+
+
+def newest_run(root: Path) -> str | None:
+    """The name of the most recently modified run folder under `root` that has a saved config."""
+    runs = [p for p in root.glob(f"*/{CONFIG_FILE}") if p.is_file()]
+    if not runs:
+        return None
+    return max(runs, key=lambda p: p.stat().st_mtime).parent.name
+
+
+def plan_run(cfg: PnyxConfig, resume: bool, root: Path = RUNS_ROOT) -> RunPlan:
+    """Resolve the run's name, folder, store URL and config; write `config.toml` for the trainer."""
+    cfg = cfg.model_copy(deep=True)
+    if resume:
+        name = cfg.run.name or newest_run(root)
+        if name is None:
+            raise ConfigError(f"--resume found no run under {root}/: start one with `pnyx run` first")
+        saved = root / name / CONFIG_FILE
+        if not saved.is_file():
+            raise ConfigError(f"--resume: {saved} does not exist; runs available: {_names(root)}")
+        cfg = overlay_changed(load_config(saved), cfg)
+    else:
+        name = cfg.run.name or time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
+        if (root / name / CONFIG_FILE).exists():
+            raise ConfigError(
+                f"run {name!r} already exists in {root}/: continue it with `pnyx run --resume --run.name={name}` "
+                "or pick another --run.name"
+            )
+    cfg.run.name = name
+    folder = (root / name).resolve()
+    if cfg.store.url is None:
+        cfg.store.url = str(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "logs").mkdir(exist_ok=True)
+    (folder / CONFIG_FILE).write_text(to_toml(cfg))
+    return RunPlan(name=name, folder=folder, store_url=cfg.store.url, cfg=cfg, resumed=resume)
+
+
+def _names(root: Path) -> str:
+    return ", ".join(sorted(p.parent.name for p in root.glob(f"*/{CONFIG_FILE}"))) or "none"
