@@ -334,9 +334,10 @@ def doubling(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             log: dict[str, Any] = {}
             step = 0
             while step < args.max_steps:
-                # each of the three workers uploads an equal share: the hostile one is a third of the fleet
-                arena.upload([u for h in honest for u in h.produce(arena, 3)])
-                hostile_round(name, atk, arena, step, 3, log)
+                # each of the three workers uploads an equal share (the hostile one is a third of the
+                # fleet); the honest two alone fill a batch of 8, so the attacker-free arm never waits
+                arena.upload([u for h in honest for u in h.produce(arena, 4)])
+                hostile_round(name, atk, arena, step, 4, log)
                 arena.step()
                 step += 1
                 if step % args.eval_every == 0:
