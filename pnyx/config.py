@@ -1,9 +1,11 @@
 """The configuration tree: one pydantic model, layered defaults → TOML file → dotted CLI flags.
 
-Each field is documented once (the docstring under it) and carries its bounds in its type. Nothing here
-rewrites a sibling field; derived values (the default store URL of `pnyx run`, the shipped model's path)
-are computed in `resolve_*` functions, in one explicit place. Knows nothing about torch, models or stores:
-importing this module is cheap, so `pnyx --help` stays instant.
+The tree (`PnyxConfig`) and its sections are defined in `pnyx.config_sections`, where each field is
+documented once (the docstring under it) and carries its bounds in its type; this module re-exports them
+and holds the layering (`load_config`, `parse_overrides`, `config_from_dict`, the resume overlay) and the
+derived values. Nothing rewrites a sibling field; derived values (the default store URL of `pnyx run`, the
+shipped model's path) are computed in `resolve_*` functions, in one explicit place. Knows nothing about
+torch, models or stores: importing this module is cheap, so `pnyx --help` stays instant.
 
 The resolved config is written into the run (`run.json`) by the trainer when it creates the run; workers
 read sampling settings from there, so a worker needs only the store URL.
@@ -14,295 +16,20 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
+from pnyx.config_sections import AlgorithmConfig as AlgorithmConfig
+from pnyx.config_sections import EnvConfig as EnvConfig
+from pnyx.config_sections import ModelConfig as ModelConfig
+from pnyx.config_sections import PnyxConfig
+from pnyx.config_sections import RunConfig as RunConfig
+from pnyx.config_sections import StoreConfig as StoreConfig
+from pnyx.config_sections import SwarmConfig as SwarmConfig
+from pnyx.config_sections import TrainerConfig as TrainerConfig
+from pnyx.config_sections import WorkerConfig as WorkerConfig
 from pnyx.errors import ConfigError
-
-PosFloat = Annotated[float, Field(gt=0)]
-Prob = Annotated[float, Field(ge=0, le=1)]
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
-
-
-class StoreConfig(_Section):
-    url: str | None = None
-    """Object-store URL of the run root: a folder path, file://, memory://, s3://bucket/prefix?endpoint=..,
-    gs://bucket/prefix. Unset: `pnyx run` uses ./runs/<run.name>; trainer/worker require --store."""
-    retry_deadline_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
-    """Transient store errors retry with jittered backoff for at most this many seconds per operation."""
-
-
-class RunConfig(_Section):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")] | None = None
-    """Run name (folder under ./runs for `pnyx run`). Unset: a timestamped name."""
-    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
-    """Root seed: task streams, sampling and initialisation derive from it."""
-    steps: Annotated[int, Field(ge=1, le=10_000_000)] = 200
-    """Trainer step budget: the run stops after this many optimizer steps (published versions)."""
-    time_budget_s: Annotated[float, Field(gt=0)] = 900.0
-    """`pnyx run` stops the fleet after this many seconds even if the step budget is not spent."""
-    eval_every: Annotated[int, Field(ge=0, le=100_000)] = 10
-    """`pnyx run` evaluates held-out pass@1 every this many versions (0 = only before and after)."""
-    eval_tasks: Annotated[int, Field(ge=1, le=100_000)] = 200
-    """Held-out tasks per evaluation (one sample each at the run's temperature for pass@1)."""
-
-
-class ModelConfig(_Section):
-    path: str | None = None
-    """A local Hugging Face folder, a .gguf file, or a hub id (`org/name`, `org/name/file.gguf`), downloaded
-    and cached like transformers does (HF_HOME, HF_HUB_OFFLINE). Unset: the tiny model in pnyx/assets/."""
-    revision: str | None = None
-    """Hub revision (branch, tag or commit) when model.path is a hub id. Unset: the default branch."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype for generation and training (master weights are always fp32 on the trainer)."""
-    device: str = "cpu"
-    """Torch device: cpu, cuda, cuda:1, mps, or auto (cuda if present, else mps, else cpu)."""
-
-
-class EnvConfig(_Section):
-    name: str = "arith"
-    """Environment name from the registry (`pnyx envs list`)."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments for the environment (difficulty, corpus paths, `answer="lenient"`,
-    `format_reward`, ...; `pnyx envs show NAME` and docs/environments.md list them)."""
-    system_prompt: str | None = None
-    """System message of every prompt (None: the environment's own, which states its answer format;
-    "": none)."""
-
-
-class WorkerConfig(_Section):
-    group_size: Annotated[int, Field(ge=2, le=64)] = 8
-    """Completions sampled per prompt (G); the group is the unit of upload and of advantage estimation."""
-    prompts_per_cohort: Annotated[int, Field(ge=1, le=1024)] = 4
-    """Prompts generated together with one latched weight version (a cohort); swaps happen between cohorts."""
-    temperature: Annotated[float, Field(gt=0, le=4)] = 1.0
-    """Sampling temperature (behaviour logprobs are recorded under exactly this distribution)."""
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    """Nucleus truncation (1.0 = off)."""
-    top_k: Annotated[int, Field(ge=0, le=100_000)] = 0
-    """Top-k truncation (0 = off)."""
-    max_new_tokens: Annotated[int, Field(ge=1, le=32_768)] | None = None
-    """Maximum tokens the model generates per turn (None: the environment's budget; the trainer records
-    the resolved value in run.json)."""
-    curriculum: bool = False
-    """Online difficulty filtering: prefer task levels whose observed pass rate is strictly between 0 and 1
-    (pnyx/rollout/curriculum.py); a worker-side choice, task ids are unchanged."""
-    screen: Annotated[int, Field(ge=1, le=64)] = 4
-    """Pre-rollout screening: draw this many candidate tasks per task generated, score each by the policy's
-    probability of the env's reference completion (one forward), and generate the ones most likely to make
-    a group with mixed rewards (pnyx/rollout/screen.py); 1 = off. Applies to environments whose correct
-    completion is essentially their reference (`arith` with tag answers) and engines that can score (torch);
-    elsewhere it does nothing. With `screen_start_above` it cut `pnyx run`'s zero-variance groups from 16%
-    to 5-6% of generated without slowing pass@1 (BENCHMARKS.md)."""
-    screen_start_above: Annotated[float, Field(ge=0, lt=1)] = 0.15
-    """Screening starts once this share of the worker's recent groups had zero variance, then stays on (0:
-    from the first cohort). Early in a run the policy's p predicts little (correlation 0.32 with the pass
-    rate at the shipped model) and screening from the start slowed learning; zero-variance groups pile up
-    later, as tasks are mastered (27% by v175 in `pnyx run`), when p predicts well (0.89)."""
-    poll_interval_s: Annotated[float, Field(gt=0, le=600)] = 1.0
-    """How often a worker polls the weights HEAD for a newer version (with backoff on errors)."""
-    heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
-    """How often a worker rewrites its heartbeat object."""
-    supply_control: bool = True
-    """Make only what the trainer can consume: each worker paces itself by the trainer's demand
-    (`weights/DEMAND`: groups per step, groups waiting, workers live) instead of generating flat out."""
-    supply_lead: Annotated[float, Field(ge=1, le=100)] = 1.0
-    """Supply control's target, in trainer steps: groups waiting when the trainer publishes, as a multiple of
-    trainer.groups_per_step (1 = exactly the next batch; more = fewer trainer waits, more stale drops). In
-    `pnyx run`, 1.25 left 53-65 groups stale (3-4% of generated, left behind by freshest-first selection);
-    1 left 0-2% unconsumed and the trainer no slower (BENCHMARKS.md)."""
-    skip_zero_variance: bool = True
-    """Do not upload groups whose samples all have the same reward (the trainer, re-scoring with the same
-    verifier, would drop them); they are counted in the worker's heartbeat instead."""
-    max_groups_per_version: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    """Hard cap: make at most this many groups per policy version, then wait for the next (None = no cap).
-    Superseded by supply_control; kept for fleets that want a fixed cap. Measured slower on 2 cores (the
-    trainer waits while the worker notices each new version)."""
-    spool_max_groups: Annotated[int, Field(ge=0, le=1_000_000)] = 256
-    """Generated groups kept in the local spool while the store is unreachable (oldest dropped beyond)."""
-    int8: bool = False
-    """Run the worker's model from the int8 actor plane (dequantized on load) instead of bf16."""
-    engine: Literal["torch", "mlx", "vllm"] = "torch"
-    """Default generation engine of the run's workers (each worker may choose its own with --engine)."""
-
-
-class TrainerConfig(_Section):
-    lr: Annotated[float, Field(gt=0, le=1)] = 2e-4
-    """AdamW learning rate (the peak of the schedule)."""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning-rate schedule after the warm-up: constant, linear or cosine decay to lr·min_lr_ratio at run.steps."""
-    warmup_steps: Annotated[int, Field(ge=0, le=10_000_000)] = 0
-    """Linear warm-up: step v ≤ warmup_steps uses lr·v/(warmup_steps+1) (0 = none)."""
-    min_lr_ratio: Prob = 0.0
-    """Where linear and cosine decay end, as a fraction of lr."""
-    weight_decay: Annotated[float, Field(ge=0, le=1)] = 0.0
-    """AdamW decoupled weight decay."""
-    betas: tuple[Prob, Prob] = (0.9, 0.99)
-    """AdamW betas."""
-    grad_clip: Annotated[float, Field(gt=0)] = 1.0
-    """Global gradient-norm clip."""
-    groups_per_step: Annotated[int, Field(ge=1, le=4096)] = 8
-    """Rollout groups per optimizer step: the gradient is accumulated over micro-batches (and summed over
-    ranks) until the whole batch is in it, whatever the memory per micro-batch or the number of ranks."""
-    micro_batch_tokens: Annotated[int, Field(ge=64, le=10_000_000)] = 8192
-    """Token budget of one forward/backward micro-batch (bounds memory)."""
-    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """Forward/backward precision; master weights and optimizer state stay fp32. auto: bfloat16 on CUDA
-    (autocast on one process, FSDP2 parameter dtype when sharded), float32 on CPU."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward instead of keeping them (less memory)."""
-    anchor_every: Annotated[int, Field(ge=1, le=100_000)] = 20
-    """Publish a full anchor every this many versions; deltas in between."""
-    keep_anchors: Annotated[int, Field(ge=1, le=100_000)] = 3
-    """Retention: keep the newest this many anchors and every delta reachable from them."""
-    publish_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """Dtype of the published weights that workers run."""
-    publish_chunk_bytes: Annotated[int, Field(ge=4096, le=1 << 31)] = 64 << 20
-    """Raw state bytes per published payload object; also the unit of work split between ranks."""
-    checkpoint_every: Annotated[int, Field(ge=1, le=100_000)] = 20
-    """Write a sharded checkpoint every this many steps (and at the end); steps in between are replayed
-    from their batch records on resume."""
-    keep_checkpoints: Annotated[int, Field(ge=1, le=1000)] = 2
-    """Committed checkpoints kept in the store (older ones are deleted)."""
-    async_checkpoint: bool = True
-    """Write checkpoints from a background thread while training continues (else the loop waits)."""
-    checkpoint_dir: str | None = None
-    """Local folder where checkpoint shards are written before upload (None: a folder in the system temp
-    directory, one per run)."""
-    reference_device: str | None = None
-    """Device of the KL reference model (kl_coef > 0), held by rank 0 only (None: the trainer's device)."""
-    max_wait_s: Annotated[float, Field(gt=0)] = 600.0
-    """Give up (clean stop) if no usable rollouts arrive for this long."""
-    device: str = "cpu"
-    """Torch device for training: cpu, cuda, mps or auto."""
-    tensorboard: bool = False
-    """Also write metrics to TensorBoard (needs `pnyx[tensorboard]`)."""
-    wandb_project: str | None = None
-    """Also log metrics to this Weights & Biases project (needs `pnyx[wandb]`)."""
-    lp_gap_base: Annotated[float, Field(gt=0)] | None = 0.03
-    """Logprob-gap check (docs/security.md): a group whose mean |claimed − trainer| behaviour logprob over
-    its model tokens exceeds lp_gap_base + lp_gap_per_version · staleness is dropped (`logprob_gap`), from
-    the step's own forward. Measured honest max (tiny model, arith, torch engine): see docs/security.md.
-    None: off."""
-    lp_gap_per_version: Annotated[float, Field(ge=0)] = 0.25
-    """Allowance added to the logprob-gap bound per version of staleness (it was measured at the default
-    learning rate: raise it with the rate)."""
-    plausibility_z: Annotated[float, Field(gt=0)] | None = 4.5
-    """Token-plausibility check: |z| beyond this drops a group (`implausible`); z is ~N(0,1) for honest
-    sampling at the claimed settings (docs/security.md). None: off."""
-    quarantine_rate: Prob | None = 0.2
-    """A worker key is quarantined once this share of its judged groups failed a check (reward, logprob
-    gap, plausibility, malformed records; signature failures are never blamed on a key), with at least
-    `quarantine_min` failed groups. Its later groups are counted from the listing, never downloaded.
-    None: no quarantine on failure rates."""
-    quarantine_min: Annotated[int, Field(ge=1, le=1_000_000)] = 5
-    """Failed groups a key needs before `quarantine_rate` can quarantine it."""
-    quarantine_key_z: Annotated[float, Field(gt=0)] | None = 5.0
-    """A key whose running plausibility statistic Σ z / sqrt(n) over at least 8 checked groups exceeds this
-    in absolute value (and whose mean z is off by at least 0.5) is quarantined: a statistical liar whose
-    single groups pass. None: off."""
-    reject_reward_lies: bool = True
-    """Drop a group whose claimed rewards disagree with the trainer's re-score of the same completions
-    (`reward_lie`; a fault of its key). Workers score with the same deterministic verifier, so an honest
-    group never disagrees; False: train on such a group with the trainer's own rewards."""
-    max_key_share: Annotated[float, Field(gt=0, le=1)] | Literal["fair"] | None = "fair"
-    """One worker key takes at most ceil(share · groups_per_step) places of a batch while other keys'
-    groups can fill the rest; places the others cannot fill at that moment go to it, so one worker alone
-    still fills every batch and a batch never waits for a slow or dead key. "fair": share = 1 / (keys with
-    groups waiting), so k keys get ceil(groups_per_step / k) places each. None: no share cap."""
-    flood_limit: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["auto"] | None = "auto"
-    """A worker key with more than this many groups listed at one policy version is flooding: it is
-    quarantined from the listing (its groups are counted, never downloaded). "auto": 2 · (max_staleness + 1)
-    · groups_per_step, twice what could ever be trained from one version. Workers stop at half of it per
-    version (`worker.max_groups_per_version` can lower that), so an honest worker never reaches it. None:
-    no limit."""
-    max_groups_per_key_step: Annotated[int, Field(ge=1, le=4096)] | None = None
-    """Hard cap on one key's groups in one batch (binds even when it is alone: a solo worker then cannot
-    fill a batch larger than this). None: none."""
-    max_groups_per_key_version: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    """Hard cap on one key's groups generated at one policy version that are ever trained on. None: none."""
-
-
-class AlgorithmConfig(_Section):
-    advantage: Literal["grpo", "drgrpo"] = "grpo"
-    """GRPO (R-mean)/(std+eps) or Dr.GRPO R-mean."""
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "drgrpo"] = "token_mean"
-    """Loss aggregation over tokens: token mean, per-sequence mean then mean, or sum/(G·max_len)."""
-    clip_low: Annotated[float, Field(ge=0, le=1)] = 0.2
-    """PPO clip ε_lo: ratio floor 1-ε_lo."""
-    clip_high: Annotated[float, Field(ge=0, le=10)] = 0.28
-    """PPO clip ε_hi: ratio ceiling 1+ε_hi."""
-    dual_clip: Annotated[float, Field(gt=1)] | None = 3.0
-    """Dual-clip constant c bounding the loss for negative advantages (None = off)."""
-    dppo_delta: Annotated[float, Field(gt=0, le=1)] | None = 0.2
-    """DPPO gate δ in probability space (None = gate off)."""
-    tis_cap: Annotated[float, Field(gt=1)] | None = None
-    """Truncated importance weight cap C on π/μ (None = off); use with int8 actors."""
-    kl_coef: Annotated[float, Field(ge=0)] = 0.0
-    """KL penalty to the initial policy (0 = off, no reference model kept)."""
-    max_staleness: Annotated[int, Field(ge=0, le=1000)] = 3
-    """Keep a group iff trainer version - rollout version <= this."""
-    max_reuse: Annotated[int, Field(ge=1, le=100)] = 1
-    """Each group is used at most this many times (replay)."""
-    max_groups_per_prompt: Annotated[int, Field(ge=1, le=1000)] = 2
-    """Each prompt (task id) contributes at most this many groups per step."""
-
-
-class SwarmConfig(_Section):
-    local_groups: Annotated[int, Field(ge=0, le=4096)] = 4
-    """I: groups per step from this node's own rollouts."""
-    external_groups: Annotated[int, Field(ge=0, le=4096)] = 4
-    """J: groups per step drawn from other nodes' recent uploads."""
-    foreign: Literal["onpolicy", "gated"] = "gated"
-    """Treatment of foreign text: ratio ≡ 1 as in SAPO's reference code, or own-logprob DPPO gating."""
-    prefer: Literal["uniform", "variance"] = "variance"
-    """How external groups are drawn: uniformly, or preferring groups with non-zero reward variance."""
-    window_s: Annotated[float, Field(gt=0)] = 300.0
-    """Only external groups uploaded within this many seconds are eligible."""
-    max_per_peer: Annotated[int, Field(ge=1, le=4096)] = 4
-    """At most this many external groups per peer per step (a noisy peer cannot dominate)."""
-    peer_timeout_s: Annotated[float, Field(gt=0)] = 60.0
-    """A peer whose heartbeat is older than this is considered gone."""
-    accept_envs: list[str] | None = None
-    """Environment names this node rebuilds foreign tasks for (None: only its own env). Peers choose the env
-    kwargs of what they share, so only listed environments are ever constructed from a peer's record."""
-    recent_per_peer: Annotated[int, Field(ge=1, le=4096)] = 8
-    """At most this many of each live peer's newest uploads are fetched per round (older ones are skipped)."""
-    wait_peers: Annotated[int, Field(ge=0, le=4096)] = 0
-    """Before its first round, wait until this many peers are live, and in that round, after sharing its own
-    groups, until this many have shared groups it can train on (each wait at most peer_timeout_s), so a fast
-    node does not take its first steps alone; 0 = start at once."""
-    checkpoint_every: Annotated[int, Field(ge=0, le=1_000_000)] = 10
-    """Checkpoint the node (weights, optimizer, counters, RNG, peer cursor) every this many rounds; 0 = only at
-    the end of the run."""
-    resume: bool = True
-    """Start from this node's checkpoint in the store when it has one (False: from the model, same sequence)."""
-
-
-class PnyxConfig(_Section):
-    """The whole configuration of a pnyx run."""
-
-    store: StoreConfig = Field(default_factory=StoreConfig)
-    """Where the run lives."""
-    run: RunConfig = Field(default_factory=RunConfig)
-    """Run identity and budgets."""
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    """The policy model."""
-    env: EnvConfig = Field(default_factory=EnvConfig)
-    """The environment (task + verifier)."""
-    worker: WorkerConfig = Field(default_factory=WorkerConfig)
-    """Rollout generation (sampling settings are part of the run; workers read them from run.json)."""
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    """Optimisation and publishing."""
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    """The RL objective and off-policy controls."""
-    swarm: SwarmConfig = Field(default_factory=SwarmConfig)
-    """Swarm mode (SAPO): local/external mix per step."""
-
 
 # --- layering -------------------------------------------------------------------------------------
 

@@ -116,7 +116,7 @@ def _finish(store, fleet: Fleet, trainer) -> None:
 def _account(store, fleet: Fleet, proxy) -> dict[str, int]:
     from pnyx.train import checkpointer
     from pnyx.train.checkpoint import read_batch_record, read_metrics
-    from pnyx.train.ingest import Cursor
+    from pnyx.train.ingest_state import Cursor
     from pnyx.weights.chain import verify_chain
 
     # the faults really happened, of every kind

@@ -258,7 +258,7 @@ def test_workers_take_turns_within_a_version(store):
 def test_groups_from_int8_plane_workers_match_a_published_digest():
     import torch
 
-    from pnyx.train.loop import published_digests
+    from pnyx.train.trainer_setup import published_digests
     from pnyx.weights import Publisher, Syncer
 
     store = open_store("memory://")

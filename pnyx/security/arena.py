@@ -7,7 +7,7 @@ real signed-weights follower that honest and hostile producers generate from.
     arena.verdict(key)                         # "trained", a drop reason ("id_theft", ...), or "waiting"
 
 Nothing here judges a group: every verdict is read from the trainer itself: the drop reasons and use
-counts of its ingestion cursor (`pnyx.train.ingest.Cursor`), and the groups its step removed from the
+counts of its ingestion cursor (`pnyx.train.ingest_state.Cursor`), and the groups its step removed from the
 update before the optimizer step (`StepStats.rejected`: they are consumed, never trained on). So whatever
 checks the trainer runs, at ingestion or in the step, are what the suite measures. A verdict is frozen the first time the trainer reaches one, so
 keys later swept from the cursor (their version left the window) keep theirs; a group never judged stays

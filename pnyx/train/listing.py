@@ -12,11 +12,12 @@ A key that lands later than that (a slow upload, a clock that runs behind) is fo
 listing (`RESCAN_S`) or, at the latest, by the sweep when its version leaves the window. A clock that runs
 ahead cannot push the incremental bound past now (`now_ms` caps it), so it never hides other workers' keys.
 
-`WindowListings` is the listing half of the `Ingestor` (a base class it builds on): the listings of the
-versions in the window, merged as they come (`list_version`, `list_span`, `refresh`), and the sweep of
-versions that left it, which counts their unused keys as `stale` from one last listing. It reads the
-ingestor's cursor (uses and rejections) and files junk and duplicate keys as rejections; it never reads a
-record. Thread-safe through the ingestor's lock; the I/O runs without it.
+`WindowListings` is the listing layer of the `Ingestor` (the first of the base classes it builds on;
+`key_ledger.py` and `planner.py` build on it): the listings of the versions in the window, merged as they
+come (`list_version`, `list_span`, `refresh`), and the sweep of versions that left it, which counts their
+unused keys as `stale` from one last listing. It reads the ingestor's cursor (uses and rejections) and
+files junk and duplicate keys as rejections; it never reads a record. Thread-safe through the ingestor's
+lock; the I/O runs without it.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def _version_of_dir(key: str) -> int | None:
 
 
 class WindowListings:
-    """The listing half of the `Ingestor` (see the module docstring); the attributes below are its."""
+    """The listing layer of the `Ingestor` (see the module docstring); the attributes below are its."""
 
     store: Store
     cursor: Any
@@ -151,11 +152,11 @@ class WindowListings:
     _left_at: dict[int, float]
 
     def _quarantined_name(self, worker: str) -> bool:
-        """The worker name is bound to a quarantined key (the ingestor knows; caller holds the lock)."""
+        """The worker name is bound to a quarantined key (`KeyLedger` knows; caller holds the lock)."""
         return False
 
     def _check_flood(self, fp: str, version: int, n: int) -> None:
-        """Key `fp` has `n` groups listed at `version` (the ingestor judges; caller holds the lock)."""
+        """Key `fp` has `n` groups listed at `version` (`KeyLedger` judges; caller holds the lock)."""
 
     def _count_listed(self, lst: VersionListing, worker: str) -> None:
         """One more distinct group of `worker` listed at `lst.version`, and of the key its name is bound to."""

@@ -25,91 +25,37 @@ batch (ingestion runs on rank 0 only), commits the manifest, writes metrics and 
 rank receives the batch, trains on its share, publishes its share of the payload and writes its
 checkpoint shards.
 
-Test hooks: `PNYX_TEST_CRASH_AT=<point>:N[@R]` SIGKILLs this process (only rank R when given) at a named
-point of the step that produces version N: `after_step` (optimizer step done), `before_manifest` (payload
-uploaded, manifest not written), `after_publish` (published, before metrics and checkpoint) or
-`during_checkpoint` (this rank's checkpoint shards uploaded, not committed). `PNYX_TEST_INGEST_DELAY_S=x`
-makes every group fetch sleep x seconds first (the liveness tests use it to hold the trainer in
-ingestion). Used by tests only. Knows nothing about generation internals.
+Layout: `trainer_setup.py` (`TrainerSetup`, the base class `Trainer` builds on) loads the model and what a
+step needs and creates or joins the run; `resume.py` replays the steps published after a checkpoint;
+`hooks.py` holds the test hooks (`PNYX_TEST_CRASH_AT` kills the process at a named point of a step,
+`PNYX_TEST_INGEST_DELAY_S` slows every group fetch). This module is the step loop: choose and record the
+batch, train, publish, commit, metrics, checkpoint. Knows nothing about generation internals.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from pnyx.config import PnyxConfig, overlay_changed, resolve_model_source
-from pnyx.errors import ConfigError, FencedError, IntegrityError, NotFoundError, PnyxError, RecordRejected
-from pnyx.security.trust import check_trainer_key, run_verifier, trainer_key_record, trainer_signer
+from pnyx.config import PnyxConfig
+from pnyx.errors import IntegrityError, NotFoundError, RecordRejected
 from pnyx.store import Store
-from pnyx.train import bootstrap, checkpoint, checkpointer
+from pnyx.train import checkpoint
+from pnyx.train.hooks import crash_point
 from pnyx.train.ingest import Ingestor, ScoredGroup
-from pnyx.train.prefetch import Prefetcher
 from pnyx.train.progress import Progress, format_line, reward_parts
-from pnyx.train.settings import check_settings, ingest_settings, loss_settings
-from pnyx.train.step import StepStats, make_optimizer, train_step
-from pnyx.train.supply import DemandPublisher
+from pnyx.train.settings import check_settings, loss_settings
+from pnyx.train.step import StepStats, train_step
+from pnyx.train.trainer_setup import TrainerSetup, manifest_digests
 
 log = logging.getLogger("pnyx.train")
 
-CRASH_ENV = "PNYX_TEST_CRASH_AT"
-INGEST_DELAY_ENV = "PNYX_TEST_INGEST_DELAY_S"
 STATUS_KEYS = 32
 """`trainer/status.json` reports at most this many worker keys (quarantined first, then by faults)."""
-
-
-def _crash_point(name: str, version: int) -> None:
-    """The kill-test hook (see module docstring): SIGKILL ourselves at a named point."""
-    want = os.environ.get(CRASH_ENV)
-    if want is None:
-        return
-    point, _, rank = want.partition("@")
-    if point == f"{name}:{version}" and (not rank or rank == os.environ.get("RANK", "0")):
-        log.warning("test hook %s=%s: SIGKILL", CRASH_ENV, want)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def published_digests(store: Store, version: int, trust: Any = None) -> frozenset[str] | None:
-    """Chain digests a group of `version` may carry, one per plane (a worker on the int8 actor plane stamps
-    its groups with that plane's digest); None if the version is not published (with `trust`: by the
-    run's key)."""
-    from pnyx.weights.manifest import read_manifest
-
-    try:
-        m = read_manifest(store, version, trust)
-    except NotFoundError:
-        return None
-    return manifest_digests(m)
-
-
-def manifest_digests(m: Any) -> frozenset[str]:
-    """The chain digests of a weight manifest's planes."""
-    planes = [m.weights] + ([m.int8] if m.int8 is not None else [])
-    return frozenset(p.chain_digest for p in planes)
-
-
-def _slow_decode(delay_s: float) -> Any:
-    """The decoder behind `PNYX_TEST_INGEST_DELAY_S`: sleep, then decode as usual."""
-    from pnyx.protocol.codec import decode_group
-
-    def decode(data: bytes, vocab_size: int | None) -> Any:
-        time.sleep(delay_s)
-        return decode_group(data, vocab_size=vocab_size)
-
-    return decode
-
-
-def merge_resume_config(run_config: dict[str, Any], given: PnyxConfig) -> PnyxConfig:
-    """On resume the run's config is the base; every field the caller gave wins (even one set back to its
-    default)."""
-    return overlay_changed(run_config, given)
 
 
 @dataclass
@@ -132,7 +78,7 @@ class Batch:
     ref: dict[tuple[str, int], list[float]] | None = None
 
 
-class Trainer:
+class Trainer(TrainerSetup):
     """One run's trainer process. `start()` bootstraps or resumes; `run()` steps until a stop condition."""
 
     def __init__(self, cfg: PnyxConfig, store: Store, *, resume: bool = False, steps: int | None = None):
@@ -153,183 +99,13 @@ class Trainer:
         self.trust: Any = None
         """The verifier of the run's trainer key (from run.json), once the run is created or joined."""
 
-    # --- setup ---------------------------------------------------------------------------------------
-
-    def _load(self, run: Any = None) -> None:
-        """Load model, tokenizer, env, optimizer; resuming `run` (its RunManifest), its recorded model."""
-        from pnyx.config import resolve_device, resolve_env_kwargs, resolve_max_new_tokens
-        from pnyx.envs import get_env
-        from pnyx.models import load_model, load_tokenizer, render_prompt, resolve_run_model, tokenizer_digest
-        from pnyx.train.distributed import init_distributed, prepare_model, resolve_compute_dtype
-        from pnyx.train.reference import Reference
-        from pnyx.train.schedule import Schedule
-        from pnyx.weights.publisher import Publisher
-
-        cfg, t = self.cfg, self.cfg.trainer
-        torch.manual_seed(cfg.run.seed)  # nothing in a step samples today; keeps any future use seeded
-        if run is not None:  # resuming: exactly the run's recorded model (a hub id pinned to its commit)
-            source = resolve_run_model(run.model, cfg.model.path, cfg.model.revision)
-        else:
-            source = resolve_model_source(cfg)
-        model_dir = source.folder
-        self.dist = init_distributed(resolve_device(t.device), wait_s=t.max_wait_s)
-        self.device = self.dist.device
-        self.compute_dtype = resolve_compute_dtype(t.compute_dtype, self.device)
-        model = load_model(model_dir, dtype="float32", device=self.device)
-        self.model = prepare_model(model, self.dist, self.compute_dtype, t.activation_checkpointing)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.env = get_env(cfg.env.name, **resolve_env_kwargs(cfg))
-        # The generation budget is run-defining: run.json records the resolved number (None = the env's),
-        # and workers and the Dr.GRPO normaliser read that one number.
-        cfg.worker.max_new_tokens = resolve_max_new_tokens(cfg.worker.max_new_tokens, self.env)
-        if cfg.algorithm.kl_coef > 0 and self.dist.is_main:
-            self.reference = Reference(model_dir, t.reference_device or self.device, self.compute_dtype)
-        self.optimizer = make_optimizer(self.model, t.lr, t.betas, t.weight_decay)
-        self.schedule = Schedule(t.lr, t.lr_schedule, t.warmup_steps, self.steps, t.min_lr_ratio)
-        self.publisher = Publisher(
-            self.store, anchor_every=t.anchor_every, int8_plane=cfg.worker.int8,
-            chunk_bytes=t.publish_chunk_bytes, comm=self.dist, hook=_crash_point,
-        )  # fmt: skip
-        self.checkpointer = checkpointer.Checkpointer(
-            self.store, self.dist, checkpointer.local_folder(t.checkpoint_dir, self.store.url), t.keep_checkpoints,
-            t.async_checkpoint, hook=_crash_point,
-        )  # fmt: skip
-        self.supply = DemandPublisher(self.store, t.groups_per_step, cfg.algorithm.max_staleness)
-        vocab = int(self.model.config.vocab_size)
-        self.model_info = {
-            "name": source.name,
-            "path": str(model_dir),
-            "source": source.identity(),
-            "model_type": getattr(self.model.config, "model_type", None),
-            "vocab_size": vocab,
-            "tokenizer_digest": tokenizer_digest(model_dir),
-            "num_parameters": sum(p.numel() for p in self.model.parameters()),
-            "publish_dtype": cfg.trainer.publish_dtype,
-            "hf_config": self.model.config.to_dict(),
-        }
-        tok = self.tokenizer
-        self._digests: dict[int, frozenset[str]] = {}
-        self.ingestor = Ingestor(
-            store=self.store,
-            env=self.env,
-            detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
-            settings=ingest_settings(cfg),
-            vocab_size=vocab,
-            render=lambda prompt: render_prompt(tok, prompt),
-            expected_digest=self._published_digest,
-            require_signatures=True,  # every group signed by its worker's key (docs/security.md)
-        )
-        if os.environ.get(INGEST_DELAY_ENV):
-            self.ingestor.decode = _slow_decode(float(os.environ[INGEST_DELAY_ENV]))
-        self.prefetcher = Prefetcher(self.ingestor, cfg.trainer.groups_per_step)
-
-    def _published_digest(self, version: int) -> frozenset[str] | None:
-        """`published_digests` of `version`, cached once known."""
-        if version not in self._digests:
-            digests = published_digests(self.store, version, self.trust)
-            if digests is None:
-                return None
-            self._digests[version] = digests
-        return self._digests[version]
-
-    def publish_layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        from pnyx.train.distributed import state_layout
-
-        return state_layout(self.model, getattr(torch, self.cfg.trainer.publish_dtype))
-
-    def publish_tensors(self) -> dict[str, torch.Tensor]:
-        """The published cast of the tensors this rank publishes (all of them in one process); on CPU."""
-        from pnyx.train.distributed import gather_published
-
-        keep = self.publisher.needs(self.publish_layout())
-        return gather_published(self.model, getattr(torch, self.cfg.trainer.publish_dtype), keep)
-
-    def _publish(self, version: int, force_anchor: bool = False) -> Any:
-        """Publish the current weights as `version` (every rank takes part; rank 0 commits)."""
-        return self.publisher.publish(version, self.publish_tensors(), force_anchor, self.publish_layout())
-
-    def _on_main(self, fn: Any) -> Any:
-        """Run `fn()` on rank 0 only and hand its result (or its error) to every rank."""
-        out: tuple[str, Any] = ("ok", None)
-        if self.dist.is_main:
-            try:
-                out = ("ok", fn())
-            except PnyxError as e:  # the same error on every rank, so every rank exits the same way
-                out = ("error", e)
-        out = self.dist.broadcast(out)
-        if out[0] == "error":
-            raise out[1]
-        return out[1]
-
-    def start(self) -> None:
-        """Load the model and either create the run (publish v0) or resume it from the store."""
-        self.progress.phase("loading")
-        with self.progress.running(status=False):
-            self._start()
-
-    def _start(self) -> None:
-        from pnyx.weights.manifest import latest_version
-
-        existing = bootstrap.read_run(self.store)
-        if self.resume:
-            if existing is None:
-                raise ConfigError(
-                    f"nothing to resume at {self.store.url}: it has no run.json. Start without --resume."
-                )
-            self.cfg = merge_resume_config(existing.config, self.cfg)
-            self.steps = self._steps_override if self._steps_override is not None else self.cfg.run.steps
-        self._load(existing if self.resume else None)
-        config_json = self.cfg.model_dump(mode="json")
-        config_json["store"]["url"] = None  # where the run lives is not part of what it is
-        signer = trainer_signer() if self.dist.is_main else None  # rank 0 alone signs (and holds the key)
-        if existing is not None:
-            bootstrap.check_compatible(existing, config_json, self.model_info, self.store.url)
-            self.manifest = existing
-        else:
-            self.manifest = self._on_main(
-                lambda: bootstrap.init_run(
-                    self.store,
-                    config_json,
-                    self.model_info,
-                    trainer_key_record(signer) if signer is not None else None,
-                )
-            )
-        if signer is not None:
-            check_trainer_key(self.manifest, signer, self.store.url)
-            self.publisher.signer = signer.for_run(self.manifest.run_id)
-            log.info("trainer: weights signed by key %s", signer.fingerprint)
-        self.trust = run_verifier(self.manifest)
-        self._ingest.run_id = self.manifest.run_id
-        if not self.resume:
-            try:
-                self._publish(0, force_anchor=True)
-            except FencedError:
-                raise FencedError(
-                    f"the run at {self.store.url} already has published weights: another trainer owns it. "
-                    "Resume it with --resume (if its trainer is dead) or use another --store."
-                ) from None
-            self.version = 0
-            log.info(
-                "trainer run=%s created: v0 published (%s)", self.manifest.run_id, self.model_info["name"]
-            )
-            return
-        self._restore(
-            self.dist.broadcast(latest_version(self.store, self.trust) if self.dist.is_main else None)
-        )
-
-    def _restore(self, published: int | None) -> None:
-        """Load the newest checkpoint and roll forward through every version published after it."""
-        from pnyx.train.resume import restore
-
-        restore(self, published)
+    # --- one step ------------------------------------------------------------------------------------
 
     def _batch(self, rec: checkpoint.BatchRecord, groups: list[ScoredGroup]) -> Batch:
         """Rank 0: what every rank needs for the step of `rec` (its rate, the reference logprobs)."""
         lr = rec.lr if rec.lr is not None else self.cfg.trainer.lr
         ref = self.reference.logprobs(groups) if self.reference is not None else None
         return Batch(list(rec.keys), groups, lr, ref)
-
-    # --- one step ------------------------------------------------------------------------------------
 
     def _train(self, batch: Batch) -> StepStats:
         return train_step(
@@ -389,7 +165,7 @@ class Trainer:
             return None
         self.progress.phase("training", have=len(batch.groups))
         stats = self._train(batch)
-        _crash_point("after_step", target)
+        crash_point("after_step", target)
         self.progress.phase("publishing")
         t0 = time.perf_counter()
         m = self._publish(target)
@@ -400,7 +176,7 @@ class Trainer:
             self._ingest.commit(batch.keys, batch.groups, stats.rejected, stats.evidence)
             self.prefetcher.ahead(target)
         self.version = target
-        _crash_point("after_publish", target)
+        crash_point("after_publish", target)
         return StepResult(target, stats, batch.groups, publish_s, m.kind, batch.lr)
 
     def _choose_batch(self, target: int) -> Batch | None:
@@ -503,13 +279,6 @@ class Trainer:
             "undo_s": round(s.undo_s, 4),
             **self._ingest.stats(),
         }
-
-    @property
-    def _ingest(self) -> Ingestor:
-        """The ingestor, which exists from `start()` on."""
-        if self.ingestor is None:
-            raise RuntimeError("the trainer has no ingestor before start()")
-        return self.ingestor
 
     def _describe(self) -> dict[str, Any]:
         """What the progress line and `trainer/status.json` report (callable from the progress thread)."""

@@ -21,7 +21,7 @@ import torch
 
 from pnyx.errors import ConfigError, IntegrityError
 from pnyx.train import checkpoint, checkpointer
-from pnyx.train.ingest import Cursor
+from pnyx.train.ingest_state import Cursor
 
 log = logging.getLogger("pnyx.train")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pnyx.config import PnyxConfig
 from pnyx.security.checks import CheckSettings, QuarantineSettings
-from pnyx.train.ingest import IngestSettings
+from pnyx.train.ingest_state import IngestSettings
 from pnyx.train.losses import LossSettings
 
 

@@ -1,0 +1,133 @@
+"""Per-key security bookkeeping of ingestion: counters per key, names bound to keys, flood limit, quarantine.
+
+`KeyLedger` is the layer of the `Ingestor` (a base class it builds on, itself built on `WindowListings`)
+that keeps the cursor's books per signing key (docs/security.md): each key's counters (`Cursor.by_key`:
+groups consumed, samples re-scored, reward disagreements, the drop reasons of its groups), the binding of
+worker names to keys (`_bind`), and quarantine. A key is quarantined once its counters or plausibility
+evidence cross the settings' rates (`pnyx.security.checks.quarantine_reason`), or once it has more groups
+listed at one version than the flood limit (`_check_flood`); then its fetched groups and the listed keys of
+the names bound to it are rejected as `quarantined` (counted, never downloaded). It answers the listing's
+two questions (`_quarantined_name`, `_check_flood`) and reports per key (`key_report`).
+
+Reads no record and does no I/O. Methods run under the ingestor's lock (the caller holds it, or the
+method takes it where it says so). Knows nothing about torch or how groups are ranked.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+from pnyx.security.checks import FAULTS, quarantine_reason, summary
+from pnyx.train.ingest_state import Cursor, IngestSettings
+from pnyx.train.listing import WindowListings
+from pnyx.train.rescore import REWARD_TOL, ScoredGroup
+
+log = logging.getLogger("pnyx.train.ingest")
+
+
+class KeyLedger(WindowListings):
+    """The per-key layer of the `Ingestor` (see the module docstring); the attributes below are its."""
+
+    cursor: Cursor
+    settings: IngestSettings
+    _ready: dict[str, ScoredGroup]
+    _futures: dict[str, Future]
+    _committing: bool
+
+    def _count_scored(self, g: ScoredGroup) -> None:
+        w = g.worker_id
+        self.cursor.scored[w] = self.cursor.scored.get(w, 0) + len(g.rewards)
+        bad = sum(abs(a - b) > REWARD_TOL for a, b in zip(g.worker_rewards, g.rewards, strict=True))
+        if bad:
+            self.cursor.disagreements[w] = self.cursor.disagreements.get(w, 0) + bad
+        self._count_key(g.signer, "scored", len(g.rewards))
+        if bad:
+            self._count_key(g.signer, "disagreements", bad)
+            self._count_key(g.signer, "reward_lie")  # a faulty group (pnyx.security.checks.FAULTS)
+
+    def _count_key(self, fingerprint: str, what: str, n: int = 1) -> None:
+        if fingerprint:
+            counts = self.cursor.by_key.setdefault(fingerprint, {})
+            counts[what] = counts.get(what, 0) + n
+            if what in FAULTS and not self._committing:
+                self._check_quarantine(fingerprint)
+
+    def _check_quarantine(self, fp: str) -> None:
+        """Quarantine `fp` if its counters or evidence cross the settings' rates (caller holds the lock)."""
+        q = self.settings.quarantine
+        if q is None or not fp or fp in self.cursor.quarantined:
+            return
+        why = quarantine_reason(self.cursor.by_key.get(fp, {}), self.cursor.evidence.get(fp), q)
+        if why is not None:
+            self.quarantine(fp, why)
+
+    def quarantine(self, fp: str, why: str) -> None:
+        """Quarantine key `fp` now: its fetched groups and the listed keys of the names bound to it are
+        rejected as `quarantined` (counted, never downloaded), and so is everything it uploads later."""
+        with self._lock:
+            if fp in self.cursor.quarantined:
+                return
+            self.cursor.quarantined[fp] = why
+            log.warning("ingest: quarantined worker key %s: %s", fp, why)
+            for key in [k for k, g in self._ready.items() if g.signer == fp]:
+                self._reject(key, "quarantined")
+            for name in [n for n, bound in self.cursor.keys.items() if bound == fp]:
+                self._purge_name(name)
+
+    def _purge_name(self, worker: str) -> None:
+        """Reject every listed, unfetched key of a name bound to a quarantined key (caller holds the lock)."""
+        for lst in self._versions.values():
+            for key in list(lst.pending.get(worker, [])):
+                if key not in self._futures:  # one being fetched is judged when it lands
+                    self._reject(key, "quarantined")
+
+    def _check_flood(self, fp: str, version: int, n: int) -> None:
+        """Quarantine `fp` once it has more groups listed at `version` than the flood limit (caller holds
+        the lock). Honest workers stop at half the limit (`pnyx.train.settings.worker_version_cap`)."""
+        limit = self.settings.flood_limit
+        if limit is None or n <= limit or fp in self.cursor.quarantined or self.settings.quarantine is None:
+            return
+        self._count_key(fp, "flood")
+        self.quarantine(
+            fp, f"flooding: {n} groups at version {version}, over the limit of {limit} per key and version"
+        )
+
+    def _bind(self, worker: str, fp: str) -> None:
+        """`worker` was just bound to key `fp`: its groups listed so far count against the key's flood limit
+        (caller holds the lock)."""
+        for lst in list(self._versions.values()):
+            c = lst.counts.get(worker, 0)
+            if c:
+                n = lst.by_key[fp] = lst.by_key.get(fp, 0) + c
+                self._check_flood(fp, lst.version, n)
+
+    def _quarantined_name(self, worker: str) -> bool:
+        """The name is bound to a quarantined key (caller holds the lock)."""
+        bound = self.cursor.keys.get(worker)
+        return bound is not None and bound in self.cursor.quarantined
+
+    def key_report(self, limit: int | None = None) -> dict[str, dict[str, Any]]:
+        """Per signing key: its counters, its plausibility evidence (`key_z`, `mean_z`, groups checked),
+        the worker names bound to it and whether it is quarantined (and why): for `pnyx status` and the
+        attack benchmark. `limit`: at most that many keys, quarantined ones first, then by faults."""
+        with self._lock:
+            names: dict[str, list[str]] = {}
+            for name, fp in self.cursor.keys.items():
+                names.setdefault(fp, []).append(name)
+            out = {}
+            for fp in sorted(
+                set(self.cursor.by_key) | set(self.cursor.evidence) | set(self.cursor.quarantined)
+            ):
+                counts = self.cursor.by_key.get(fp, {})
+                out[fp] = {
+                    **summary(counts, self.cursor.evidence.get(fp)),
+                    "counts": dict(counts),
+                    "names": sorted(names.get(fp, [])),
+                    "quarantined": self.cursor.quarantined.get(fp),
+                }
+        if limit is not None and len(out) > limit:
+            order = sorted(out, key=lambda fp: (out[fp]["quarantined"] is None, -out[fp]["faults"], fp))
+            out = {fp: out[fp] for fp in order[:limit]}
+        return out

@@ -1,0 +1,203 @@
+"""Choosing a step's batch from what ingestion has listed and fetched, and booking what a step consumed.
+
+`BatchPlanner` is the layer of the `Ingestor` (a base class it builds on, itself built on `KeyLedger`
+and `WindowListings`) that walks the ranking (`ranking.py`: fresh before replayed, newest version first,
+then workers take turns) until `n` groups are chosen or pending a fetch (`plan`), honouring the
+per-prompt cap and the per-key caps: at most `max_groups_per_key_step` groups of one key per batch, at
+most `max_groups_per_key_version` of one key and version ever, and the share cap (`max_key_share`;
+"fair": ceil(n / keys with groups waiting)), under which a group is deferred, not skipped, so a key
+alone still fills a batch. `_extra` sizes how far below the top a selection fetches from the recent
+survival rate; `commit` books the groups a step consumed (use counts, re-score counters, the step's drops
+and evidence per key) and then quarantines the keys that crossed the settings' rates.
+
+Fetches nothing: the `Ingestor`'s `select` repeats "plan, fetch what the plan needs" until the top is
+known. Thread-safe through the ingestor's lock. Knows nothing about torch or the store.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping
+
+from pnyx.protocol import layout
+from pnyx.security.checks import GroupEvidence, KeyEvidence, add_evidence
+from pnyx.train.key_ledger import KeyLedger
+from pnyx.train.ranking import Plan, ranked
+from pnyx.train.rescore import ScoredGroup
+
+
+class BatchPlanner(KeyLedger):
+    """The selection layer of the `Ingestor` (see the module docstring); the attributes below are its."""
+
+    _outcomes: deque[str]
+
+    def _extra(self, n: int) -> int:
+        """Keys to fetch beyond the top `n`: what the recent survival rate says the top will lose."""
+        if not self._outcomes:
+            return 0
+        ok = max(0.05, sum(o == "ok" for o in self._outcomes) / len(self._outcomes))
+        return min(4 * n, math.ceil(n / ok) - n)
+
+    def plan(self, version: int, n: int, exclude: Iterable[str] = (), extra: int | None = None) -> Plan:
+        """Walk the ranking until `n` groups are chosen or pending a fetch (see `Plan`), honouring the
+        per-prompt cap and the per-key caps (`max_groups_per_key_step`, `max_groups_per_key_version`,
+        `max_key_share`). A group over the share cap is deferred, not skipped: once the ranking is
+        exhausted, deferred groups fill the places no other key could (in ranking order)."""
+        exclude = frozenset(exclude)
+        s = self.settings
+        cap = s.max_groups_per_prompt
+        share = self._share(version, n)
+        chosen: list[ScoredGroup] = []
+        unknown: list[str] = []
+        more: list[str] = []
+        deferred: list[str] = []  # over the share cap, in ranking order (fetched or not)
+        per_prompt: Counter[str] = Counter()
+        per_key: Counter[str] = Counter()  # chosen, or pending a fetch under a name bound to the key
+
+        def take(item: str, g: ScoredGroup | None, fill: bool) -> None:
+            if g is None:
+                unknown.append(item)
+                parsed = layout.parse_rollout_key(item)
+                fp = self.cursor.keys.get(parsed[1]) if parsed is not None else None
+                if fp:
+                    per_key[fp] += 1
+                return
+            if per_prompt[g.task_id] >= cap or not self._within_caps(g, per_key, used):
+                return
+            if not fill and share is not None and g.signer and per_key[g.signer] >= share:
+                deferred.append(item)
+                return
+            per_prompt[g.task_id] += 1
+            per_key[g.signer] += 1
+            if used is not None:
+                used[(g.signer, g.version)] += 1
+            chosen.append(g)
+
+        with self._lock:
+            used = self._used_per_key_version() if s.max_groups_per_key_version is not None else None
+            below = self._extra(n) if extra is None else extra  # places below the top worth fetching
+            for item in ranked(
+                self._versions,
+                self.cursor.uses,
+                version,
+                self._low(version),
+                s.max_reuse,
+                exclude,
+            ):
+                if isinstance(item, int):
+                    return Plan(chosen, unknown, more, item)
+                g = self._ready.get(item)
+                if len(chosen) + len(unknown) >= n:
+                    if below <= 0:
+                        break
+                    below -= 1
+                    if g is None:
+                        more.append(item)
+                    continue
+                if g is None and share is not None:
+                    parsed = layout.parse_rollout_key(item)
+                    fp = self.cursor.keys.get(parsed[1]) if parsed is not None else None
+                    if fp and per_key[fp] >= share:
+                        deferred.append(item)  # its key is at the cap: not fetched unless needed
+                        continue
+                take(item, g, fill=False)
+            else:
+                for item in deferred:  # the ranking is exhausted: places no other key can fill now
+                    if len(chosen) + len(unknown) >= n:
+                        break
+                    take(item, self._ready.get(item), fill=True)
+        return Plan(chosen, unknown, more, None)
+
+    def _share(self, version: int, n: int) -> int | None:
+        """Places of a batch of `n` one key may take while others can fill the rest (None: no cap)."""
+        s = self.settings
+        if s.max_key_share is None or n >= 1 << 30:
+            return None
+        if s.max_key_share != "fair":
+            return math.ceil(s.max_key_share * n)
+        with self._lock:  # keys (or, before their first fetch, names) with groups waiting in the window
+            keys = {
+                self.cursor.keys.get(name) or f"name:{name}"
+                for v in self.window(version)
+                if v in self._versions
+                for name, pending in self._versions[v].pending.items()
+                if pending
+            }
+        return math.ceil(n / max(1, len(keys)))
+
+    def _within_caps(
+        self, g: ScoredGroup, per_key: Counter[str], used: Counter[tuple[str, int]] | None
+    ) -> bool:
+        """The hard per-key caps allow one more group of `g`'s key (caller holds the lock)."""
+        s = self.settings
+        if not g.signer:
+            return True
+        if s.max_groups_per_key_step is not None and per_key[g.signer] >= s.max_groups_per_key_step:
+            return False
+        cap = s.max_groups_per_key_version
+        return used is None or cap is None or used[(g.signer, g.version)] < cap
+
+    def _used_per_key_version(self) -> Counter[tuple[str, int]]:
+        """(key fingerprint, version) -> groups of that key and version consumed so far (from the uses of
+        the window's keys and the names' bindings; caller holds the lock)."""
+        out: Counter[tuple[str, int]] = Counter()
+        for k, n in self.cursor.uses.items():
+            parsed = layout.parse_rollout_key(k)
+            if n > 0 and parsed is not None:
+                fp = self.cursor.keys.get(parsed[1])
+                if fp is not None:
+                    out[(fp, parsed[0])] += 1
+        return out
+
+    def available(self, version: int) -> int:
+        """How many fetched, valid groups a selection at `version` could take now (without a size limit)."""
+        return len(self.plan(version, 1 << 30, extra=0).chosen)
+
+    def commit(
+        self,
+        keys: Iterable[str],
+        groups: Iterable[ScoredGroup] = (),
+        rejected: Mapping[str, str] | None = None,
+        evidence: Mapping[str, GroupEvidence] | None = None,
+    ) -> None:
+        """Record that one step consumed these groups (each once). `groups` (the scored groups of those
+        keys, when the caller has them) feed the per-worker re-score counters; `rejected` (key -> reason)
+        are the groups the step's checks removed from its update (counted as drops against their key);
+        `evidence` (key -> the step's `GroupEvidence`) feeds each key's running plausibility statistic.
+        Quarantines the keys whose counters cross the settings' rates."""
+        keys = list(keys)
+        if len(set(keys)) != len(keys):
+            raise ValueError("a step's batch must not contain the same group twice")
+        by_key = {g.key: g for g in groups}
+        rejected = rejected or {}
+        evidence = evidence or {}
+        touched: set[str] = set()
+        with self._lock:
+            self._committing = True  # quarantine once the batch is booked (its keys are used, not rejected)
+            for k in keys:
+                g = by_key.get(k) or self._ready.get(k)
+                if g is not None:
+                    self._count_scored(g)
+                    ev = evidence.get(k)
+                    if ev is not None and g.signer:
+                        kev = self.cursor.evidence.setdefault(g.signer, KeyEvidence())
+                        add_evidence(kev, ev, self.settings.checks)
+                    reason = rejected.get(k)
+                    if reason is not None:
+                        self._drop(reason)
+                    self._count_key(g.signer, reason or "groups")
+                    if g.signer:
+                        touched.add(g.signer)
+                elif k in rejected:
+                    self._drop(rejected[k])
+                self.cursor.uses[k] = self.cursor.uses.get(k, 0) + 1
+                self.cursor.consumed += 1
+                if self.cursor.uses[k] >= self.settings.max_reuse:
+                    self._ready.pop(k, None)
+                    parsed = layout.parse_rollout_key(k)
+                    if parsed is not None and parsed[0] in self._versions:
+                        self._versions[parsed[0]].remove_pending(k)
+            self._committing = False
+            for fp in sorted(touched):
+                self._check_quarantine(fp)
