@@ -129,7 +129,10 @@ def _account(store, fleet: Fleet, proxy) -> dict[str, int]:
     assert set(consumed) <= uploaded
     cursor = Cursor.from_json(checkpointer.read_commit(store, STEPS).cursor.encode())
     assert cursor.drops == read_metrics(store)[-1]["drops"]
-    dropped = sum(cursor.drops.values())
+    # a group the step's checks removed from the update (`implausible`, `logprob_gap`) is consumed (in its
+    # batch record) and dropped (in `drops`, by reason): count it once
+    in_steps = sum(sum(m.get("rejected", {}).values()) for m in read_metrics(store))
+    dropped = sum(cursor.drops.values()) - in_steps
     window = range(STEPS - STALENESS, STEPS + 1)
     unused = {k for k in uploaded - set(consumed) if k not in cursor.rejected}
     waiting = {k for k in unused if layout.parse_rollout_key(k)[0] in window}
