@@ -19,11 +19,17 @@ cursor: rejected with a reason, trained on, stale, or still waiting at the end.
 - temperature liar: detection by the group's completion length (model tokens over its G samples) and by
   how many groups the trainer had seen from that key (the group's index), and the first index from which
   it stays at or above 99%;
-- poisoner: the share of the trained model's held-out samples that carry the payload (none at v0).
+- poisoner: the share of the trained model's held-out samples that carry the payload (none at v0), with
+  the defences and without (`poisoner_undefended`: every check, quarantine, share cap and flood limit off);
+- the flooder uploads `--flood` groups per step (over the run's flood limit), the `eager` control 8 x
+  `--hostile` (under it: not an attack, it shows the fair share); the Sybil is a copier, a reward liar and
+  a poisoner in turn with a fresh key per group, the Sybil temperature liar apart (the statistical attack
+  at one group per key; its detection against completion length: `bench_liar_length.py`).
 
     python benchmarks/bench_attacks.py --quick                  # smoke: 3 steps per arm, ~3 min
-    nice -n 19 python benchmarks/bench_attacks.py               # the measurement (resumable: one JSON per arm)
-    nice -n 19 python benchmarks/bench_attacks.py --doubling reward_liar   # 1 hostile + 2 honest to 2x pass@1
+    nice -n 19 python benchmarks/bench_attacks.py --poison-steps 200 --poison 4    # the measurement (resumable)
+    nice -n 19 python benchmarks/bench_attacks.py --doubling temperature_liar      # 1 hostile + 2 honest to 2x
+    nice -n 19 python benchmarks/bench_attacks.py --doubling none                  # the same without the attacker
 
 Results: `--out` (default benchmarks/results/attacks[-quick]/), one JSON per arm and `summary.json`; a rerun
 skips arms already saved (`--force` redoes them).

@@ -1,13 +1,14 @@
 """SAPO's mechanism, as a test: a skill one node has spreads, through sharing, to a node that lacks it.
 
 Both nodes start from the shipped tiny model after a short supervised fine-tune on 1-digit + and - (`pm1`,
-train split only): node A on the right answers (held-out reward about 0.7), node B on answers off by one
-(a deliberately damaged checkpoint: the same answer format, a wrong rule; held-out reward about 0.03).
+train split only): node A on the right answers (held-out reward about 0.7), node B 1,000 steps on answers off by
+one (a deliberately damaged checkpoint: the same answer format, a wrong rule; held-out reward about 0.01).
 Both generate and train on pm1 for the same rounds at the same batch (8 groups of 8 per step). B trains on
 its own 8 groups (no sharing) or on 4 of its own and 4 of A's (SAPO 4/4), re-scored by its own verifier,
 in each foreign-text mode. With sharing, B trains on A's groups and its held-out reward on pm1 rises from
-its start. (Alone it rises too: its few correct samples give it a signal of its own; whether sharing
-beats that is the open question of issue #17, measured over seeds by the benchmark.)
+its start. (Alone, B's rare correct samples give it a signal of its own in some seeds: over 10 seeds it
+ended at 0.197 alone and 0.658 with `onpolicy` sharing, +0.461 [+0.271, +0.652]; the benchmark measures
+that difference, this test the mechanism at one seed.)
 `benchmarks/bench_swarm_mechanism.py` measures the same over seeds, with a late joiner (BENCHMARKS.md).
 
 Deterministic (fixed seeds, one thread, nodes round-robin in one process). The premise (A can, B cannot)
@@ -34,7 +35,7 @@ def setup(tmp_path_factory):
     family = Family("pm1", "arith", {"digits": 1, "ops": ["+", "-"]})
     root = tmp_path_factory.mktemp("mechanism")
     able, damaged = mechanism_starts(
-        shipped_model_path(), root, family, a_steps=100, b_start="off1", b_steps=300
+        shipped_model_path(), root, family, a_steps=100, b_start="off1", b_steps=1000
     )
     return root, family, able, damaged
 
@@ -72,10 +73,9 @@ def test_a_node_lacking_a_skill_learns_it_while_training_on_a_peers_groups(setup
     shared = _run(setup, 4, mode)
     assert shared.start == alone.start and shared.a_end == alone.a_end  # the same B and the same A
     assert shared.external_trained >= ROUNDS and alone.external_trained == 0
-    # B learns pm1 while training on A's groups. Whether it learns *more* than alone is not asserted: over
-    # 5 seeds the difference was +0.143 [-0.152, +0.438] (95% CI, `bench_swarm_mechanism.py`, issue #17),
-    # and this single seed went either way across code changes (at least +0.1 at de15b13, -0.062 in the
-    # CI run of 2026-12-01 16:50 after this session's merges).
+    # B learns pm1 while training on A's groups. Whether it learns *more* than alone is measured over seeds
+    # by `bench_swarm_mechanism.py` (issue #17: +0.461 [+0.271, +0.652] over 10 seeds, B start from 1,000
+    # off-by-one steps); a single seed is not asserted on (alone, B relearned in 5 of 10 seeds).
     assert shared.end - shared.start >= MARGIN, (
         f"{mode}: with sharing B reached {shared.end:.3f} from {shared.start:.3f} (alone {alone.end:.3f})"
     )
