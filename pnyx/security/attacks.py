@@ -286,14 +286,11 @@ class Flooder(Producer):
 
     def produce(self, arena: Arena, n: int) -> list[Upload]:
         groups = self.sampled(arena, min(n, self.fresh))
-        out = []
-        for i in range(n if groups else 0):
-            out.append(
-                self.pack(
-                    groups[i % len(groups)], worker_id=f"{self.worker_id}-{(self.seq + i) % self.names}"
-                )
-            )
-        return out
+        first = self.seq  # names in turn (pack advances self.seq)
+        return [
+            self.pack(groups[i % len(groups)], worker_id=f"{self.worker_id}-{(first + i) % self.names}")
+            for i in range(n if groups else 0)
+        ]
 
 
 @dataclass

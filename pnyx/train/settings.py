@@ -65,8 +65,10 @@ def worker_version_cap(cfg: PnyxConfig) -> int | None:
     flood limit, or `worker.max_groups_per_version` if lower (None: no cap). Half, so a worker restarted
     at the same version (its count starts over) still stays under the limit."""
     limit = flood_limit(cfg)
-    caps = [c for c in (cfg.worker.max_groups_per_version, limit // 2 if limit else None) if c]
-    return max(1, min(caps)) if caps else None
+    caps = [
+        c for c in (cfg.worker.max_groups_per_version, None if limit is None else max(1, limit // 2)) if c
+    ]
+    return min(caps) if caps else None
 
 
 def check_settings(cfg: PnyxConfig) -> CheckSettings:
