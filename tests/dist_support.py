@@ -209,7 +209,7 @@ def sharded_step_ranks(rank: int, model_dir: str, out: str) -> None:
     """One `train_step` of the same batch on 2 FSDP2 ranks (SGD, lr 1: the update is the gradient), with a
     micro-batch budget that makes 3 micro-batches (one rank runs a filler); rank 0 reports the result."""
     import torch
-    from test_train_step import scored_groups
+    from train_support import scored_groups
 
     from pnyx.models import load_model, load_tokenizer
     from pnyx.train.distributed import init_distributed, prepare_model

@@ -8,12 +8,20 @@ processes (put on their PYTHONPATH).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from pnyx.config import load_config
 from pnyx.envs import register
 from pnyx.envs.arith import ArithEnv
 from pnyx.envs.base import Score
+from pnyx.protocol import layout
+from pnyx.protocol.codec import decode_json
+from pnyx.store import open_store
+from pnyx.swarm.records import NodeHeartbeat
 
 
 class LengthEnv(ArithEnv):
@@ -60,3 +68,77 @@ def open_test_node(store: Any, name: str, cfg: Any, model_dir: Any, **kwargs: An
     from pnyx.swarm.node import open_node
 
     return open_node(store, name, cfg, model_dir, **kwargs)
+
+
+# --- three node processes (test_swarm_process*.py) ---------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+NODES = ("n0", "n1", "n2")
+ROUNDS = 4
+
+
+def make_swarm_env(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """(model dir, environment for the node processes): a tiny model, and the `swarm_len` hook on the path."""
+    from pnyx.models.testing import make_tiny_model_dir
+
+    root = tmp_path_factory.mktemp("swarm-proc")
+    model = make_tiny_model_dir(root / "model", vocab=400, seed=3)
+    hook = root / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(hook), str(REPO), env.get("PYTHONPATH", "")])
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return model, env
+
+
+def node_cmd(url: str, name: str, model: Path, rounds: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "pnyx", "swarm", "--store", url, "--node", name,
+        f"--run.steps={rounds}", f"--model.path={model}", "--env.name=swarm_len", '--env.kwargs={"digits": 1}',
+        "--worker.group_size=4", "--worker.max_new_tokens=10",
+        "--swarm.local_groups=2", "--swarm.external_groups=2", *extra,
+    ]  # fmt: skip
+
+
+def run_swarm(url: str, model: Path, env: dict[str, str]) -> dict[str, str]:
+    """Run the three nodes to the end; returns each node's output (for failure messages)."""
+    # Every node waits (under a deadline) until the other two are live, so all of them overlap in time
+    # however slowly each process starts on a loaded machine.
+    wait = [f"--swarm.wait_peers={len(NODES) - 1}", "--swarm.peer_timeout_s=120"]
+    procs = [
+        subprocess.Popen(
+            node_cmd(url, name, model, ROUNDS, *wait),
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for name in NODES
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=300)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for name, p, out in zip(NODES, procs, outputs, strict=True):
+        assert p.returncode == 0, f"node {name} exited {p.returncode}:\n{out[-4000:]}"
+    return dict(zip(NODES, outputs, strict=True))
+
+
+def check_swarm(url: str, outputs: dict[str, str]) -> None:
+    store = open_store(url)
+    for name in NODES:
+        hb = decode_json(store.get(layout.swarm_heartbeat(name)), NodeHeartbeat)
+        out = outputs[name][-3000:]
+        assert hb.status == "stopped" and hb.rounds == ROUNDS
+        assert hb.version >= 1, f"node {name} never took a step"
+        assert len(store.list(layout.swarm_dir(name))) == 2 * ROUNDS  # every local group was shared
+        assert hb.external_trained >= 1, f"node {name} never trained on a peer's group:\n{out}"
+        assert hb.peers_seen == len(NODES) - 1

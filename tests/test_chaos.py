@@ -1,6 +1,6 @@
 """The chaos suite: a trainer and two workers (real processes) through a fault-injecting proxy in front of the
-loopback S3 server, one of them SIGKILLed and restarted, to the step budget. Nothing may be lost or
-duplicated, the weight chain must verify, and the reward must rise.
+loopback S3 server, a worker and then the trainer SIGKILLed and restarted, to the step budget. Nothing may be
+lost or duplicated, the weight chain must verify, and the reward must rise.
 
 The proxy injects what the issue measured on a real bucket's bad day: 5% 503 SlowDown, 2% connection resets
 before forwarding, 2% replies lost after the write landed, 0-50 ms latency on every request.
@@ -14,7 +14,8 @@ Accounting, from the store alone:
   trainer had moved past its window), or still in its spool folder: no gap, so nothing was lost, and no two
   objects hold the same bytes, so nothing was uploaded twice.
 
-Run with `pytest -m slow tests/test_chaos.py` (about 2-4 minutes per test on 2 cores).
+One run holds both kills (a worker's, then the trainer's): run it with `pytest -m slow tests/test_chaos.py`
+(about 2-3 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -178,30 +179,24 @@ def _account(store, fleet: Fleet, proxy) -> dict[str, int]:
     }  # fmt: skip
 
 
-def test_chaos_worker_sigkilled_and_restarted_loses_and_duplicates_nothing(chaos):
+def test_chaos_worker_then_trainer_sigkilled_and_restarted_lose_and_duplicate_nothing(chaos):
+    """One run, both kills: a worker at v8 (restarted with the same id and spool), the trainer at v16
+    (resumed). Each kill lands wherever the process is: generating, mid-put, mid-retry, mid-step,
+    mid-publish or mid-checkpoint."""
     store, fleet, proxy = chaos
     trainer = fleet.trainer()
     wait_for(lambda: _version(store) >= 0, STARTUP_S, "the trainer's v0")
     for name in WORKERS:
         fleet.worker(name)
     wait_for(lambda: _version(store) >= 8, RUN_S, "v8")
-    fleet.procs["chaos-a"].send_signal(signal.SIGKILL)  # wherever it is: generating, mid-put, mid-retry
+    fleet.procs["chaos-a"].send_signal(signal.SIGKILL)
     fleet.procs["chaos-a"].wait(30)
     fleet.worker("chaos-a")  # same id, same spool folder: it uploads what the killed life left
-    _finish(store, fleet, trainer)
-    _account(store, fleet, proxy)
-
-
-def test_chaos_trainer_sigkilled_and_resumed_loses_and_duplicates_nothing(chaos):
-    store, fleet, proxy = chaos
-    trainer = fleet.trainer()
-    wait_for(lambda: _version(store) >= 0, STARTUP_S, "the trainer's v0")
-    for name in WORKERS:
-        fleet.worker(name)
-    wait_for(lambda: _version(store) >= 10, RUN_S, "v10")
-    trainer.send_signal(signal.SIGKILL)  # mid-step, mid-publish or mid-checkpoint
+    wait_for(lambda: _version(store) >= 16, RUN_S, "v16")
+    trainer.send_signal(signal.SIGKILL)
     trainer.wait(30)
     trainer = fleet.trainer("--resume")
     _finish(store, fleet, trainer)
     assert "resumed at v" in fleet.logs("trainer")
+    assert fleet.lives == {"trainer": 2, "chaos-a": 2, "chaos-b": 1}
     _account(store, fleet, proxy)

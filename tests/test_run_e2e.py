@@ -196,6 +196,8 @@ def fleet_run(tmp_path_factory):
         if first.poll() is None:
             first.kill()
     stopped_at = latest_version(open_store(store_dir))
+    summary_path = store_dir / "summary.json"
+    phase1_summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     second = _pnyx(["run", "--resume", *common], root, root / "phase2.log")
     try:
         phase2_rc = second.wait(timeout=300)
@@ -212,6 +214,7 @@ def fleet_run(tmp_path_factory):
         "phase1_version": phase1_version,
         "phase1_rc": phase1_rc,
         "stopped_at": stopped_at,
+        "phase1_summary": phase1_summary,
         "phase2_rc": phase2_rc,
         "steps": steps,
         "watcher": watcher,
@@ -298,6 +301,18 @@ def test_run_folder_has_evals_curve_and_summary(fleet_run):
     assert [e["version"] for e in evals].count(0) == 1  # the resumed run reused the stored v0 evaluation
     for role in ("trainer", "worker-1", "worker-2"):
         assert (folder / "logs" / f"{role}.log").is_file()
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_reports_its_newest_version_as_after(fleet_run):
+    """Phase 1 is interrupted at v4+ with no periodic evaluation (eval_every=0): its summary pairs the
+    final version with that version's own evaluation, never with v0's numbers."""
+    summary = fleet_run["phase1_summary"]
+    assert summary is not None, fleet_run["logs"][-3000:]
+    assert summary["final_version"] == fleet_run["stopped_at"] >= PHASE1_MIN_VERSION
+    assert summary["after"] is not None, summary["after_not_evaluated"]
+    assert summary["after"]["version"] == summary["final_version"]
+    assert summary["before"]["version"] == 0
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from test_ingest import ENV, RUN, detok, make_group
+from ingest_support import ENV, RUN, detok, make_group
 
 from pnyx.protocol import layout
 from pnyx.protocol.codec import encode_group
@@ -473,7 +473,7 @@ def test_trainer_drops_a_logprob_liar_quarantines_its_key_and_keeps_it_across_a_
     """Honest groups beside a worker whose behaviour logprobs are made up: every one of its groups that
     reaches a step is rejected there (`logprob_gap`), its key is quarantined after 5, the quarantine is in
     the checkpoint, and a resumed trainer never downloads that key's later groups."""
-    from test_train_loop import WORKER_SIGNER, make_trainer, write_groups
+    from train_support import WORKER_SIGNER, make_trainer, write_groups
 
     from pnyx.models import make_tiny_model_dir
     from pnyx.protocol.codec import decode_group

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from test_ingest import ENV, RUN, detok, make_group
+from ingest_support import ENV, RUN, detok, make_group
 
 from pnyx.errors import RecordRejected
 from pnyx.protocol import layout

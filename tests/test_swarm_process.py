@@ -13,36 +13,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from swarm_support import SITECUSTOMIZE
+from swarm_support import REPO, check_swarm, make_swarm_env, node_cmd, run_swarm
 
 from pnyx.protocol import layout
 from pnyx.protocol.codec import decode_json
 from pnyx.store import open_store
 from pnyx.swarm.records import NodeHeartbeat
-
-REPO = Path(__file__).resolve().parents[1]
-NODES = ("n0", "n1", "n2")
-ROUNDS = 4
-
-
-def make_swarm_env(tmp_path_factory) -> tuple[Path, dict[str, str]]:
-    """(model dir, environment for the node processes)."""
-    from pnyx.models.testing import make_tiny_model_dir
-
-    root = tmp_path_factory.mktemp("swarm-proc")
-    model = make_tiny_model_dir(root / "model", vocab=400, seed=3)
-    hook = root / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(hook), str(REPO), env.get("PYTHONPATH", "")])
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    return model, env
 
 
 @pytest.fixture(scope="module")
@@ -50,63 +29,11 @@ def swarm_env(tmp_path_factory):
     return make_swarm_env(tmp_path_factory)
 
 
-def node_cmd(url: str, name: str, model: Path, rounds: int, *extra: str) -> list[str]:
-    return [
-        sys.executable, "-m", "pnyx", "swarm", "--store", url, "--node", name,
-        f"--run.steps={rounds}", f"--model.path={model}", "--env.name=swarm_len", '--env.kwargs={"digits": 1}',
-        "--worker.group_size=4", "--worker.max_new_tokens=10",
-        "--swarm.local_groups=2", "--swarm.external_groups=2", *extra,
-    ]  # fmt: skip
-
-
-def _run_swarm(url: str, model: Path, env: dict[str, str]) -> dict[str, str]:
-    """Run the three nodes to the end; returns each node's output (for failure messages)."""
-    # Every node waits (under a deadline) until the other two are live, so all of them overlap in time
-    # however slowly each process starts on a loaded machine.
-    wait = [f"--swarm.wait_peers={len(NODES) - 1}", "--swarm.peer_timeout_s=120"]
-    procs = [
-        subprocess.Popen(
-            node_cmd(url, name, model, ROUNDS, *wait),
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for name in NODES
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=300)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for name, p, out in zip(NODES, procs, outputs, strict=True):
-        assert p.returncode == 0, f"node {name} exited {p.returncode}:\n{out[-4000:]}"
-    return dict(zip(NODES, outputs, strict=True))
-
-
-def _check(url: str, outputs: dict[str, str]) -> None:
-    store = open_store(url)
-    for name in NODES:
-        hb = decode_json(store.get(layout.swarm_heartbeat(name)), NodeHeartbeat)
-        out = outputs[name][-3000:]
-        assert hb.status == "stopped" and hb.rounds == ROUNDS
-        assert hb.version >= 1, f"node {name} never took a step"
-        assert len(store.list(layout.swarm_dir(name))) == 2 * ROUNDS  # every local group was shared
-        assert hb.external_trained >= 1, f"node {name} never trained on a peer's group:\n{out}"
-        assert hb.peers_seen == len(NODES) - 1
-
-
 @pytest.mark.slow
 def test_three_process_swarm_on_local_folder(swarm_env, tmp_path):
     model, env = swarm_env
     url = str(tmp_path / "swarm")
-    _check(url, _run_swarm(url, model, env))
+    check_swarm(url, run_swarm(url, model, env))
 
 
 def _heartbeat(store, name: str) -> NodeHeartbeat | None:

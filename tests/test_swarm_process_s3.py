@@ -7,7 +7,7 @@ separate file so that each file stays well inside the per-file time budget on a 
 from __future__ import annotations
 
 import pytest
-from test_swarm_process import _check, _run_swarm, make_swarm_env
+from swarm_support import check_swarm, make_swarm_env, run_swarm
 
 
 @pytest.fixture(scope="module")
@@ -19,4 +19,4 @@ def swarm_env(tmp_path_factory):
 @pytest.mark.s3
 def test_three_process_swarm_on_s3(swarm_env, s3_url):
     model, env = swarm_env
-    _check(s3_url, _run_swarm(s3_url, model, env))
+    check_swarm(s3_url, run_swarm(s3_url, model, env))

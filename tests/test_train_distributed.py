@@ -22,7 +22,7 @@ import sys
 import dist_support as ds
 import pytest
 import torch
-from test_train_loop import _prepared_run, _toml, batches, make_trainer, overrides
+from train_support import batches, make_trainer, overrides, prepared_run, run_toml
 from worker_support import start, worker_command
 
 from pnyx.store import open_store
@@ -108,9 +108,9 @@ def test_torchrun_trains_with_a_worker_and_one_process_replays_it_within_toleran
 def reference2(tmp_path_factory, model_dir):
     """An uninterrupted 2-rank run of the prepared run: its batches and final state digest."""
     root = tmp_path_factory.mktemp("ref2")
-    url, _ = _prepared_run(root / "run", model_dir)
+    url, _ = prepared_run(root / "run", model_dir)
     cfg = root / "cfg.toml"
-    cfg.write_text(_toml(model_dir))
+    cfg.write_text(run_toml(model_dir))
     run = torchrun(url, cfg, 2)
     assert run.returncode == 0, run.stderr[-4000:]
     store = open_store(url)
@@ -129,9 +129,9 @@ def test_a_sigkilled_rank_resumes_without_losing_or_duplicating_a_group(
     tmp_path, model_dir, reference2, crash, every, resume_ranks
 ):
     ref_batches, ref_digest, ref_final = reference2
-    url, keys = _prepared_run(tmp_path / "run", model_dir)
+    url, keys = prepared_run(tmp_path / "run", model_dir)
     cfg = tmp_path / "cfg.toml"
-    cfg.write_text(_toml(model_dir))
+    cfg.write_text(run_toml(model_dir))
 
     killed = torchrun(url, cfg, 2, crash, f"--trainer.checkpoint_every={every}")
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-4000:]

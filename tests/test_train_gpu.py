@@ -12,7 +12,7 @@ from __future__ import annotations
 import dist_support as ds
 import pytest
 import torch
-from test_train_loop import _prepared_run, _toml, batches, make_trainer, write_groups
+from train_support import batches, make_trainer, prepared_run, run_toml, write_groups
 
 from pnyx.store import open_store
 from pnyx.train import checkpoint
@@ -48,9 +48,9 @@ def test_a_cuda_trainer_step_publishes_a_verifiable_bf16_state(tmp_path, model_d
 def test_fsdp2_on_two_gpus_matches_one_gpu_replaying_the_same_batches(tmp_path, model_dir):
     import subprocess
 
-    url, _ = _prepared_run(tmp_path / "run", model_dir)
+    url, _ = prepared_run(tmp_path / "run", model_dir)
     cfg = tmp_path / "cfg.toml"
-    cfg.write_text(_toml(model_dir))
+    cfg.write_text(run_toml(model_dir))
     cmd = ds.torchrun_cmd(2, "-m", "pnyx", "trainer", "--store", url, "--config", str(cfg), "--resume",
                           "--trainer.device=cuda")  # fmt: skip
     run = subprocess.run(cmd, env=ds.child_env(), cwd=ds.REPO, capture_output=True, text=True, timeout=600)

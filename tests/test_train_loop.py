@@ -16,14 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from train_support import batches, make_trainer, prepared_run, run_toml, write_groups
 
 from pnyx.config import load_config
 from pnyx.errors import ConfigError, FencedError
-from pnyx.protocol import layout
-from pnyx.protocol.codec import encode_group
-from pnyx.protocol.records import RolloutGroup, Sample
-from pnyx.security.signing import Signer
 from pnyx.store import open_store
 from pnyx.train import checkpoint
 from pnyx.train.loop import Trainer
@@ -31,10 +27,6 @@ from pnyx.weights import read_manifest, verify_chain
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
-STAMP0 = 1_700_000_000_000
-WORKER_SIGNER = Signer(Ed25519PrivateKey.from_private_bytes(bytes(range(32))))
-"""A fixed worker key: the trainer refuses unsigned groups, and Ed25519 signatures are deterministic, so
-two stores prepared alike still hold the same bytes (the kill tests compare them)."""
 
 
 @pytest.fixture(scope="module")
@@ -42,83 +34,6 @@ def model_dir(tmp_path_factory) -> Path:
     from pnyx.models import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-loop"))
-
-
-def overrides(model_dir: Path, **extra) -> dict:
-    cfg = {
-        "model": {"path": str(model_dir)},
-        "env": {"name": "arith"},
-        "run": {"steps": 3},
-        "worker": {"max_new_tokens": 16, "group_size": 2},
-        "trainer": {"groups_per_step": 2, "max_wait_s": 20.0, "lr": 1e-3},
-        "algorithm": {"max_staleness": 10, "max_groups_per_prompt": 2},
-    }
-    for dotted, value in extra.items():
-        section, field = dotted.split("__")
-        cfg.setdefault(section, {})[field] = value
-    return cfg
-
-
-def make_trainer(url: str, model_dir: Path, resume: bool = False, **extra) -> Trainer:
-    cfg = load_config(None, overrides(model_dir, **extra))
-    cfg.store.url = url
-    return Trainer(cfg, open_store(url), resume=resume)
-
-
-def write_groups(store, model_dir: Path, version: int, n: int, worker: str = "w") -> list[str]:
-    """A scripted worker: n groups at `version`, one right and one wrong answer each."""
-    from pnyx.envs import get_env
-    from pnyx.models import completion_logprobs, load_model, load_tokenizer, render_prompt
-
-    env, tok, model = get_env("arith"), load_tokenizer(model_dir), load_model(model_dir)
-    digest = read_manifest(store, version).weights.chain_digest
-    keys = []
-    for i, task in enumerate(env.sample("train", 0, n)):
-        prompt = render_prompt(tok, task.prompt)
-        comps = [
-            tok.encode(f"<answer>{a}</answer>", add_special_tokens=False)
-            for a in (task.answer, task.answer + 1)
-        ]
-        with torch.no_grad():
-            logp, _, _ = completion_logprobs(model, [prompt] * 2, comps)
-        samples = [
-            Sample(
-                tokens=c, logprobs=logp[j, : len(c)].tolist(), loss_mask=[1] * len(c), reward=float(j == 0)
-            )
-            for j, c in enumerate(comps)
-        ]
-        g = RolloutGroup(
-            run_id=_run_id(store),
-            worker_id=worker,
-            seq=i,
-            policy_version=version,
-            weights_digest=digest,
-            env="arith",
-            task_id=task.id,
-            prompt_tokens=prompt,
-            samples=samples,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            created_at=0.0,
-            gen_seconds=0.0,
-            score_seconds=0.0,
-        )
-        # A fixed stamp, so two stores prepared alike hold the same keys (the kill tests compare them).
-        key = layout.rollout_key(version, worker, i, stamp_ms=STAMP0 + i)
-        store.put(key, encode_group(g, signer=WORKER_SIGNER), mode="create")
-        keys.append(key)
-    return keys
-
-
-def _run_id(store) -> str:
-    from pnyx.train.bootstrap import read_run
-
-    return read_run(store).run_id
-
-
-def batches(store, upto: int) -> list[list[str]]:
-    return [checkpoint.read_batch_record(store, v).keys for v in range(1, upto + 1)]
 
 
 # --- in-process ---------------------------------------------------------------------------------------
@@ -360,26 +275,12 @@ def _subprocess(url: str, cfg_path: Path, crash: str | None, *extra: str) -> sub
     )
 
 
-def _toml(model_dir: Path) -> str:
-    import tomli_w
-
-    return tomli_w.dumps(overrides(model_dir))
-
-
-def _prepared_run(root: Path, model_dir: Path) -> tuple[str, list[str]]:
-    """A bootstrapped run (run.json, v0) holding 6 groups: the subprocesses resume it."""
-    url = str(root)
-    t = make_trainer(url, model_dir)
-    t.start()
-    return url, write_groups(t.store, model_dir, 0, 6)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, model_dir):
     """The uninterrupted run (in this process, one thread like the subprocesses): batches per version and
     the final state digest."""
     root = tmp_path_factory.mktemp("ref") / "run"
-    url, _ = _prepared_run(root, model_dir)
+    url, _ = prepared_run(root, model_dir)
     t = make_trainer(url, model_dir, resume=True)
     t.start()
     assert t.run() == 3
@@ -401,9 +302,9 @@ def test_sigkilled_trainer_resumes_without_losing_or_duplicating_a_group(
     tmp_path, model_dir, reference, crash, every, published
 ):
     ref_batches, ref_digest = reference
-    url, keys = _prepared_run(tmp_path / "run", model_dir)
+    url, keys = prepared_run(tmp_path / "run", model_dir)
     cfg = tmp_path / "cfg.toml"
-    cfg.write_text(_toml(model_dir))
+    cfg.write_text(run_toml(model_dir))
 
     killed = _subprocess(url, cfg, crash, f"--trainer.checkpoint_every={every}")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
@@ -430,7 +331,7 @@ def test_cli_exits_with_code_3_when_another_trainer_owns_the_run(tmp_path, model
     url = str(tmp_path / "run")
     make_trainer(url, model_dir).start()
     cfg = tmp_path / "cfg.toml"
-    cfg.write_text(_toml(model_dir))
+    cfg.write_text(run_toml(model_dir))
     with pytest.raises(typer.Exit) as e:
         trainer(url, cfg, resume=False, steps=1)
     assert e.value.exit_code == 3

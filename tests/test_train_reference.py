@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from test_train_step import scored_groups
+from train_support import scored_groups
 
 from pnyx.models import completion_logprobs
 from pnyx.train.reference import Reference

@@ -13,7 +13,7 @@ import copy
 import dist_support as ds
 import pytest
 import torch
-from test_train_step import scored_groups
+from train_support import scored_groups
 
 from pnyx.train.distributed import Dist, prepare_model
 from pnyx.train.losses import LossSettings

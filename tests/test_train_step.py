@@ -6,9 +6,8 @@ import copy
 
 import pytest
 import torch
+from train_support import scored_groups
 
-from pnyx.protocol.records import RolloutGroup, Sample
-from pnyx.train.ingest import ScoredGroup
 from pnyx.train.losses import LossSettings
 from pnyx.train.microbatch import Row, build_rows, plan_micro_batches
 from pnyx.train.step import make_optimizer, train_step
@@ -22,45 +21,6 @@ def tiny(tmp_path_factory):
 
     d = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-step"))
     return load_model(d), load_tokenizer(d)
-
-
-def scored_groups(model, tokenizer, n_groups: int = 2, g: int = 3) -> list[ScoredGroup]:
-    """Groups whose behaviour logprobs are the model's own (an on-policy batch), rewards 1/0/0..."""
-    from pnyx.models import completion_logprobs
-
-    out = []
-    for gi in range(n_groups):
-        prompt = tokenizer.encode(f"Compute {gi}+{gi}.")
-        comps = [tokenizer.encode(" " + "7" * (k + 1) + f" <answer>{k}</answer>") for k in range(g)]
-        with torch.no_grad():
-            logp, mask, _ = completion_logprobs(model, [prompt] * g, comps)
-        samples = [
-            Sample(
-                tokens=c, logprobs=logp[i, : len(c)].tolist(), loss_mask=[1] * len(c), reward=float(i == 0)
-            )
-            for i, c in enumerate(comps)
-        ]
-        rec = RolloutGroup(
-            run_id="r",
-            worker_id="w",
-            seq=gi,
-            policy_version=0,
-            weights_digest="d",
-            env="arith",
-            task_id=f"t{gi}",
-            prompt_tokens=prompt,
-            samples=samples,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            created_at=0.0,
-            gen_seconds=0.0,
-            score_seconds=0.0,
-        )
-        rewards = [s.reward for s in samples]
-        adv = [1.0 if r else -1.0 / (g - 1) for r in rewards]
-        out.append(ScoredGroup(f"k{gi}", 0, "w", f"t{gi}", rec, rewards, adv, rewards))
-    return out
 
 
 def test_micro_batch_plan_respects_the_token_budget():

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_support import STAMP0, WORKER_SIGNER, make_trainer, overrides, run_id_of, write_groups
 
 from pnyx.protocol import layout
 from pnyx.protocol.codec import encode_group
@@ -27,7 +28,6 @@ from pnyx.protocol.records import RolloutGroup, Sample
 from pnyx.store import open_store
 from pnyx.train import checkpoint
 from pnyx.train.progress import STATUS_KEY
-from tests.test_train_loop import STAMP0, WORKER_SIGNER, _run_id, make_trainer, overrides, write_groups
 
 REPO = Path(__file__).resolve().parents[1]
 BACKLOG = 240
@@ -50,7 +50,7 @@ def write_zero_variance_backlog(store, model_dir: Path, n: int) -> None:
     from pnyx.weights import read_manifest
 
     env, tok = get_env("arith"), load_tokenizer(model_dir)
-    digest, run_id = read_manifest(store, 0).weights.chain_digest, _run_id(store)
+    digest, run_id = read_manifest(store, 0).weights.chain_digest, run_id_of(store)
     tasks = env.sample("train", 1, 50)
     prompts = {t.id: render_prompt(tok, t.prompt) for t in tasks}
     for seq in range(n):

@@ -145,6 +145,11 @@ def eval_(
         None, "--top-p", min=0.0, max=1.0, help="Nucleus truncation (1 = off)."
     ),
     top_k: int | None = typer.Option(None, "--top-k", min=0, help="Top-k truncation (0 = off)."),
+    trust: str | None = typer.Option(
+        None,
+        "--trust",
+        help="With --store: trainer key fingerprint run.json must name (default: run.json's).",
+    ),
 ):
     """Evaluate a model folder or a published version on the held-out split: pass@k and env metrics."""
     _lazy("pnyx.cli.eval", "eval_main")(
@@ -161,6 +166,7 @@ def eval_(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
+        trust=trust,
     )
 
 
@@ -187,9 +193,12 @@ def export(
 def status(
     store: str = typer.Option(..., "--store", "-s", help="Run root URL."),
     watch: bool = typer.Option(False, "--watch", help="Keep refreshing (Ctrl-C to stop)."),
+    trust: str | None = typer.Option(
+        None, "--trust", help="Trainer key fingerprint run.json must name (default: run.json's)."
+    ),
 ):
     """Show a run's state from the store alone: versions, trainer metrics, workers and their heartbeats."""
-    _lazy("pnyx.cli.status", "status_main")(store=store, watch=watch)
+    _lazy("pnyx.cli.status", "status_main")(store=store, watch=watch, trust=trust)
 
 
 @app.command(name="config", context_settings=EXTRA_ARGS)

@@ -1,11 +1,14 @@
 """`pnyx eval`: held-out evaluation of a model folder or of a published version of a run.
 
-Two sources: `--model DIR` (default: the shipped tiny model) evaluates a local folder; `--store URL`
-evaluates a published version of that run (default: the newest), loading the run's base model named in
-its run.json and syncing the weights through the verified chain. Settings come from the run (or from the
+Two sources: `--model DIR` (default: the shipped tiny model) evaluates a local folder; `--store URL` evaluates
+a published version of that run (default: the newest the trainer signed), loading the run's base model named
+in its run.json and syncing the weights through the verified chain. Only versions signed by run.json's trainer
+key (or the `--trust` fingerprint) are read (`pnyx.weights.TrustedWeights`): a forged, unsigned or junk
+manifest is ignored with a warning naming it, `--version N` of a version the trainer did not sign exits 1
+("refusing to evaluate"), and an unsigned run is refused (exit 2). Settings come from the run (or from the
 config defaults and a `--config` TOML), then dotted overrides (`--worker.temperature=0.7`), then the flags
-`--env`, `--max-new-tokens`, `--temperature`, `--top-p`, `--top-k`. Prints a table and optionally writes
-the figures as JSON (`--out`). Knows nothing about the fleet's processes.
+`--env`, `--max-new-tokens`, `--temperature`, `--top-p`, `--top-k`. Prints a table and optionally writes the
+figures as JSON (`--out`). Knows nothing about the fleet's processes.
 """
 
 from __future__ import annotations
@@ -15,24 +18,20 @@ from pathlib import Path
 from typing import Any
 
 
-def _run_config(store_url: str, extra: list[str]) -> tuple[Any, Any]:
-    """(store, config) of a run: run.json's config with the command line's dotted overrides on top."""
-    from pnyx.cli.common import fail
+def _run_config(store_url: str, extra: list[str], trust: str | None) -> tuple[Any, Any]:
+    """(the run's `TrustedWeights`, config): run.json's config with the command line's dotted overrides on
+    top. ConfigError for a store without run.json, an unsigned run, or a key other than `trust`."""
     from pnyx.config import config_from_dict, parse_overrides
     from pnyx.config import merge_dicts as merge_config
-    from pnyx.errors import NotFoundError
     from pnyx.protocol import layout
     from pnyx.store import open_store
+    from pnyx.weights import TrustedWeights
 
-    store = open_store(store_url)
-    try:
-        manifest = json.loads(store.get(layout.RUN_MANIFEST))
-    except NotFoundError:
-        raise fail(f"{store.url} holds no run (no {layout.RUN_MANIFEST}): check the URL") from None
-    data = manifest.get("config") or {}
+    weights = TrustedWeights.open(open_store(store_url), trust)
+    data = weights.run.config or {}
     if extra:
         data = merge_config(data, parse_overrides(extra))
-    return store, config_from_dict(data, source=f"{layout.RUN_MANIFEST} + command-line overrides")
+    return weights, config_from_dict(data, source=f"{layout.RUN_MANIFEST} + command-line overrides")
 
 
 def print_report(report: Any, title: str) -> None:
@@ -107,6 +106,7 @@ def eval_main(
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
+    trust: str | None = None,
 ) -> None:
     """Evaluate a model folder (`model`) or a run's published `version` (`store`) on the held-out split.
 
@@ -118,13 +118,15 @@ def eval_main(
 
     from pnyx.cli.common import fail
     from pnyx.config import load_config, resolve_env_kwargs, resolve_model_path
-    from pnyx.errors import ConfigError, PnyxError
+    from pnyx.errors import ConfigError, PnyxError, UntrustedWeightsError
     from pnyx.eval.runner import VersionEvaluator, evaluate_model, heldout_tasks, quiet_transformers
 
     if model is not None and store is not None:
         raise fail("give either --model (a folder) or --store (a run), not both")
     if version is not None and store is None:
         raise fail("--version needs --store (a version is a published state of a run)")
+    if trust is not None and store is None:
+        raise fail("--trust needs --store (it pins the trainer key of a run's published weights)")
     if config is not None and store is not None:
         raise fail(
             "--config applies to a model folder; a run's settings come from its run.json. Drop --config, or "
@@ -134,25 +136,23 @@ def eval_main(
     ks = tuple(k for k in (2, 4, 8, 16) if k <= samples)
     try:
         if store is not None:
-            run_store, cfg = _run_config(store, extra)
+            weights, cfg = _run_config(store, extra, trust)
             _switch_env(cfg, env)
-            from pnyx.weights import latest_version
-
-            target = latest_version(run_store) if version is None else version
-            if target is None:
-                raise fail(f"{run_store.url} has no published weights yet")
             from pnyx.models import resolve_run_model
-            from pnyx.train.bootstrap import read_run
 
+            run_store = weights.store
+            target = weights.resolve(version)  # UntrustedWeightsError before the model is even loaded
+            if target is None:
+                raise fail(
+                    f"{run_store.url} has no published weights signed by the trainer key "
+                    f"{weights.fingerprint} yet"
+                )
             torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
             quiet_transformers()
-            run = read_run(run_store)
-            if run is None:
-                raise fail(f"{run_store.url} has published weights but no run.json: is this a pnyx run root?")
-            info = run.model or {}  # the run's own model (a hub id at the trainer's commit)
+            info = weights.run.model or {}  # the run's own model (a hub id at the trainer's commit)
             source = resolve_run_model(info, cfg.model.path, cfg.model.revision, check="tokenizer")
             evaluator = VersionEvaluator(
-                run_store,
+                weights,
                 source,
                 cfg.env.name,
                 resolve_env_kwargs(cfg),
@@ -189,6 +189,8 @@ def eval_main(
             title = f"pnyx eval — {cfg.model.path or path}"
     except ConfigError as e:
         raise fail(str(e)) from None
+    except UntrustedWeightsError as e:
+        raise fail(f"refusing to evaluate: {e}", code=1) from None
     except PnyxError as e:
         raise fail(f"evaluation failed: {e}", code=1) from None
     print_report(report, title)

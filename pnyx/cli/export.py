@@ -1,9 +1,10 @@
 """`pnyx export --store URL --out DIR`: a published version of a run, as a Hugging Face folder.
 
-`export_run` reads run.json, verifies the requested version (default: the newest) through the weights
-`Syncer` (every tensor, the state digest, the hash chain and the trainer's signature, against the key
-run.json names or the `--trust` fingerprint; fail-closed: weights that do not verify, and the weights of
-an unsigned run, are never written), resolves the run's model on this machine for its tokenizer and generation config (the run's
+`export_run` reads run.json, verifies the requested version (default: the newest the trainer signed)
+through the run's `TrustedWeights` and their `Syncer` (every tensor, the state digest, the hash chain and
+the trainer's signature, against the key run.json names or the `--trust` fingerprint; fail-closed: weights
+that do not verify, a version the trainer did not sign, and the weights of an unsigned run, are never
+written), resolves the run's model on this machine for its tokenizer and generation config (the run's
 tokenizer digest must match), and writes the folder with `pnyx.models.export.write_hf_folder` in the run's
 publish dtype or the one asked for. torch is imported inside the functions, so `pnyx --help` stays instant.
 """
@@ -38,24 +39,20 @@ def export_run(
     from pnyx.errors import ConfigError
     from pnyx.models.export import EXPORT_DTYPES, check_out_folder, write_hf_folder
     from pnyx.models.source import resolve_run_model
-    from pnyx.security.trust import run_trust
-    from pnyx.train.bootstrap import read_run
-    from pnyx.weights import Syncer, latest_version
+    from pnyx.weights import TrustedWeights
 
     out = Path(out)
     check_out_folder(out)  # before any download or verification: fail fast on a typo
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
-    run = read_run(store)
-    if run is None:
-        raise ConfigError(f"{store.url} holds no run (no run.json): check the URL")
-    verifier = run_trust(run, trust)  # ConfigError for an unsigned run or another key
+    weights = TrustedWeights.open(store, trust)  # ConfigError: no run.json, an unsigned run, another key
+    run = weights.run
     info, cfg = run.model or {}, config_from_dict(run.config)
     source = resolve_run_model(info, cfg.model.path, cfg.model.revision, override=model, check="tokenizer")
-    target = latest_version(store, verifier) if version is None else version
+    target = weights.resolve(version)  # UntrustedWeightsError for a version the trainer did not sign
     if target is None:
         raise ConfigError(f"{store.url} has no published weights yet: nothing to export")
-    syncer = Syncer(store, trust=verifier)
+    syncer = weights.syncer()
     got, tensors = syncer.sync(to_version=target)  # IntegrityError if it does not verify: nothing written
     if got != target:
         raise ConfigError(f"asked to export version {target} but the store served version {got}")

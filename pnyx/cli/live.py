@@ -1,7 +1,9 @@
 """The run's live view, read from the store alone: shared by `pnyx run` (local fleet) and `pnyx status`.
 
-`RunWatcher(store)` reads what a run leaves in its store — run.json, the newest published weights
-version, the trainer's per-version metrics (`pnyx.train.read_metrics`, read incrementally), the trainer's
+`RunWatcher(store)` reads what a run leaves in its store — run.json, the newest weights version the
+run's trainer key signed (`pnyx.weights.TrustedWeights`: manifests it did not sign, forged, unsigned or
+junk, are ignored and listed in the view; an unsigned run's versions are shown unchecked, with a note),
+the trainer's per-version metrics (`pnyx.train.read_metrics`, read incrementally), the trainer's
 status (`trainer/status.json`: phase, backlog, drops), the worker heartbeats (read in parallel) — plus
 held-out eval records, and condenses them into a `Snapshot`: among others the supply rate (groups uploaded
 per second, from the heartbeats) against the consumption rate (groups trained per second, from the
@@ -11,7 +13,8 @@ totals by state, then the lost workers and the slowest ones, never one row per w
 
 Knows nothing about processes: an operator on a laptop sees exactly what the orchestrator sees, given the
 store URL. Never writes to the store. A store that is missing pieces (a run still starting, a trainer
-that has not stepped yet) gives a snapshot with those fields empty, never an exception.
+that has not stepped yet) gives a snapshot with those fields empty, never an exception; a run.json whose
+trainer key is not the one `trust` names is a ConfigError.
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pnyx.errors import NotFoundError, RecordRejected
 from pnyx.eval.runner import read_eval_file
 from pnyx.protocol import layout
 from pnyx.store import Store
+
+if TYPE_CHECKING:
+    from pnyx.weights.trusted import TrustedWeights
 
 # A worker whose heartbeat is older than this many heartbeat intervals shows as "silent".
 SILENT_AFTER_S = 30.0
@@ -34,6 +40,7 @@ FLEET_ROWS = 12
 """Up to this many workers get one row each; a larger fleet is summarised (lost and slowest first)."""
 READ_THREADS = 16
 """Heartbeats are read this many at a time (a fleet of hundreds is one GET each)."""
+UNSIGNED_NOTE = "run.json names no trainer key: its weights are unsigned, versions are shown unchecked"
 
 
 @dataclass
@@ -67,6 +74,8 @@ class Snapshot:
     trainer: dict[str, Any] = field(default_factory=dict)
     """The trainer's `trainer/status.json` (phase, backlog, drops), {} if it has written none."""
     group_size: int | None = None
+    ignored: dict[str, str] = field(default_factory=dict)
+    """Manifest objects the trainer's key did not sign, never read (key -> why): forged, unsigned, junk."""
     taken_at: float = 0.0
     note: str = ""
 
@@ -130,20 +139,26 @@ def masked_of(row: dict[str, Any]) -> float | None:
 class RunWatcher:
     """Reads a run's state from its store, incrementally (metrics are fetched once per version)."""
 
-    def __init__(self, store: Store, evals_path: str | Path | None = None):
+    def __init__(self, store: Store, evals_path: str | Path | None = None, trust: str | None = None):
+        """`trust`: the fingerprint run.json's trainer key must have (ConfigError from `snapshot` if not)."""
         self.store = store
+        self.trust = trust
         local = getattr(store, "local_path", None)
         self.evals_path = Path(evals_path) if evals_path else (Path(local) / EVALS_FILE if local else None)
         self._metrics: list[dict[str, Any]] = []
-        self._manifest: dict[str, Any] | None = None
+        self._weights: TrustedWeights | None = None
 
-    def _read_manifest(self) -> dict[str, Any] | None:
-        if self._manifest is None:
-            try:
-                self._manifest = json.loads(self.store.get(layout.RUN_MANIFEST))
-            except NotFoundError:
+    def _open_run(self) -> TrustedWeights | None:
+        """The run's trusted weights, once run.json exists (kept: run.json is written once)."""
+        if self._weights is None:
+            from pnyx.train.bootstrap import read_run
+            from pnyx.weights.trusted import TrustedWeights
+
+            run = read_run(self.store)
+            if run is None:
                 return None
-        return self._manifest
+            self._weights = TrustedWeights.for_run(self.store, run, self.trust, unsigned="unchecked")
+        return self._weights
 
     def _read_metrics(self) -> None:
         from pnyx.train.checkpoint import read_metrics
@@ -200,21 +215,23 @@ class RunWatcher:
 
     def snapshot(self, evals: list[dict[str, Any]] | None = None) -> Snapshot:
         """The run's state now. `evals` overrides the eval records read from the run folder."""
-        from pnyx.weights import latest_version
-
         now = time.time()
         snap = Snapshot(store_url=self.store.url, taken_at=now)
-        manifest = self._read_manifest()
-        if manifest is None:
+        weights = self._open_run()
+        if weights is None:
             snap.note = "waiting for the trainer to create the run (no run.json yet)"
             return snap
-        cfg = manifest.get("config") or {}
-        snap.run_id = manifest.get("run_id")
-        snap.started_at = manifest.get("created_at")
+        run = weights.run
+        cfg = run.config or {}
+        snap.run_id = run.run_id
+        snap.started_at = run.created_at
         snap.env = (cfg.get("env") or {}).get("name")
-        snap.model = (manifest.get("model") or {}).get("name") or (cfg.get("model") or {}).get("path")
+        snap.model = (run.model or {}).get("name") or (cfg.get("model") or {}).get("path")
         snap.group_size = (cfg.get("worker") or {}).get("group_size")
-        snap.version = latest_version(self.store)
+        snap.version = weights.latest()
+        snap.ignored = weights.skipped
+        if not weights.signed:
+            snap.note = UNSIGNED_NOTE
         self._read_metrics()
         snap.metrics = list(self._metrics)
         snap.trainer = self._read_status()
@@ -272,6 +289,23 @@ def quarantine_text(snap: Snapshot) -> str | None:
         parts.append(f"{fp[:8]}…{(' ' + names) if names else ''} ({why})")
     more = f", +{len(q) - 4} more" if len(q) > 4 else ""
     return f"{len(q)} key{'s' if len(q) != 1 else ''}: " + "; ".join(parts) + more
+
+
+def ignored_versions(snap: Snapshot) -> list[int]:
+    """Versions of the manifest objects the trainer's key did not sign (ascending, each once)."""
+    return sorted({p[0] for key in snap.ignored if (p := layout.parse_any_weights_manifest(key))})
+
+
+def ignored_text(snap: Snapshot) -> str | None:
+    """`2 manifests not signed by the trainer key, never read: v201, v99999999` (None if there are none)."""
+    if not snap.ignored:
+        return None
+    versions = ignored_versions(snap)
+    shown = ", ".join(f"v{v}" for v in versions[:6]) + (
+        f", +{len(versions) - 6} more" if len(versions) > 6 else ""
+    )
+    n = len(snap.ignored)
+    return f"{n} manifest{'s' if n != 1 else ''} not signed by the trainer key, never read: {shown}"
 
 
 def rates_text(snap: Snapshot) -> str:
@@ -354,6 +388,7 @@ def plain_line(snap: Snapshot) -> str:
             if (q := snap.trainer.get("quarantined") or snap.last.get("quarantined"))
             else ""
         )
+        + (f" ignored={','.join(f'v{v}' for v in ignored_versions(snap))}" if snap.ignored else "")
     )
 
 
@@ -388,6 +423,9 @@ def render(snap: Snapshot, title: str = "pnyx") -> Any:
     quarantined = quarantine_text(snap)
     if quarantined:
         summary.add_row("quarantined", quarantined)
+    ignored = ignored_text(snap)
+    if ignored:
+        summary.add_row("ignored weights", ignored)
     doing = trainer_text(snap)
     if doing:
         summary.add_row("trainer", doing)

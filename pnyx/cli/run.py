@@ -142,12 +142,16 @@ class Orchestrator:
         )
         self.say(f"logs: {self.plan.logs}/")
         try:
-            outcome = self._fleet_phase(store)
+            try:
+                outcome = self._fleet_phase(store)
+            finally:
+                notes = self.fleet.stop()
+            outcome.notes.extend(notes)
+            # SIGTERM stays an interrupt through the report: a second one skips the final evaluation
+            # and still writes summary.json.
+            return self._report(store, outcome)
         finally:
-            notes = self.fleet.stop()
             signal.signal(signal.SIGTERM, previous)
-        outcome.notes.extend(notes)
-        return self._report(store, outcome)
 
     def _fleet_phase(self, store: Store) -> Outcome:
         from pnyx.cli.live import RunWatcher
@@ -188,12 +192,12 @@ class Orchestrator:
         return snap.started_at or self.t_start
 
     def _wait_for_v0(self, store: Store, t0: float) -> bool:
-        from pnyx.weights import latest_version
+        from pnyx.weights import trusted_latest
 
         while time.time() - t0 < START_DEADLINE_S:
             if self.fleet.started_trainer.rc is not None:
                 return False
-            v = latest_version(store)
+            v = trusted_latest(store)  # only a version the run's trainer key signed
             if v is not None:
                 self.observed.setdefault(v, time.time())
                 return True
@@ -257,34 +261,41 @@ class Orchestrator:
     def _report(self, store: Store, outcome: Outcome) -> int:
         from pnyx.cli.live import RunWatcher, before_after_table
         from pnyx.eval.runner import read_eval_file
-        from pnyx.weights import latest_version
+        from pnyx.weights import trusted_latest
 
         self.say(f"stopped: {outcome.reason}")
         for note in outcome.notes:
             self.say(f"note: {note}")
-        evals = self.evals
-        final_version = latest_version(store)
-        after = None
         interrupted = outcome.reason.startswith("interrupted")
-        if evals is not None and final_version is not None:
+        evals = self.evals
+        final_version = trusted_latest(store)  # the newest version the trainer signed, never a forgery
+        after: dict | None = None
+        not_evaluated: str | None = None
+        if final_version is None:
+            not_evaluated = "no version was published"
+        elif evals is None:
+            not_evaluated = "evaluation is off (run.eval_tasks=0)"
+        else:
+            # The "after" column is always the newest version, on an interrupt too: pairing an older
+            # evaluation with the final version would report the wrong weights' numbers.
+            which = "newest" if interrupted else "final"
+            again = " (interrupt again to skip)" if interrupted else ""
+            self.say(
+                f"evaluating the {which} version v{final_version} on {self.plan.cfg.run.eval_tasks} held-out tasks{again} ..."
+            )
             try:
-                if interrupted:
-                    evals.join(timeout=60)
-                    evals.check()
-                else:
-                    self.say(
-                        f"evaluating the final version v{final_version} on {self.plan.cfg.run.eval_tasks} held-out tasks ..."
-                    )
-                    after = evals.final(final_version, threads=max(1, (os.cpu_count() or 1) // 2))
+                after = evals.final(final_version, threads=max(1, (os.cpu_count() or 1) // 2))
             except KeyboardInterrupt:
-                self.say("final evaluation interrupted")
+                not_evaluated = f"the evaluation of v{final_version} was interrupted"
+        if after is None and not_evaluated is None:
+            not_evaluated = f"the evaluation of v{final_version} gave no record"
+        if not_evaluated is not None:
+            self.say(f"after: not evaluated ({not_evaluated})")
         records = evals.records if evals is not None else read_eval_file(self.plan.evals_path)
         before = next((r for r in records if r.get("version") == 0), None)
-        if after is None and records:
-            after = max(records, key=lambda r: r.get("version", -1))
         snap = RunWatcher(store, evals_path=self.plan.evals_path).snapshot(evals=records)
         self.supply = _supply_report(store)
-        self._write_outputs(snap, records, before, after, outcome)
+        self._write_outputs(snap, records, before, after, outcome, final_version, not_evaluated)
         self.console.print(before_after_table(before, after, self.plan.cfg.env.name))
         if self.supply is not None:
             from pnyx.train.supply import format_report
@@ -309,7 +320,11 @@ class Orchestrator:
         before: dict | None,
         after: dict | None,
         outcome: Outcome,
+        final_version: int | None,
+        not_evaluated: str | None,
     ) -> None:
+        """The learning curve PNG and summary.json; `after` is the evaluation of `final_version` or None
+        (then `after_not_evaluated` says why), never another version's."""
         from pnyx.cli.live import pass_ratio, reward_of
         from pnyx.eval.plot import plot_learning_curve
 
@@ -330,10 +345,11 @@ class Orchestrator:
             "workers": self.fleet.n_workers,
             "stopped": outcome.reason,
             "trainer_failed": outcome.trainer_failed,
-            "final_version": snap.version,
+            "final_version": final_version,
             "wall_s": round(time.time() - self.t_start, 1),
             "before": before,
             "after": after,
+            "after_not_evaluated": not_evaluated,
             "ratio": pass_ratio(before, after),
             "supply": self.supply,
             "train": train_points,

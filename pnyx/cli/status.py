@@ -2,8 +2,10 @@
 
 An operator watches a fleet from a laptop with nothing but the store URL (and read credentials): versions,
 trainer metrics, held-out pass@1 when the run folder holds eval records, and every worker's heartbeat.
-Knows nothing about the processes of the run; never writes to the store. `--watch` refreshes until
-Ctrl-C; without it, one snapshot is printed and the command exits.
+The version shown is the newest one run.json's trainer key (or `--trust`) signed; manifests it did not
+sign are listed as ignored, never shown as the run's version (`pnyx.cli.live.RunWatcher`). Knows nothing
+about the processes of the run; never writes to the store. `--watch` refreshes until Ctrl-C; without it,
+one snapshot is printed and the command exits.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 REFRESH_S = 2.0
 
 
-def status_main(store: str, watch: bool) -> None:
+def status_main(store: str, watch: bool, trust: str | None = None) -> None:
     """Print the run's state once, or keep a live view refreshing every ~2 s until Ctrl-C (`watch`)."""
     from rich.console import Console
     from rich.live import Live
@@ -22,7 +24,7 @@ def status_main(store: str, watch: bool) -> None:
     from pnyx.cli.live import RunWatcher
     from pnyx.cli.live import render as render_run
     from pnyx.cli.status_swarm import with_swarm
-    from pnyx.errors import ConfigError, StoreError
+    from pnyx.errors import PnyxError, StoreError
     from pnyx.store import open_store
 
     console = Console()
@@ -31,9 +33,9 @@ def status_main(store: str, watch: bool) -> None:
         return with_swarm(render_run(snap, title=title), watcher.store, snap)
 
     try:
-        watcher = RunWatcher(open_store(store))
+        watcher = RunWatcher(open_store(store), trust=trust)
         snap = watcher.snapshot()
-    except (ConfigError, StoreError) as e:
+    except PnyxError as e:  # a store we cannot read, a broken run.json, or a key other than --trust
         raise fail(f"cannot read the run at {store}: {e}") from None
     if not watch:
         console.print(render(snap, title="pnyx status"))
@@ -47,6 +49,8 @@ def status_main(store: str, watch: bool) -> None:
                 except StoreError as e:
                     # A flaky connection is not the run's fault: keep the last view, say why, retry.
                     snap.note = f"store unreachable, retrying: {e}"
+                except PnyxError as e:  # run.json appeared since, naming a key other than --trust
+                    raise fail(f"cannot read the run at {store}: {e}") from None
                 live.update(render(snap, title="pnyx status"))
     except KeyboardInterrupt:
         return

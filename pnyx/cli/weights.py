@@ -40,14 +40,15 @@ def _open(store: str):
 
 
 def _trust(store, trust: str | None, required: bool):
-    """The run's trainer key verifier. None (with a warning) for a store without run.json (bare PULSE
-    weights: digests only), and for an unsigned run unless `required` (then exit 1: refused)."""
+    """The run's trainer key verifier (`pnyx.weights.TrustedWeights`, the policy every reader shares). None
+    (with a warning) for a store without run.json (bare PULSE weights: digests only), and for an unsigned
+    run unless `required` (then exit 1: refused)."""
     from rich.console import Console
 
     from pnyx.cli.common import fail
     from pnyx.errors import ConfigError
-    from pnyx.security.trust import run_trust
     from pnyx.train.bootstrap import read_run
+    from pnyx.weights import TrustedWeights
 
     run = read_run(store)
     if run is None and trust is None:
@@ -55,15 +56,15 @@ def _trust(store, trust: str | None, required: bool):
         return None
     if run is None:
         raise fail(f"{store.url} holds no run.json, so no trainer key to check --trust against", code=1)
-    if run.trainer_key is None and not required and trust is None:
-        Console().print("[yellow]run.json names no trainer key: these weights are unsigned[/yellow]")
-        return None
     try:
-        verifier = run_trust(run, trust)
+        weights = TrustedWeights.for_run(store, run, trust, unsigned="refuse" if required else "unchecked")
     except ConfigError as e:
         raise fail(str(e), code=1) from None
-    Console().print(f"trainer key: {verifier.fingerprint}", highlight=False)
-    return verifier
+    if weights.verifier is None:
+        Console().print("[yellow]run.json names no trainer key: these weights are unsigned[/yellow]")
+        return None
+    Console().print(f"trainer key: {weights.verifier.fingerprint}", highlight=False)
+    return weights.verifier
 
 
 def _print(report, title: str) -> None:

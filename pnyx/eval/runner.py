@@ -6,8 +6,10 @@ with the environment's own verifier, and reduces to an `EvalReport` (pass@1 with
 with the unbiased estimator, format rate; for tool environments the search rate and the pass rate with
 and without a search). It is the one evaluation path: `pnyx eval`, `pnyx run` and the tiny model's build
 script all use it. `VersionEvaluator` keeps one model in memory and moves it
-between published versions through the weights Syncer; `EvalLoop` schedules those evaluations (v0, every
-N versions, the final one) in a background thread, which is how `pnyx run` evaluates as it trains.
+between published versions through the weights Syncer, reading only versions the run's trainer key signed
+(`pnyx.weights.TrustedWeights`: an unsigned run, or a version the trainer did not sign, is refused, never
+evaluated); `EvalLoop` schedules those evaluations (v0, every N versions, the final one) in a background
+thread, which is how `pnyx run` evaluates as it trains.
 
 Knows nothing about processes, the live view or the trainer; the loop's thread hands its errors back to
 the caller (`EvalLoop.check`). Heavy imports (torch, the engine, the
@@ -34,6 +36,8 @@ from pnyx.store import Store
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from pnyx.weights.trusted import TrustedWeights
 
 Z95 = 1.959963984540054
 
@@ -268,12 +272,13 @@ class VersionEvaluator:
     """Evaluates published versions of one run with one in-memory model moved along by a weights Syncer.
 
     Built once (model, tokenizer, environment, held-out tasks); `evaluate(version)` syncs the model to
-    exactly that version (verified digest chain, fail-closed) and evaluates it with fixed tasks and seed.
+    exactly that version (signed by the run's trainer key, verified digest chain, fail-closed) and
+    evaluates it with fixed tasks and seed.
     """
 
     def __init__(
         self,
-        store: Store,
+        store: Store | TrustedWeights,
         model_path: str | Path,
         env_name: str,
         env_kwargs: dict[str, Any] | None = None,
@@ -285,14 +290,19 @@ class VersionEvaluator:
         max_new_tokens: int | None = None,
         seed: int = 0,
         ks: Sequence[int] = (),
+        trust: str | None = None,
     ):
-        """`env_kwargs` is the run's resolved environment configuration (`resolve_env_kwargs`);
-        `max_new_tokens` None means the environment's budget."""
+        """`store` is the run's store (its trainer key is read from run.json, with `trust` the fingerprint
+        that key must have), or the run's `TrustedWeights` already opened. ConfigError for a store
+        without run.json, an unsigned run or another key. `env_kwargs` is the run's resolved environment
+        configuration (`resolve_env_kwargs`); `max_new_tokens` None means the environment's budget."""
         from pnyx.envs import get_env
         from pnyx.models import load_model, load_tokenizer
-        from pnyx.weights import Syncer
+        from pnyx.weights.trusted import TrustedWeights
 
-        self.store = store
+        # before the model loads: a run whose weights nobody signed fails fast
+        self.weights = store if isinstance(store, TrustedWeights) else TrustedWeights.open(store, trust)
+        self.store = self.weights.store
         self.model = load_model(model_path, dtype="float32", device="cpu")
         self.tokenizer = load_tokenizer(model_path)
         self.env = get_env(env_name, **(env_kwargs or {}))
@@ -304,10 +314,13 @@ class VersionEvaluator:
             "top_k": top_k,
             "max_new_tokens": max_new_tokens,
         }
-        self.syncer = Syncer(store)
+        self.syncer = self.weights.syncer()
 
     def evaluate(self, version: int) -> EvalReport:
-        """Load exactly `version` from the store into the model and evaluate it on the held-out tasks."""
+        """Load exactly `version` from the store into the model and evaluate it on the held-out tasks.
+
+        UntrustedWeightsError (nothing loaded) unless the run's trainer key signed `version`."""
+        self.weights.manifest(version)  # refuses a version the trainer did not sign, before any download
         got, tensors = self.syncer.sync(to_version=version)
         if got != version:
             raise ConfigError(f"asked to evaluate version {version} but the store served version {got}")
@@ -350,7 +363,8 @@ class EvalLoop:
     """Evaluates published versions one at a time in a daemon thread; errors re-raise in the main loop.
 
     Which versions: 0, every `every` versions (skipping ahead when evaluation is slower than training:
-    only the newest due version is evaluated), and whatever `final()` asks for at the end.
+    only the newest due version is evaluated), and whatever `final()` asks for at the end. A version the
+    run's trainer key did not sign is never evaluated: its UntrustedWeightsError re-raises in `check()`.
     """
 
     def __init__(

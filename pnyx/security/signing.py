@@ -28,17 +28,17 @@ def _message(domain: str, run_id: str, data: bytes) -> bytes:
     return b"pnyx:" + domain.encode() + b"\0" + run_id.encode() + b"\0" + data
 
 
-class _BoundedSet(set):
-    """A set that forgets everything once it holds `cap` items (only ever a log-once memory)."""
+class _BoundedDict(dict[str, str]):
+    """A dict that forgets everything once it holds `cap` items (only ever a log-once memory)."""
 
     def __init__(self, cap: int):
         super().__init__()
         self.cap = cap
 
-    def add(self, item: object) -> None:
-        if len(self) >= self.cap:
+    def __setitem__(self, key: str, value: str) -> None:
+        if key not in self and len(self) >= self.cap:
             self.clear()
-        super().add(item)
+        super().__setitem__(key, value)
 
 
 class Verifier:
@@ -52,8 +52,9 @@ class Verifier:
         self._tags: dict[tuple[int, str], bool] = {}
         self.manifest_names: dict[int, str] = {}
         """Version -> key of the manifest this key named (filled by `pnyx.weights.manifest` listings)."""
-        self.ignored = _BoundedSet(_TAG_CACHE)
-        """Manifest keys seen in listings and ignored (not named by this key), each logged once."""
+        self.ignored: dict[str, str] = _BoundedDict(_TAG_CACHE)
+        """Manifest key -> why it was ignored (not named by this key), for every manifest object seen in
+        listings; each is logged once (filled by `pnyx.weights.manifest` listings)."""
 
     @classmethod
     def from_hex(cls, public_hex: str, run_id: str = "") -> Verifier:

@@ -1,8 +1,9 @@
 """PULSE, the weight plane: anchors plus sparse lossless deltas, a hash chain, cold join, int8 actor plane.
 
-    from pnyx.weights import Publisher, Syncer, latest_version
-    Publisher(store, anchor_every=20).publish(version, bf16_state_dict)      # trainer
-    version, tensors = Syncer(store).sync(); model.load_state_dict(tensors)  # worker
+    from pnyx.weights import Publisher, Syncer, TrustedWeights
+    Publisher(store, anchor_every=20, signer=signer).publish(version, bf16_state_dict)  # trainer
+    version, tensors = Syncer(store, trust=verifier).sync()                            # worker
+    TrustedWeights.open(store).latest()        # any other reader: only what run.json's key signed
 
 Knows nothing about RL or environments. Importing this package does not import torch (see docs/pulse.md).
 """
@@ -20,6 +21,7 @@ from pnyx.weights.manifest import (
 from pnyx.weights.publisher import Publisher, PublishStats
 from pnyx.weights.retention import apply_retention, plan_retention
 from pnyx.weights.syncer import Syncer, Verified
+from pnyx.weights.trusted import TrustedWeights, trusted_latest
 
 __all__ = [
     "ChainReport",
@@ -29,6 +31,7 @@ __all__ = [
     "Publisher",
     "Syncer",
     "TensorBits",
+    "TrustedWeights",
     "Verified",
     "VersionInfo",
     "WeightManifest",
@@ -40,5 +43,6 @@ __all__ = [
     "plan_retention",
     "read_manifest",
     "to_torch",
+    "trusted_latest",
     "verify_chain",
 ]

@@ -13,8 +13,10 @@ Signed weights (docs/security.md): a publisher with a `Signer` writes version V'
 manifest's content and HEAD. A reader given the trainer's `Verifier` (`trust=`) sees only manifests whose
 name tag verifies (from the listing alone, no download): junk or squatted names, forged future versions
 and unsigned manifests are invisible to it, so they can neither block the trainer nor be followed; a
-manifest whose content signature does not verify (an overwritten object) raises IntegrityError. Readers
-without `trust` (tests, trainer-side tools) take `manifest.json`, else the first manifest-* that decodes.
+manifest whose content signature does not verify (an overwritten object) raises IntegrityError; each name
+it ignores is logged once, with why (`ignored_reason`), and kept in `trust.ignored`. Readers of a run get
+their `trust` from run.json through `pnyx.weights.trusted`. Readers without `trust` (tests, stores without a
+run, views of an unsigned run) take `manifest.json`, else the first manifest-* that decodes.
 Knows nothing about torch, the codec or RL; the `Signer`/`Verifier` are passed in.
 """
 
@@ -323,9 +325,18 @@ def manifest_keys(metas: Iterable, trust: Verifier | None = None) -> dict[int, s
             out[version] = key
             trust.manifest_names[version] = key
         elif key not in trust.ignored:
-            trust.ignored.add(key)
-            log.warning("weights: ignoring %s: not named by the trainer key %s", key, trust.fingerprint)
+            why = f"{ignored_reason(tag)}, not signed by the trainer key {trust.fingerprint}"
+            trust.ignored[key] = why
+            log.warning("weights: ignoring v%d (%s): %s", version, key, why)
     return out
+
+
+def ignored_reason(tag: str | None) -> str:
+    """What a manifest object the trainer's key did not name is, from its name's `tag` alone (None: the
+    unsigned `manifest.json` name; nothing is downloaded to tell)."""
+    if tag is None:
+        return "an unsigned manifest.json"
+    return "another key's manifest, or junk (its name is not the trainer's signature)"
 
 
 def manifest_versions(metas: Iterable[Any], trust: Verifier | None = None) -> list[int]:
@@ -367,6 +378,7 @@ __all__ = [
     "decode_manifest",
     "encode_head",
     "encode_manifest",
+    "ignored_reason",
     "latest_version",
     "list_versions",
     "make_plane",

@@ -65,7 +65,8 @@ class Syncer:
 
     plane: "weights" (the exact published dtype) or "int8" (the actor plane; `tensors` dequantizes).
     retries: attempts of the chosen route before re-anchoring. backoff_s: first pause between attempts.
-    trust: the trainer's public key (None: accept unsigned manifests; only tests and trusted tools).
+    trust: the trainer's public key (None: accept unsigned manifests; only tests and benchmarks on stores
+    they publish themselves: a run's readers get it from run.json through `TrustedWeights.syncer`).
     """
 
     def __init__(
