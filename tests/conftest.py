@@ -54,15 +54,21 @@ def _remove_own_spool_root():
 
 
 LONGEST_FIRST = (
-    "test_swarm_mechanism.py",
-    "test_chaos.py",
     "test_fleet_mlx.py",
+    "test_swarm_mechanism.py",
     "test_run_e2e.py",
-    "test_smollm2.py",
-    "test_attacks.py",
+    "test_chaos.py",
     "test_train_distributed.py",
+    "test_attacks.py",
     "test_train_loop.py",
+    "test_swarm_process.py",
+    "test_smollm2.py",
     "test_trainer_liveness.py",
+    "test_export.py",
+    "test_fleet_s3.py",
+    "test_worker_stop.py",
+    "test_swarm_process_s3.py",
+    "test_worker_process.py",
 )
 """Test files by how long they take (measured, longest first: BENCHMARKS.md "The test suite"). They are
 scheduled first, so with parallel workers (pytest-xdist) the long ones overlap with the many short ones

@@ -1,11 +1,11 @@
 """SAPO's mechanism, as a test: a skill one node has spreads, through sharing, to a node that lacks it.
 
 Both nodes start from the shipped tiny model after a short supervised fine-tune on 1-digit + and - (`pm1`,
-train split only): node A 50 steps on the right answers (held-out reward about 0.68), node B 150 steps on
+train split only): node A 50 steps on the right answers (held-out reward about 0.7), node B 150 steps on
 answers off by one (a deliberately damaged checkpoint: the same answer format, a wrong rule; held-out reward
-about 0.02). Both generate and train on pm1 for 30 rounds at the same batch (8 groups of 8 per step); B
+about 0.02). Both generate and train on pm1 for 20 rounds at the same batch (8 groups of 8 per step); B
 trains on 4 of its own groups and 4 of A's (SAPO 4/4, `onpolicy`), re-scored by its own verifier, and its
-held-out reward on pm1 rises from its start (measured here: 0.020 -> 0.641).
+held-out reward on pm1 rises from its start (measured here: 0.020 -> 0.605 in 20 rounds, 0.641 in 30).
 
 What this test does not claim: that B learns *more* than it would alone. Alone, B's rare correct samples
 give it a signal of its own in some seeds; `benchmarks/bench_swarm_mechanism.py` measures that difference
@@ -24,14 +24,15 @@ import torch
 
 from pnyx.store import open_store
 
-ROUNDS = 30
+ROUNDS = 20
 A_STEPS, B_STEPS = 50, 150
 B_UNABLE = 0.25
 """B's start must be below this: measured 0.020 here (0.016 at 300 steps, 0.007-0.10 at 1,000 elsewhere)."""
 A_ABLE = 0.5
-"""A's held-out reward must be above this: measured 0.684 (256 draws: a standard error of about 0.03)."""
+"""A's held-out reward at the end must be above this: measured 0.750 (256 draws: a standard error of about
+0.03)."""
 MARGIN = 0.1
-"""B must rise at least this much with sharing: measured +0.621."""
+"""B must rise at least this much with sharing: measured +0.586."""
 
 
 @pytest.fixture(scope="module")
