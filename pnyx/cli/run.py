@@ -192,12 +192,16 @@ class Orchestrator:
         return snap.started_at or self.t_start
 
     def _wait_for_v0(self, store: Store, t0: float) -> bool:
-        from pnyx.weights import trusted_latest
+        from pnyx.train.bootstrap import read_run
+        from pnyx.weights import TrustedWeights
 
+        weights = None  # opened once run.json exists: one verifier, so a forgery is reported once
         while time.time() - t0 < START_DEADLINE_S:
             if self.fleet.started_trainer.rc is not None:
                 return False
-            v = trusted_latest(store)  # only a version the run's trainer key signed
+            if weights is None and (run := read_run(store)) is not None:
+                weights = TrustedWeights.for_run(store, run)
+            v = weights.latest() if weights is not None else None  # only a version the trainer signed
             if v is not None:
                 self.observed.setdefault(v, time.time())
                 return True
