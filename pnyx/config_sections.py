@@ -177,15 +177,19 @@ class TrainerConfig(_Section):
     """Also log metrics to this Weights & Biases project (needs `pnyx[wandb]`)."""
     lp_gap_base: Annotated[float, Field(gt=0)] | None = 0.03
     """Logprob-gap check (docs/security.md): a group whose mean |claimed − trainer| behaviour logprob over
-    its model tokens exceeds lp_gap_base + lp_gap_per_version · staleness is dropped (`logprob_gap`), from
-    the step's own forward. Measured honest max (tiny model, arith, torch engine): see docs/security.md.
-    None: off."""
+    its model tokens exceeds its bound is dropped (`logprob_gap`), from the step's own forward. The bound
+    is derived from the run (`pnyx.security.calibration`: the trainer's own drift per version, trusted
+    workers' noise per engine); lp_gap_base + lp_gap_per_version · staleness is its floor. None: off."""
     lp_gap_per_version: Annotated[float, Field(ge=0)] = 0.25
-    """Allowance added to the logprob-gap bound per version of staleness (it was measured at the default
-    learning rate: raise it with the rate)."""
+    """The floor's allowance per version of staleness (the derived bound only ever widens it)."""
     plausibility_z: Annotated[float, Field(gt=0)] | None = 4.5
-    """Token-plausibility check: |z| beyond this drops a group (`implausible`); z is ~N(0,1) for honest
-    sampling at the claimed settings (docs/security.md). None: off."""
+    """Token-plausibility check: |z_adj| beyond this drops a group (`implausible`); z_adj is the group's z
+    corrected for the policy's measured drift since it was sampled, ~N(0,1) for honest sampling at the
+    claimed settings (docs/security.md). None: off."""
+    trusted_keys: list[str] = []
+    """Fingerprints of your own workers' keys (`pnyx worker` prints its key's at start): never quarantined
+    (their faulty groups are still dropped), and their groups calibrate the checks' allowances per engine.
+    `pnyx run` adds its local workers' keys itself."""
     quarantine_rate: Prob | None = 0.2
     """A worker key is quarantined once this share of its judged groups failed a check (reward, logprob
     gap, plausibility, malformed records; signature failures are never blamed on a key), with at least

@@ -328,6 +328,11 @@ def trainer_text(snap: Snapshot) -> str | None:
     return text + (f", last report {_age(age)} ago" if age > 30 else "")
 
 
+def trainer_fresh(snap: Snapshot) -> bool:
+    """The trainer's report is recent (a stopped trainer's last "starving" is not news)."""
+    return snap.taken_at - float(snap.trainer.get("updated_at") or 0.0) <= 60.0
+
+
 def zero_variance_text(snap: Snapshot) -> str | None:
     from pnyx.train.progress import zero_variance_note
 
@@ -389,6 +394,11 @@ def plain_line(snap: Snapshot) -> str:
             else ""
         )
         + (f" ignored={','.join(f'v{v}' for v in ignored_versions(snap))}" if snap.ignored else "")
+        + (
+            f" starving: {snap.trainer['starving']}"
+            if snap.trainer.get("starving") and trainer_fresh(snap)
+            else ""
+        )
     )
 
 
@@ -432,6 +442,9 @@ def render(snap: Snapshot, title: str = "pnyx") -> Any:
     zero_variance = zero_variance_text(snap)
     if zero_variance:
         summary.add_row("warning", zero_variance)
+    starving = snap.trainer.get("starving")
+    if starving and trainer_fresh(snap):
+        summary.add_row("starving", str(starving))
     if snap.note:
         summary.add_row("note", snap.note)
     shown, hidden = fleet_rows(snap)

@@ -65,6 +65,7 @@ def plan_run(cfg: PnyxConfig, resume: bool, root: Path = RUNS_ROOT) -> RunPlan:
                 "or pick another --run.name"
             )
     cfg.run.name = name
+    trust_local_workers(cfg)
     folder = (root / name).resolve()
     if cfg.store.url is None:
         cfg.store.url = str(folder)
@@ -72,6 +73,19 @@ def plan_run(cfg: PnyxConfig, resume: bool, root: Path = RUNS_ROOT) -> RunPlan:
     (folder / "logs").mkdir(exist_ok=True)
     (folder / CONFIG_FILE).write_text(to_toml(cfg))
     return RunPlan(name=name, folder=folder, store_url=cfg.store.url, cfg=cfg, resumed=resume)
+
+
+def trust_local_workers(cfg: PnyxConfig) -> str:
+    """Add this machine's worker key (the one `pnyx run`'s local workers sign with; created if missing) to
+    `trainer.trusted_keys`: the user's own processes are never quarantined, and their groups calibrate
+    the sampling checks. Returns its fingerprint."""
+    from pnyx.security.keys import fingerprint, load_or_create_key, normalize_fingerprint, worker_key_path
+
+    key, _ = load_or_create_key(worker_key_path())
+    fp = fingerprint(key)
+    if fp not in {normalize_fingerprint(k) for k in cfg.trainer.trusted_keys}:
+        cfg.trainer.trusted_keys.append(fp)
+    return fp
 
 
 def _names(root: Path) -> str:

@@ -49,10 +49,14 @@ keeps per-key counters and the quarantine list.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+if TYPE_CHECKING:
+    from pnyx.security.calibration import Allowances
 
 LP_GAP_BASE = 0.03
 """Logprob-gap bound at staleness 0 (nats, mean over a group's model tokens); see the module docstring."""
@@ -113,12 +117,38 @@ class KeyEvidence(msgspec.Struct):
     n: int = 0
     """Groups checked."""
     z_sum: float = 0.0
-    """Σ z over them (an implausible group's z is clamped to ±`Z_CLAMP` before it is added)."""
+    """Σ raw z over them (an implausible group's z is clamped to ±`Z_CLAMP` before it is added)."""
     gap_max: float = 0.0
     """The largest group logprob gap seen from this key (minus its staleness allowance)."""
+    buckets: dict[str, list[float]] = {}
+    """`engine/staleness` -> [groups, Σ raw z]: what `key_z` re-centres with the run's centres of now."""
 
-    def key_z(self) -> float:
-        return (self.z_sum - Z_MEAN * self.n) / (Z_SD * math.sqrt(self.n)) if self.n else 0.0
+    def _centred(self, center: Callable[[str, int], float | None] | None) -> tuple[float, int]:
+        """(Σ (z − centre), groups) over the buckets `center` knows (every group, centred on Z_MEAN,
+        without `center`). A bucket the run has not calibrated yet (centre None) is left out."""
+        if center is None:
+            return self.z_sum - Z_MEAN * self.n, self.n
+        total, n = 0.0, 0
+        for b, (k, z) in self.buckets.items():
+            engine, _, s = b.rpartition("/")
+            c = center(engine, int(s))
+            if c is not None:
+                total += z - k * c
+                n += int(k)
+        return total, n
+
+    def key_z(self, center: Callable[[str, int], float | None] | None = None) -> float:
+        """Σ(z − centre) / (Z_SD · sqrt(n)) over the calibrated groups: ~N(0, 1) for an honest key, grows
+        like sqrt(n) for a shifted one."""
+        total, n = self._centred(center)
+        return total / (Z_SD * math.sqrt(n)) if n else 0.0
+
+    def judged_groups(self, center: Callable[[str, int], float | None] | None = None) -> int:
+        return self._centred(center)[1]
+
+    def mean_shift(self, center: Callable[[str, int], float | None] | None = None) -> float:
+        total, n = self._centred(center)
+        return total / n if n else 0.0
 
 
 Z_CLAMP = 50.0
@@ -159,6 +189,8 @@ class GroupEvidence:
     """Σ Var_t."""
     rows: int = 0
     """Samples (rows) summed so far."""
+    engine: str = ""
+    """The engine the group's worker says it sampled with (its calibration bucket)."""
 
     def add(self, other: GroupEvidence) -> None:
         self.rows += other.rows
@@ -180,34 +212,45 @@ class GroupEvidence:
         return self.dev_sum / math.sqrt(self.var_sum)
 
 
-def lp_gap_bound(staleness: int, s: CheckSettings) -> float:
-    """The largest honest logprob gap of a group `staleness` versions behind (inf when the check is off)."""
-    if s.lp_gap_base is None:
-        return math.inf
-    return s.lp_gap_base + s.lp_gap_per_version * max(0, staleness)
+def lp_gap_bound(staleness: int, s: CheckSettings | Allowances, engine: str = "") -> float:
+    """The largest honest logprob gap of a group `staleness` versions behind (inf when the check is off):
+    the fixed floor for `CheckSettings`, the run's derived bound for `Allowances`."""
+    from pnyx.security.calibration import allowances
+
+    return allowances(s).gap_bound(staleness, engine)
 
 
-def judge(ev: GroupEvidence, s: CheckSettings) -> str | None:
-    """The drop reason of a group with evidence `ev` (`logprob_gap`, `implausible`), or None if it passes."""
+def judge(ev: GroupEvidence, s: CheckSettings | Allowances) -> str | None:
+    """The drop reason of a group with evidence `ev` (`logprob_gap`, `implausible`), or None if it passes.
+    With `Allowances`, z is the drift-corrected, engine-centred z_adj (`pnyx.security.calibration`)."""
+    from pnyx.security.calibration import allowances
+
     if ev.tokens == 0:
         return None
+    a = allowances(s)
     gap = ev.gap
-    if math.isnan(gap) or gap > lp_gap_bound(ev.staleness, s):
+    if math.isnan(gap) or gap > a.gap_bound(ev.staleness, ev.engine):
         return "logprob_gap"
-    if s.z_limit is not None and not abs(ev.z) <= s.z_limit:
+    if a.z_limit is not None and not abs(a.z_adj(ev)) <= a.z_limit:
         return "implausible"
     return None
 
 
-def add_evidence(k: KeyEvidence, ev: GroupEvidence, s: CheckSettings) -> None:
-    """Fold one checked group into its key's running evidence."""
+def add_evidence(k: KeyEvidence, ev: GroupEvidence, s: CheckSettings | Allowances) -> None:
+    """Fold one checked group into its key's running evidence (raw z per bucket; centred when judged)."""
+    from pnyx.security.calibration import allowances
+
     if ev.tokens == 0:
         return
+    a = allowances(s)
     z = ev.z
     z = -Z_CLAMP if math.isnan(z) else max(-Z_CLAMP, min(Z_CLAMP, z))
     k.n += 1
     k.z_sum += z
-    excess = ev.gap - (lp_gap_bound(ev.staleness, s) - (s.lp_gap_base or 0.0))
+    b = k.buckets.setdefault(f"{ev.engine}/{ev.staleness}", [0.0, 0.0])
+    b[0] += 1
+    b[1] += z
+    excess = ev.gap - (a.gap_bound(ev.staleness, ev.engine) - a.gap_bound(0, ev.engine))
     if math.isfinite(excess):
         k.gap_max = max(k.gap_max, excess)
 
@@ -221,26 +264,59 @@ def judged(counts: dict[str, int]) -> int:
     return sum(v for k, v in counts.items() if k in JUDGED)
 
 
-def quarantine_reason(counts: dict[str, int], ev: KeyEvidence | None, q: QuarantineSettings) -> str | None:
-    """Why a key with these counters and evidence is quarantined now, or None."""
+def quarantine_reason(
+    counts: dict[str, int],
+    ev: KeyEvidence | None,
+    q: QuarantineSettings,
+    center: Callable[[str, int], float | None] | None = None,
+) -> str | None:
+    """Why a key with these counters and evidence is quarantined now, or None. `center(engine, staleness)`:
+    the run's honest z there, None where the run has not measured it yet (`calibration.Allowances.
+    calibrated_center`; without it, 0 everywhere): the key's statistic is judged against what honest drift
+    explains, over the groups whose bucket is calibrated."""
     bad, total = faults(counts), judged(counts)
     if q.rate is not None and bad >= q.min_faults and bad >= q.rate * total:
         which = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k in FAULTS and v)
         return f"{bad} of {total} groups faulty ({which})"
-    if ev is not None and q.key_z is not None and ev.n >= q.key_z_min_groups:
-        kz = ev.key_z()
-        shift = ev.z_sum / ev.n - Z_MEAN
-        if abs(kz) > q.key_z and abs(shift) >= q.key_z_min_shift:
-            return f"implausible sampling over {ev.n} groups (key z {kz:+.1f}, mean z {shift + Z_MEAN:+.2f})"
+    if ev is not None and q.key_z is not None:
+        for c, sides in ((center, (-1, 1)), (_or_zero(center), (1,))):
+            # Groups of buckets the run has not calibrated are judged only on the upper side, with
+            # centre 0: honest drift only lowers z, so a key above it is above any honest centre.
+            n = ev.judged_groups(c)
+            if c is None and center is not None or n < q.key_z_min_groups:
+                continue
+            kz, shift = ev.key_z(c), ev.mean_shift(c)
+            if any(side * kz > q.key_z and side * shift >= q.key_z_min_shift for side in sides):
+                mean = ev.z_sum / ev.n
+                return (
+                    f"implausible sampling over {n} groups (key z {kz:+.1f}: mean z {mean:+.2f} where honest "
+                    f"groups show {mean - shift:+.2f})"
+                )
     return None
 
 
-def summary(counts: dict[str, int], ev: KeyEvidence | None) -> dict[str, Any]:
-    """A key's evidence for reports (`pnyx status`, the attack benchmark)."""
+def _or_zero(
+    center: Callable[[str, int], float | None] | None,
+) -> Callable[[str, int], float | None] | None:
+    if center is None:
+        return None
+
+    def zero(engine: str, staleness: int) -> float:
+        c = center(engine, staleness)
+        return 0.0 if c is None else c
+
+    return zero
+
+
+def summary(
+    counts: dict[str, int], ev: KeyEvidence | None, center: Callable[[str, int], float | None] | None = None
+) -> dict[str, Any]:
+    """A key's evidence for reports (`pnyx status`, the attack benchmark): `key_z` re-centred with
+    `center` (the run's calibration), `mean_z` raw."""
     return {
         "judged": judged(counts),
         "faults": faults(counts),
         "checked": ev.n if ev is not None else 0,
-        "key_z": round(ev.key_z(), 3) if ev is not None else 0.0,
+        "key_z": round(ev.key_z(center), 3) if ev is not None else 0.0,
         "mean_z": round(ev.z_sum / ev.n, 3) if ev is not None and ev.n else 0.0,
     }

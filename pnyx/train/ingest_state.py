@@ -13,6 +13,7 @@ from typing import Literal
 
 import msgspec
 
+from pnyx.security.calibration import Calibration
 from pnyx.security.checks import CheckSettings, KeyEvidence, QuarantineSettings
 from pnyx.train.advantages import AdvantageMode
 
@@ -34,7 +35,11 @@ class IngestSettings:
     top_k: int | None = None
     max_new_tokens: int | None = None
     checks: CheckSettings = field(default_factory=CheckSettings)
-    """The step's sampling checks (their per-key evidence is folded into the cursor at `commit`)."""
+    """The step's sampling checks, as floors: the allowances a step judges with are derived from the run
+    (`allowances`, `pnyx.security.calibration`); per-key evidence is folded into the cursor at `commit`."""
+    trusted_keys: frozenset[str] = frozenset()
+    """Fingerprints of the user's own workers (`trainer.trusted_keys`, `pnyx run`'s local workers): never
+    quarantined (their faulty groups are still dropped), and their groups calibrate the checks."""
     quarantine: QuarantineSettings | None = field(default_factory=QuarantineSettings)
     """When a signing key is quarantined (None: never)."""
     max_key_share: float | Literal["fair"] | None = None
@@ -73,6 +78,8 @@ class Cursor(msgspec.Struct):
     reason of its groups (reputation and quotas attach to keys, not to claimed names)."""
     evidence: dict[str, KeyEvidence] = {}
     """Key fingerprint -> its running plausibility statistic over the groups the step checked."""
+    calibration: Calibration = msgspec.field(default_factory=Calibration)
+    """What the run measured for the sampling checks' allowances (`pnyx.security.calibration`)."""
     quarantined: dict[str, str] = {}
     """Key fingerprint -> why it was quarantined: its later groups are counted from the listing (by the
     worker names bound to it) and never downloaded; a group it signs under a new name is refused after

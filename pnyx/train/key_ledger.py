@@ -57,11 +57,19 @@ class KeyLedger(WindowListings):
     def _check_quarantine(self, fp: str) -> None:
         """Quarantine `fp` if its counters or evidence cross the settings' rates (caller holds the lock)."""
         q = self.settings.quarantine
-        if q is None or not fp or fp in self.cursor.quarantined:
+        if q is None or not fp or fp in self.cursor.quarantined or fp in self.settings.trusted_keys:
             return
-        why = quarantine_reason(self.cursor.by_key.get(fp, {}), self.cursor.evidence.get(fp), q)
+        why = quarantine_reason(
+            self.cursor.by_key.get(fp, {}), self.cursor.evidence.get(fp), q, self._center()
+        )
         if why is not None:
             self.quarantine(fp, why)
+
+    def _center(self) -> Any:
+        """The run's honest z per (engine, staleness) now (`calibration.Allowances.center`)."""
+        from pnyx.security.calibration import Allowances, centers
+
+        return Allowances(self.settings.checks, z_center=centers(self.cursor.calibration)).calibrated_center
 
     def quarantine(self, fp: str, why: str) -> None:
         """Quarantine key `fp` now: its fetched groups and the listed keys of the names bound to it are
@@ -89,6 +97,8 @@ class KeyLedger(WindowListings):
         limit = self.settings.flood_limit
         if limit is None or n <= limit or fp in self.cursor.quarantined or self.settings.quarantine is None:
             return
+        if fp in self.settings.trusted_keys:
+            return  # the user's own worker: its version cap keeps it under the limit anyway
         self._count_key(fp, "flood")
         self.quarantine(
             fp, f"flooding: {n} groups at version {version}, over the limit of {limit} per key and version"
@@ -113,6 +123,7 @@ class KeyLedger(WindowListings):
         the worker names bound to it and whether it is quarantined (and why): for `pnyx status` and the
         attack benchmark. `limit`: at most that many keys, quarantined ones first, then by faults."""
         with self._lock:
+            center = self._center()
             names: dict[str, list[str]] = {}
             for name, fp in self.cursor.keys.items():
                 names.setdefault(fp, []).append(name)
@@ -122,10 +133,11 @@ class KeyLedger(WindowListings):
             ):
                 counts = self.cursor.by_key.get(fp, {})
                 out[fp] = {
-                    **summary(counts, self.cursor.evidence.get(fp)),
+                    **summary(counts, self.cursor.evidence.get(fp), center),
                     "counts": dict(counts),
                     "names": sorted(names.get(fp, [])),
                     "quarantined": self.cursor.quarantined.get(fp),
+                    "trusted": fp in self.settings.trusted_keys,
                 }
         if limit is not None and len(out) > limit:
             order = sorted(out, key=lambda fp: (out[fp]["quarantined"] is None, -out[fp]["faults"], fp))

@@ -66,6 +66,8 @@ class StepResult:
     publish_s: float
     publish_kind: str
     lr: float = 0.0
+    checks: Any = None
+    """The `Allowances` the step judged its groups with."""
 
 
 @dataclass
@@ -76,6 +78,10 @@ class Batch:
     groups: list[ScoredGroup]
     lr: float
     ref: dict[tuple[str, int], list[float]] | None = None
+    checks: Any = None
+    """The sampling checks' `Allowances` for this step (derived from the run on rank 0; None: off)."""
+    probe: list[Any] | None = None
+    """The drift probe's rows (`microbatch.Row`s, from the previous step's batch; None: none)."""
 
 
 class Trainer(TrainerSetup):
@@ -105,7 +111,14 @@ class Trainer(TrainerSetup):
         """Rank 0: what every rank needs for the step of `rec` (its rate, the reference logprobs)."""
         lr = rec.lr if rec.lr is not None else self.cfg.trainer.lr
         ref = self.reference.logprobs(groups) if self.reference is not None else None
-        return Batch(list(rec.keys), groups, lr, ref)
+        from pnyx.train.microbatch import Row
+
+        checks = self._ingest.allowances(rec.version - 1)
+        probe = [
+            Row(p.prompt, p.completion, [0.0] * len(p.completion), p.mask, 0.0, p.sampling)
+            for p in self._ingest.probe()
+        ]
+        return Batch(list(rec.keys), groups, lr, ref, checks, probe)
 
     def _train(self, batch: Batch) -> StepStats:
         return train_step(
@@ -121,7 +134,8 @@ class Trainer(TrainerSetup):
             lr=batch.lr,
             dist=self.dist,
             compute_dtype=self.compute_dtype,
-            checks=check_settings(self.cfg),
+            checks=batch.checks if batch.checks is not None else check_settings(self.cfg),
+            probe=batch.probe,
         )
 
     def _wait_for_batch(self) -> list[ScoredGroup] | None:
@@ -173,11 +187,14 @@ class Trainer(TrainerSetup):
         if self.dist.is_main:
             self._digests[target] = manifest_digests(m)
             self._ingest.note_published(target)
-            self._ingest.commit(batch.keys, batch.groups, stats.rejected, stats.evidence)
+            self._ingest.commit(
+                batch.keys, batch.groups, stats.rejected, stats.evidence, batch.checks, stats.drift,
+                self.version,
+            )  # fmt: skip
             self.prefetcher.ahead(target)
         self.version = target
         crash_point("after_publish", target)
-        return StepResult(target, stats, batch.groups, publish_s, m.kind, batch.lr)
+        return StepResult(target, stats, batch.groups, publish_s, m.kind, batch.lr, batch.checks)
 
     def _choose_batch(self, target: int) -> Batch | None:
         """Rank 0: the batch of the step producing `target`: its record if one exists, else a new one."""
@@ -277,8 +294,22 @@ class Trainer(TrainerSetup):
             "lp_gap_engine": s.lp_gap_engine,
             "rejected": dict(Counter(s.rejected.values())),
             "undo_s": round(s.undo_s, 4),
+            "probe_s": round(s.probe_s, 4),
+            "calibration": self._calibration(r),
             **self._ingest.stats(),
         }
+
+    def _calibration(self, r: StepResult) -> dict[str, Any] | None:
+        """The allowances the step judged with and what its drift probe measured (metrics)."""
+        if r.checks is None:
+            return None
+        from pnyx.security.calibration import evidence_summary
+
+        out = r.checks.to_metrics(self.cfg.algorithm.max_staleness)
+        out["groups"] = evidence_summary(r.stats.evidence, r.checks, r.stats.rejected)
+        d = r.stats.drift
+        out["probe"] = None if d is None else {"drift": round(d[0], 6), "tokens": d[1], "held_out": d[2]}
+        return out
 
     def _describe(self) -> dict[str, Any]:
         """What the progress line and `trainer/status.json` report (callable from the progress thread)."""

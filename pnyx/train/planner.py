@@ -21,6 +21,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 
 from pnyx.protocol import layout
+from pnyx.security.calibration import Allowances, ProbeRow, choose_probe, derive
 from pnyx.security.checks import GroupEvidence, KeyEvidence, add_evidence
 from pnyx.train.key_ledger import KeyLedger
 from pnyx.train.ranking import Plan, ranked
@@ -154,17 +155,34 @@ class BatchPlanner(KeyLedger):
         """How many fetched, valid groups a selection at `version` could take now (without a size limit)."""
         return len(self.plan(version, 1 << 30, extra=0).chosen)
 
+    def allowances(self, version: int) -> Allowances:
+        """The sampling checks' allowances for a step from `version`: the settings' floors widened by what
+        the run measured (`pnyx.security.calibration.derive`)."""
+        with self._lock:
+            return derive(self.settings.checks, self.cursor.calibration, version, self.settings.max_staleness)
+
+    def probe(self) -> list[ProbeRow]:
+        """The rows the next step's drift probe re-forwards."""
+        with self._lock:
+            return list(self.cursor.calibration.probe)
+
     def commit(
         self,
         keys: Iterable[str],
         groups: Iterable[ScoredGroup] = (),
         rejected: Mapping[str, str] | None = None,
         evidence: Mapping[str, GroupEvidence] | None = None,
+        allowances: Allowances | None = None,
+        drift: tuple[float, int, bool] | None = None,
+        version: int | None = None,
     ) -> None:
         """Record that one step consumed these groups (each once). `groups` (the scored groups of those
         keys, when the caller has them) feed the per-worker re-score counters; `rejected` (key -> reason)
         are the groups the step's checks removed from its update (counted as drops against their key);
-        `evidence` (key -> the step's `GroupEvidence`) feeds each key's running plausibility statistic.
+        `evidence` (key -> the step's `GroupEvidence`) feeds each key's running plausibility statistic,
+        judged under `allowances` (the ones the step used; default: `allowances(version)`); groups of
+        trusted keys and the step's drift probe (`drift`, of the step from `version`) feed the run's
+        calibration.
         Quarantines the keys whose counters cross the settings' rates."""
         keys = list(keys)
         if len(set(keys)) != len(keys):
@@ -173,6 +191,9 @@ class BatchPlanner(KeyLedger):
         rejected = rejected or {}
         evidence = evidence or {}
         touched: set[str] = set()
+        calib = self.cursor.calibration
+        if allowances is None:
+            allowances = self.allowances(version if version is not None else 0)
         with self._lock:
             self._committing = True  # quarantine once the batch is booked (its keys are used, not rejected)
             for k in keys:
@@ -182,7 +203,10 @@ class BatchPlanner(KeyLedger):
                     ev = evidence.get(k)
                     if ev is not None and g.signer:
                         kev = self.cursor.evidence.setdefault(g.signer, KeyEvidence())
-                        add_evidence(kev, ev, self.settings.checks)
+                        add_evidence(kev, ev, allowances)
+                        if ev.tokens:
+                            trusted = g.signer in self.settings.trusted_keys
+                            calib.note_group(ev.engine, ev.staleness, ev.gap, ev.z, trusted)
                     reason = rejected.get(k)
                     if reason is not None:
                         self._drop(reason)
@@ -198,6 +222,10 @@ class BatchPlanner(KeyLedger):
                     parsed = layout.parse_rollout_key(k)
                     if parsed is not None and parsed[0] in self._versions:
                         self._versions[parsed[0]].remove_pending(k)
+            if version is not None:
+                calib.note_drift(version, drift)
+                chosen = [g for k in keys if (g := by_key.get(k) or self._ready.get(k)) is not None]
+                calib.probe = choose_probe(chosen, rejected, self.settings.trusted_keys)
             self._committing = False
             for fp in sorted(touched):
                 self._check_quarantine(fp)

@@ -41,6 +41,8 @@ ROUNDS = 32
 """At most this many fetch rounds per wake (a round waits for one parallel fetch of the top's unknowns)."""
 IDLE_S = 5.0
 """With nothing asked of it, the thread still wakes this often (sweeps are due on a timer)."""
+POKE_MAX_S = 1.0
+"""A trainer short of groups asks for a listing at most this often, once its backoff has grown."""
 
 
 class Prefetcher:
@@ -120,11 +122,14 @@ class Prefetcher:
         on_short: Callable[[int], None] | None = None,
     ) -> list[ScoredGroup] | None:
         """The top `need` groups of the ranking for the step at `version` (`Ingestor.select`); short of
-        them, ask for a listing and wait for it, backing off 0.2 s → 5 s. None once `stop()` turns true or
+        them, ask for a listing and wait for it or for a listing that brings news; asks at most once per
+        0.2 s, backing off to `POKE_MAX_S` (a listing that just finished is never re-asked for at once:
+        with no groups arriving the trainer would otherwise list the store back to back). None once `stop()` turns true or
         after `deadline_s` without a full batch; `on_short(have)` is told each time it has to wait. A store
         that stays unavailable is retried until the deadline; errors of the thread re-raise here."""
         deadline = time.monotonic() + deadline_s
         delay = 0.2
+        next_poke = 0.0
         while not stop():
             self.check()
             try:
@@ -141,14 +146,16 @@ class Prefetcher:
             now = time.monotonic()
             if now > deadline:
                 return None
-            if self._thread is None:  # no background thread (a caller stepping by hand): list here
-                self.ingestor.refresh(version)
-            self.poke()
-            end = now + min(delay, deadline - now)
+            if now >= next_poke:  # ask for a listing at most once per `delay` (0.2 s, backing off to 1 s)
+                if self._thread is None:  # no background thread (a caller stepping by hand): list here
+                    self.ingestor.refresh(version)
+                self.poke()
+                next_poke = now + delay
+                delay = min(delay * 1.5, POKE_MAX_S)
+            end = min(next_poke, deadline)
             while not stop() and time.monotonic() < end:  # wakes at once on stop, on a listing soon after
                 if self.wait_listing(min(0.1, max(0.0, end - time.monotonic()))):
                     break
-            delay = min(delay * 1.5, 5.0)
         return None
 
     # --- the thread -------------------------------------------------------------------------------------

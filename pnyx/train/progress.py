@@ -11,7 +11,8 @@ for `pnyx status` and the live view (backlog, phase, consumption). A status writ
 retried at the next period: reporting never stops the trainer.
 
 `format_line` is the dense per-step line; `zero_variance_note` words the warning a user sees when most
-groups carry no signal. Knows nothing about torch or the step; never raises from its thread.
+groups carry no signal; `starving_note` says why a trainer has waited long for a batch (which key is
+quarantined and why, or that no groups arrive) and what to do. Knows nothing about torch or the step; never raises from its thread.
 """
 
 from __future__ import annotations
@@ -52,6 +53,42 @@ def zero_variance_note(frac: float | None, kind: str | None = None) -> str | Non
         f"{100 * frac:.0f}% of groups had the same reward for every sample, so they carry no learning signal: "
         f"{why}. Try another difficulty (env.kwargs, e.g. arith digits), a reward with partial credit "
         "(a format part), or a larger worker.group_size."
+    )
+
+
+STARVE_AFTER_S = 30.0
+"""A trainer waiting this long for a full batch says why (`starving_note`)."""
+
+
+def starving_note(d: dict[str, Any]) -> str | None:
+    """Why a trainer that has waited `STARVE_AFTER_S` for a full batch has none, and what to do; None
+    while it is not starving. `d`: a `Progress.snapshot()` (or `trainer/status.json`)."""
+    waited = float(d.get("phase_s") or 0.0)
+    if d.get("phase") not in ("waiting", "ingesting") or waited < STARVE_AFTER_S:
+        return None
+    head = f"no full batch for {waited:.0f}s (usable {d.get('have', 0)}/{d.get('need', '?')})"
+    quarantined = d.get("quarantined") or {}
+    keys = d.get("keys") or {}
+    if quarantined:
+        parts = []
+        for fp, why in sorted(quarantined.items())[:3]:
+            names = ",".join((keys.get(fp) or {}).get("names") or []) or "no name"
+            parts.append(f"worker key {fp} ({names}) is quarantined: {why}")
+        more = f" (+{len(quarantined) - 3} more)" if len(quarantined) > 3 else ""
+        return (
+            f"{head}: " + "; ".join(parts) + more + ". A quarantined key's groups are rejected unread. "
+            "If it is your own worker, add its fingerprint to trainer.trusted_keys (pnyx run trusts its "
+            "local workers itself) and restart the trainer with --resume; else start more workers."
+        )
+    b = d.get("backlog") or {}
+    if not b.get("waiting") and not b.get("fetched"):
+        return (
+            f"{head}: no groups are waiting. Workers may still be loading or generating; if none is "
+            "running or pointed at this store, start one (`pnyx status` lists their heartbeats)."
+        )
+    return (
+        f"{head}: {b.get('waiting', 0)} groups waiting, {b.get('fetched', 0)} fetched, none usable yet; "
+        f"drops so far {fmt_counts(d.get('drops') or {})} (`pnyx status` shows each key's checks)."
     )
 
 
@@ -112,6 +149,7 @@ class Progress:
         self._last_line = time.monotonic()
         self._last_status = float("-inf")
         self._last_warn = float("-inf")
+        self._last_starve = float("-inf")
 
     @contextlib.contextmanager
     def running(self, status: bool = True) -> Iterator[None]:
@@ -145,6 +183,9 @@ class Progress:
         d["phase"] = self.phase_name
         d["phase_s"] = round(time.monotonic() - self.phase_since, 1)
         d["updated_at"] = time.time()
+        note = starving_note(d)
+        if note is not None:
+            d["starving"] = note
         return d
 
     def warn_zero_variance(self, frac: float | None, kind: str | None) -> None:
@@ -152,6 +193,13 @@ class Progress:
         note = zero_variance_note(frac, kind)
         if note is not None and time.monotonic() - self._last_warn >= 60.0:
             self._last_warn = time.monotonic()
+            log.warning("trainer: %s", note)
+            self.noted()
+
+    def warn_starving(self, note: str | None) -> None:
+        """Log why the trainer is starving (at most once every 30 s)."""
+        if note is not None and time.monotonic() - self._last_starve >= STARVE_AFTER_S:
+            self._last_starve = time.monotonic()
             log.warning("trainer: %s", note)
             self.noted()
 
@@ -172,6 +220,7 @@ class Progress:
                     self.noted()
                     zv = d.get("zero_variance") or {}
                     self.warn_zero_variance(zv.get("frac"), zv.get("kind"))
+                    self.warn_starving(d.get("starving"))
                 if status and now - self._last_status >= STATUS_EVERY_S:
                     self.write_status()
             except Exception as e:  # noqa: BLE001 - a report must never kill the trainer; say why instead

@@ -49,10 +49,12 @@ def restore(t: Any, published: int | None) -> None:
         t.version = v - 1
         stats = t._train(batch)
         if t.dist.is_main:
-            t.ingestor.commit(batch.keys, batch.groups, stats.rejected, stats.evidence)
+            t.ingestor.commit(
+                batch.keys, batch.groups, stats.rejected, stats.evidence, batch.checks, stats.drift, v - 1
+            )
             kind = read_manifest(t.store, v, t.trust).kind
             checkpoint.write_metrics(
-                t.store, v, t.metrics(StepResult(v, stats, batch.groups, 0.0, kind, batch.lr))
+                t.store, v, t.metrics(StepResult(v, stats, batch.groups, 0.0, kind, batch.lr, batch.checks))
             )
         log.info("trainer resume: replayed step to v%d from its batch record (%d groups)", v, len(batch.keys))
     t.version = published

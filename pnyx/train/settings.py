@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pnyx.config import PnyxConfig
 from pnyx.security.checks import CheckSettings, QuarantineSettings
+from pnyx.security.keys import normalize_fingerprint
 from pnyx.train.ingest_state import IngestSettings
 from pnyx.train.losses import LossSettings
 
@@ -48,6 +49,7 @@ def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
         max_groups_per_key_step=t.max_groups_per_key_step,
         max_groups_per_key_version=t.max_groups_per_key_version,
         reject_reward_lies=t.reject_reward_lies,
+        trusted_keys=frozenset(normalize_fingerprint(fp) for fp in t.trusted_keys),
     )
 
 

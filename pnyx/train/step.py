@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from pnyx.security.calibration import Allowances
 from pnyx.security.checks import CheckSettings, GroupEvidence, judge
 from pnyx.train.ingest import ScoredGroup
 from pnyx.train.losses import LossSettings, policy_terms, token_weights
@@ -65,7 +66,8 @@ def train_step(
     lr: float | None = None,
     dist: Any = None,
     compute_dtype: torch.dtype | None = None,
-    checks: CheckSettings | None = None,
+    checks: CheckSettings | Allowances | None = None,
+    probe: Sequence[Row] | None = None,
 ) -> StepStats:
     """Accumulate the loss of `groups` over micro-batches, clip, and take one AdamW step.
 
@@ -206,9 +208,19 @@ def train_step(
     full_tensor = getattr(grad_norm, "full_tensor", None)  # a DTensor under FSDP2
     if full_tensor is not None:
         grad_norm = full_tensor()
+    held_out = bool(probe)
+    if step and check and not probe and isinstance(checks, Allowances):
+        probe = _own_rows(rows, rejected)  # nothing held out yet (the run's first step): an upper bound
+    probe = list(probe or []) if step else []
+    t2 = time.perf_counter()
+    before = _probe_terms(view, probe, compute_dtype, autocast) if probe else None
     if step:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    drift = None
+    if before is not None:
+        drift = _drift(before, _probe_terms(view, probe, compute_dtype, autocast), held_out)
+    probe_s = time.perf_counter() - t2 if probe else 0.0
 
     c = total.counts
     n = max(c["counted"], 1)
@@ -231,7 +243,59 @@ def train_step(
         evidence=total.evidence,
         rejected=rejected,
         undo_s=undo_s,
+        drift=drift,
+        probe_s=probe_s,
     )
+
+
+def _own_rows(rows: list[Row], rejected: Mapping[str, str]) -> list[Row]:
+    """A probe from the batch itself, when no held-out rows exist yet (the run's first step): one row per
+    passing group, up to `calibration.PROBE_ROWS`, under the first row's sampling settings. The update
+    moves the rows it trains on further than fresh ones, so the drift it measures errs wide."""
+    from pnyx.security.calibration import PROBE_ROWS
+
+    out: list[Row] = []
+    seen: set[str] = set()
+    for r in rows:
+        if r.key in rejected or r.key in seen or r.sampling != rows[0].sampling or not any(r.loss_mask):
+            continue
+        seen.add(r.key)
+        out.append(r)
+        if len(out) >= PROBE_ROWS:
+            break
+    return out
+
+
+def _probe_terms(
+    view: Any, mb: list[Row], compute_dtype: torch.dtype, autocast: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log q, model-token mask) of the probe rows under the current weights, no gradient."""
+    from pnyx.models.logprobs import completion_stats
+
+    device = next(view.parameters()).device
+    temp, top_k, top_p = mb[0].sampling
+    with torch.no_grad(), torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
+        out = completion_stats(
+            view, [r.prompt for r in mb], [r.completion for r in mb], temperature=temp, top_k=top_k,
+            top_p=top_p,
+        )  # fmt: skip
+    width = out.logp.shape[1]
+    lmask = _pad([r.loss_mask for r in mb], width, torch.long, device).bool() & out.mask
+    return out.logp.float(), lmask
+
+
+def _drift(
+    before: tuple[torch.Tensor, torch.Tensor], after: tuple[torch.Tensor, torch.Tensor], held_out: bool
+) -> tuple[float, int, bool] | None:
+    """Per model token (finite ones): mean |Δ log q|, the token count, and whether the rows were held out
+    from the step (else they are the step's own rows, which the update moves further)."""
+    (lp0, mask), (lp1, _) = before, after
+    d = lp1 - lp0
+    ok = mask & torch.isfinite(d)
+    n = int(ok.sum())
+    if n == 0:
+        return None
+    return float(d[ok].abs().mean()), n, held_out
 
 
 def _evidence(
@@ -256,7 +320,7 @@ def _evidence(
         staleness = (policy_version - r.version) if policy_version is not None else 0
         ev = out.get(r.key)
         if ev is None:
-            ev = out[r.key] = GroupEvidence(staleness)
+            ev = out[r.key] = GroupEvidence(staleness, engine=r.engine)
         ev.add(GroupEvidence(staleness, int(n[j]), float(gap[j]), float(dev[j]), float(v[j]), 1))
     return out
 

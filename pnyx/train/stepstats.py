@@ -47,6 +47,12 @@ class StepStats:
     step: their contribution was taken out of the gradient before the optimizer step."""
     undo_s: float = 0.0
     """Seconds spent removing rejected groups (a forward and backward of their rows; 0 when none)."""
+    drift: tuple[float, int, bool] | None = None
+    """The drift probe (with `checks`): per model token of its rows, the mean |log q_new − log q_old| from
+    this step's update, the token count, and whether the rows were held out from the step
+    (`pnyx.security.calibration`). None when no probe was taken."""
+    probe_s: float = 0.0
+    """Seconds the drift probe took (two forwards of its rows, no gradient)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,7 +95,7 @@ class PartialStats:
             mine = self.evidence.get(k)
             if mine is None:
                 self.evidence[k] = GroupEvidence(
-                    ev.staleness, ev.tokens, ev.gap_sum, ev.dev_sum, ev.var_sum, ev.rows
+                    ev.staleness, ev.tokens, ev.gap_sum, ev.dev_sum, ev.var_sum, ev.rows, ev.engine
                 )
             else:
                 mine.add(ev)

@@ -218,6 +218,12 @@ class TrainerSetup:
             check_trainer_key(self.manifest, signer, self.store.url)
             self.publisher.signer = signer.for_run(self.manifest.run_id)
             log.info("trainer: weights signed by key %s", signer.fingerprint)
+        trusted = sorted(self._ingest.settings.trusted_keys)
+        if trusted:
+            log.info(
+                "trainer: %d trusted worker key(s), never quarantined, calibrating the checks: %s",
+                len(trusted), ", ".join(trusted),
+            )  # fmt: skip
         self.trust = run_verifier(self.manifest)
         self._ingest.run_id = self.manifest.run_id
         if not self.resume:

@@ -1,0 +1,298 @@
+"""The sampling checks' allowances, derived from the run itself (issue #23).
+
+An honest group's evidence (`checks.GroupEvidence`) is away from the values of an exact, fresh sampler for
+two reasons; the trainer measures both, from sources an attacker does not control where it can:
+
+1. **The policy moved** between the version the group was sampled at and the version that judges it
+   (staleness s). The trainer measures its own movement: after each optimizer step v -> v+1 the step
+   re-forwards a few completions it did not train on (the **drift probe**: rows of the previous batch
+   that passed the checks, trusted keys' first, `choose_probe`) and records `a_v`, the mean
+   |log q_{v+1}(x) - log q_v(x)| per model token. Per token, a group's gap is at most the engine's noise
+   plus the sum of the one-step moves since it was sampled (triangle inequality), so the gap bound is
+   `base(engine) + GAP_MARGIN · A(s)`, A(s) = Σ a_j over those s steps. The probe's rows are older than
+   a fresh group's, and a policy that is abandoning a pattern moves old samples of it most, so A errs wide.
+2. **The worker's engine, precision, and the same drift seen by z.** The plausibility z of an honest
+   group is biased (SmolLM2 one version behind: mean -1.2, against 0 for a fresh exact sampler), and no
+   forward the trainer runs predicts that bias well: the probe's mean change of log q + H (what the bias
+   telescopes to for fresh samples) overpredicted it 2-4x on SmolLM2 (its rows are older samples again),
+   so it is not used. Instead z is centred on
+   what honest groups of the same engine and staleness show: the median raw z of **trusted keys'** groups
+   (`pnyx run`'s own workers, `trainer.trusted_keys`) in that bucket, else the median of all checked groups
+   at that staleness, clamped to [-Z_CENTER_MAX, 0] (honest drift only lowers z, and a crowd of liars
+   cannot shift the centre above 0 or below -Z_CENTER_MAX). Untrusted keys never widen the gap bound.
+
+The fixed settings (`CheckSettings`: `lp_gap_base`, `lp_gap_per_version`, `z_limit`) are **floors**: the
+gap bound is never below `lp_gap_base + lp_gap_per_version · s`; the z limit applies to the centred z.
+A key is quarantined on its running z (`checks.KeyEvidence`) re-centred with the centres of now, so a
+key whose groups arrived before the run had calibrated is judged by the calibration, not by the lag.
+
+State (`Calibration`) lives in the ingestion cursor (checkpointed; a replayed step folds in the same
+values); `Allowances` (a frozen snapshot) is what one step judges with: rank 0 derives it before the
+step and sends it to every rank with the batch. Pure: no torch, no store.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from pnyx.security.checks import CheckSettings
+
+GAP_MARGIN = 3.0
+"""A group's mean |Δ| over its own tokens against the probe's mean over its tokens: measured on the tiny
+model and SmolLM2 (docs/security.md, "Honest drift"), the honest max stays under this multiple."""
+BASE_MARGIN = 2.0
+"""The staleness-0 gap bound of an engine is at least this multiple of its trusted groups' largest gap."""
+WINDOW = 64
+"""Values kept per bucket (the newest): gaps and raw z. Short, so the centre follows a run whose drift
+shrinks as its learning rate decays."""
+MIN_TRUSTED = 16
+"""Trusted groups in a bucket (engine, staleness) needed before they set its centre or base."""
+MIN_ALL = 32
+"""Checked groups at one staleness needed before the population sets the centre (no trusted bucket)."""
+Z_CENTER_MAX = 3.0
+"""A centre is clamped to [-Z_CENTER_MAX, +Z_CENTER_MAX] from trusted groups, [-Z_CENTER_MAX, 0] from the
+population."""
+DRIFT_KEEP = 32
+"""Probe values kept (versions); a group more than this far behind uses the largest kept."""
+
+
+PROBE_ROWS = 4
+"""Completions in the drift probe (one per group where it can): two extra forwards of these per step."""
+PROBE_TOKENS = 4096
+"""The probe's padded size (rows x longest prompt+completion) stays within this."""
+
+
+class ProbeRow(msgspec.Struct, array_like=True):
+    """One completion the drift probe re-forwards: held out from the step it measures."""
+
+    prompt: list[int]
+    completion: list[int]
+    mask: list[int]
+    sampling: tuple[float, int, float]
+    """(temperature, top_k, top_p) it was sampled under."""
+
+
+def choose_probe(groups: Any, rejected: Mapping[str, str], trusted: frozenset[str]) -> list[ProbeRow]:
+    """The next step's probe: completions of `groups` (scored groups of the step just taken) that passed
+    its checks, trusted signers' first, one per group before a second, under one sampling setting and
+    `PROBE_TOKENS`. The next step did not train on them, so how far it moves them is how far it moves
+    any fresh sample."""
+    ok = sorted((g for g in groups if g.key not in rejected), key=lambda g: (g.signer not in trusted, g.key))
+    if not ok:
+        return []
+    first = ok[0].group
+    sampling = (float(first.temperature), int(first.top_k), float(first.top_p))
+    out: list[ProbeRow] = []
+    width = 0
+    for i in range(max(len(g.group.samples) for g in ok)):
+        for g in ok:
+            rec = g.group
+            if (float(rec.temperature), int(rec.top_k), float(rec.top_p)) != sampling or i >= len(
+                rec.samples
+            ):
+                continue
+            smp = rec.samples[i]
+            if not smp.tokens or not any(smp.loss_mask):
+                continue
+            w = max(width, len(rec.prompt_tokens) + len(smp.tokens))
+            if len(out) >= PROBE_ROWS or (out and w * (len(out) + 1) > PROBE_TOKENS):
+                return out
+            out.append(ProbeRow(list(rec.prompt_tokens), list(smp.tokens), list(smp.loss_mask), sampling))
+            width = w
+    return out
+
+
+class Calibration(msgspec.Struct):
+    """What the run measured (persisted with the ingestion cursor)."""
+
+    probe: list[ProbeRow] = []
+    """The rows the next step's drift probe re-forwards (chosen from the previous step's batch)."""
+
+    drift: dict[str, list[float]] = {}
+    """Version v (as text) -> [a_v, probe tokens, held out (1) or the step's own rows (0)] measured by the
+    step v -> v+1."""
+    gap0: dict[str, list[float]] = {}
+    """Engine -> trusted keys' staleness-0 group gaps (the newest `WINDOW`)."""
+    zt: dict[str, list[float]] = {}
+    """`engine/staleness` -> trusted keys' raw z (the newest `WINDOW`)."""
+    zall: dict[str, list[float]] = {}
+    """Staleness -> every checked group's raw z (the newest `WINDOW`)."""
+
+    def note_drift(self, version: int, drift: tuple[float, int, bool] | None) -> None:
+        """Record the probe of step `version` -> `version`+1: (a, tokens, held out); None: no probe. A
+        probe on the step's own rows (the run's first step: nothing held out yet) errs wide."""
+        if drift is None:
+            return
+        self.drift[str(version)] = [float(drift[0]), float(drift[1]), float(bool(drift[2]))]
+        if len(self.drift) > DRIFT_KEEP:
+            for k in sorted(self.drift, key=int)[: len(self.drift) - DRIFT_KEEP]:
+                del self.drift[k]
+
+    def note_group(self, engine: str, staleness: int, gap: float, z: float, trusted: bool) -> None:
+        """Fold in one checked group (its raw z; its gap too if a trusted key's, fresh)."""
+        if not math.isfinite(z):
+            return  # an implausible token (z = -inf) says nothing about honest drift
+        _push(self.zall.setdefault(str(staleness), []), z)
+        if trusted:
+            _push(self.zt.setdefault(f"{engine}/{staleness}", []), z)
+            if staleness == 0 and math.isfinite(gap):
+                _push(self.gap0.setdefault(engine, []), gap)
+
+
+def _push(xs: list[float], x: float) -> None:
+    xs.append(round(x, 6))
+    if len(xs) > WINDOW:
+        del xs[: len(xs) - WINDOW]
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+@dataclass(frozen=True)
+class Allowances:
+    """What one step judges its groups with (a snapshot; see the module docstring)."""
+
+    floors: CheckSettings = field(default_factory=CheckSettings)
+    drift_a: tuple[float, ...] = ()
+    """A(s) for s = 1, 2, ...: the summed probe drift over the s steps before the judging version."""
+    base: dict[str, float] = field(default_factory=dict)
+    """Engine -> staleness-0 gap bound from its trusted groups (absent: the floor)."""
+    z_center: dict[str, float] = field(default_factory=dict)
+    """`engine/staleness` (trusted keys' groups) or `staleness` (every group) -> centre of raw z."""
+
+    @property
+    def z_limit(self) -> float | None:
+        return self.floors.z_limit
+
+    def _cum(self, staleness: int) -> float:
+        xs = self.drift_a
+        if staleness <= 0 or not xs:
+            return 0.0
+        if staleness <= len(xs):
+            return xs[staleness - 1]
+        step = max(b - a for a, b in zip((0.0, *xs), xs, strict=False))
+        return xs[-1] + step * (staleness - len(xs))
+
+    def gap_bound(self, staleness: int, engine: str = "") -> float:
+        """The largest honest logprob gap of a group `staleness` versions behind (inf when off)."""
+        f = self.floors
+        if f.lp_gap_base is None:
+            return math.inf
+        s = max(0, staleness)
+        floor = f.lp_gap_base + f.lp_gap_per_version * s
+        derived = max(f.lp_gap_base, self.base.get(engine, 0.0)) + GAP_MARGIN * self._cum(s)
+        return max(floor, derived)
+
+    def calibrated_center(self, engine: str, staleness: int) -> float | None:
+        """The honest raw z of a group of `engine`, `staleness` versions behind, as the run measured it
+        (None: not measured yet)."""
+        c = self.z_center
+        return c.get(f"{engine}/{staleness}", c.get(str(staleness)))
+
+    def center(self, engine: str, staleness: int) -> float:
+        """`calibrated_center`, 0 where the run has not measured it yet (a single group's check)."""
+        c = self.calibrated_center(engine, staleness)
+        return 0.0 if c is None else c
+
+    def z_adj(self, ev: Any) -> float:
+        """A group's z centred on what honest groups of its engine and staleness show."""
+        return ev.z - self.center(ev.engine, ev.staleness)
+
+    def to_metrics(self, max_staleness: int) -> dict[str, Any]:
+        """The allowances in force, for the step's metrics (`calibration`)."""
+        engines = sorted(self.base) or [""]
+        return {
+            "drift": [round(self._cum(s), 5) for s in range(1, max_staleness + 1)],
+            "lp_gap_bound": {
+                e or "any": [round(self.gap_bound(s, e), 4) for s in range(max_staleness + 1)]
+                for e in engines
+            },
+            "z_center": {k: round(c, 3) for k, c in sorted(self.z_center.items())},
+        }
+
+
+def derive(floors: CheckSettings, calib: Calibration | None, version: int, max_staleness: int) -> Allowances:
+    """The allowances for judging groups at `version` (staleness 0..`max_staleness`) from what the run
+    measured (`calib`; None: the floors alone)."""
+    if calib is None:
+        return Allowances(floors)
+    known = {int(k): v[0] for k, v in calib.drift.items()}
+    fallback = max(known.values(), default=0.0)  # a step without a probe: the widest drift known
+    a_cum: list[float] = []
+    total = 0.0
+    for s in range(1, max(1, max_staleness) + 1):
+        total += known.get(version - s, fallback)
+        a_cum.append(total)
+    base = {e: BASE_MARGIN * max(g) for e, g in calib.gap0.items() if len(g) >= MIN_TRUSTED}
+    return Allowances(floors, tuple(a_cum), base, centers(calib))
+
+
+def centers(calib: Calibration) -> dict[str, float]:
+    """The z centres of the run (`Allowances.z_center`): trusted buckets, then the population's."""
+    out = {
+        k: max(-Z_CENTER_MAX, min(Z_CENTER_MAX, _median(z)))
+        for k, z in calib.zt.items()
+        if len(z) >= MIN_TRUSTED
+    }
+    for s, z in calib.zall.items():
+        if len(z) >= MIN_ALL:
+            out[s] = max(-Z_CENTER_MAX, min(0.0, _median(z)))
+    return out
+
+
+def allowances(checks: CheckSettings | Allowances) -> Allowances:
+    """`checks` as allowances (fixed settings: the floors alone)."""
+    return checks if isinstance(checks, Allowances) else Allowances(checks)
+
+
+def evidence_summary(
+    evidence: Mapping[str, Any], a: Allowances, rejected: Mapping[str, str] | None = None
+) -> dict[str, dict[str, float]]:
+    """One step's checked groups summed per `engine/staleness` (for the metrics, and the honest-drift
+    tables of `benchmarks/bench_honest_drift.py`): groups, gap sum and max, raw z and z_adj sums, squares
+    and extremes, and how many the derived allowances (`rejects`) and the fixed floors alone
+    (`fixed_rejects`) reject."""
+    from pnyx.security.checks import Z_CLAMP, judge
+
+    rejected = rejected or {}
+    out: dict[str, dict[str, float]] = {}
+    for key, ev in sorted(evidence.items()):
+        if not ev.tokens:
+            continue
+        b = out.setdefault(
+            f"{ev.engine or '?'}/{ev.staleness}",
+            {
+                "n": 0, "tokens": 0, "gap_sum": 0.0, "gap_max": 0.0, "z_sum": 0.0, "z_sq": 0.0,
+                "z_min": Z_CLAMP, "z_max": -Z_CLAMP, "za_sum": 0.0, "za_sq": 0.0, "za_min": Z_CLAMP,
+                "za_max": -Z_CLAMP, "rejects": 0, "fixed_rejects": 0,
+            },
+        )  # fmt: skip
+        z = _clamp(ev.z)
+        za = _clamp(a.z_adj(ev))
+        b["n"] += 1
+        b["tokens"] += ev.tokens
+        b["gap_sum"] += ev.gap
+        b["gap_max"] = max(b["gap_max"], ev.gap)
+        b["z_sum"] += z
+        b["z_sq"] += z * z
+        b["z_min"], b["z_max"] = min(b["z_min"], z), max(b["z_max"], z)
+        b["za_sum"] += za
+        b["za_sq"] += za * za
+        b["za_min"], b["za_max"] = min(b["za_min"], za), max(b["za_max"], za)
+        b["rejects"] += key in rejected
+        b["fixed_rejects"] += judge(ev, a.floors) is not None
+    return {k: {f: round(v, 6) for f, v in b.items()} for k, b in out.items()}
+
+
+def _clamp(z: float) -> float:
+    from pnyx.security.checks import Z_CLAMP
+
+    return -Z_CLAMP if math.isnan(z) else max(-Z_CLAMP, min(Z_CLAMP, z))

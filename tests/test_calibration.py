@@ -1,0 +1,264 @@
+"""Self-calibrating sampling checks (issue #23): allowances derived from the run, trusted keys, starvation.
+
+- the derived allowances never fall below the fixed floors, widen the gap bound with the drift the trainer
+  measured itself, and correct z for it (`pnyx.security.calibration`);
+- untrusted keys never widen an allowance; trusted keys calibrate their engine and are never quarantined
+  (their faulty groups are still dropped); an untrusted key with the same evidence is;
+- the step's drift probe measures its own update (0 at learning rate 0) on rows it did not train on;
+- a starving trainer says which key is quarantined, for which check, and what to do.
+Real stores (tmp folders), the real ingestor, real Ed25519 keys, the shipped tiny model for the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from ingest_support import ENV, RUN, detok, make_group
+
+from pnyx.protocol import layout
+from pnyx.protocol.codec import encode_group
+from pnyx.security.calibration import (
+    GAP_MARGIN,
+    MIN_ALL,
+    MIN_TRUSTED,
+    Z_CENTER_MAX,
+    Allowances,
+    Calibration,
+    ProbeRow,
+    choose_probe,
+    derive,
+    evidence_summary,
+)
+from pnyx.security.checks import CheckSettings, GroupEvidence, QuarantineSettings, judge, quarantine_reason
+from pnyx.security.signing import Signer
+from pnyx.store import open_store
+from pnyx.train.ingest import Cursor, Ingestor, IngestSettings
+from pnyx.train.progress import starving_note
+
+MINE, STRANGER = (Signer(Ed25519PrivateKey.generate()) for _ in range(2))
+
+
+def _ingestor(store, cursor: Cursor | None = None, **settings) -> Ingestor:
+    return Ingestor(
+        store=store, env=ENV, detokenize=detok, settings=IngestSettings(**settings), run_id=RUN,
+        require_signatures=True, sweep_grace_s=0.0, cursor=cursor or Cursor(),
+    )  # fmt: skip
+
+
+def _put(store, group, signer: Signer) -> str:
+    key = layout.rollout_key(group.policy_version, group.worker_id, group.seq)
+    store.put(key, encode_group(group, signer=signer), mode="create")
+    return key
+
+
+def test_without_measurements_the_allowances_are_the_fixed_floors():
+    floors = CheckSettings()
+    a = derive(floors, Calibration(), version=5, max_staleness=3)
+    for s in range(4):
+        assert a.gap_bound(s, "torch") == pytest.approx(floors.lp_gap_base + floors.lp_gap_per_version * s)
+    ev = GroupEvidence(1, 100, 1.0, -30.0, 100.0, engine="torch")
+    assert a.z_adj(ev) == pytest.approx(ev.z) == pytest.approx(-3.0)
+    assert derive(floors, None, 5, 3) == Allowances(floors)
+
+
+def test_the_gap_bound_widens_with_the_drift_the_trainer_measured_and_never_narrows():
+    floors = CheckSettings()
+    calib = Calibration()
+    for v, a in ((7, 0.30), (8, 0.20), (9, 0.10)):  # the probe of step v -> v+1
+        calib.note_drift(v, (a, 64, True))
+    allow = derive(floors, calib, version=10, max_staleness=3)
+    # a group sampled at 9 and judged at 10 moved by step 9's drift; one from 7 by steps 7, 8 and 9
+    assert allow.gap_bound(1) == pytest.approx(max(0.28, 0.03 + GAP_MARGIN * 0.10))
+    assert allow.gap_bound(3) == pytest.approx(0.03 + GAP_MARGIN * 0.60)
+    assert allow.gap_bound(0) == pytest.approx(0.03)  # fresh groups: no drift allowance
+    calm = Calibration()
+    for v in (7, 8, 9):
+        calm.note_drift(v, (0.001, 64, True))
+    still = derive(floors, calm, 10, 3)
+    assert [still.gap_bound(s) for s in range(4)] == pytest.approx([0.03, 0.28, 0.53, 0.78])
+
+
+def test_z_is_centred_on_what_honest_groups_of_its_engine_and_staleness_show():
+    calib = Calibration()
+    for i in range(MIN_ALL):  # the population one version behind sits near -1.2
+        calib.note_group("torch", 1, 0.3, -1.2 + 0.01 * (i % 5), trusted=False)
+    a = derive(CheckSettings(), calib, version=5, max_staleness=3)
+    assert a.center("torch", 1) == pytest.approx(-1.18) and a.center("torch", 0) == 0.0
+    ev = GroupEvidence(1, 400, 4.0, -1.18 * 20.0, 400.0, engine="torch")  # raw z -1.18
+    assert a.z_adj(ev) == pytest.approx(0.0, abs=1e-9)
+    poison = GroupEvidence(1, 400, 4.0, (-1.18 - 6.0) * 20.0, 400.0, engine="torch")
+    assert judge(poison, a) == "implausible" and a.z_adj(poison) == pytest.approx(-6.0)
+    # a crowd cannot move the population's centre above 0 or below -Z_CENTER_MAX
+    liars = Calibration()
+    for _ in range(MIN_ALL):
+        liars.note_group("torch", 0, 0.0, +1.7, trusted=False)
+        liars.note_group("torch", 1, 0.0, -40.0, trusted=False)
+    crowd = derive(CheckSettings(), liars, 5, 3)
+    assert crowd.center("torch", 0) == 0.0 and crowd.center("torch", 1) == -Z_CENTER_MAX
+    # trusted groups set their own bucket, which wins over the population's
+    for _ in range(MIN_TRUSTED):
+        calib.note_group("mlx", 1, 0.3, -0.4, trusted=True)
+    both = derive(CheckSettings(), calib, 5, 3)
+    assert both.center("mlx", 1) == pytest.approx(-0.4) and both.center("torch", 1) != pytest.approx(-0.4)
+
+
+def test_trusted_groups_calibrate_their_engine_and_untrusted_ones_never_do(tmp_path):
+    store = open_store(tmp_path / "s")
+    ing = _ingestor(store, trusted_keys=frozenset({MINE.fingerprint}))
+    mine = [_put(store, make_group(0, "mine", i, task_index=i), MINE) for i in range(MIN_TRUSTED)]
+    theirs = [_put(store, make_group(0, "them", i, task_index=i), STRANGER) for i in range(MIN_TRUSTED)]
+    assert ing.poll(0) == 2 * MIN_TRUSTED
+    # a noisy engine: the stranger's gap is huge, the user's own is 0.05 (above the 0.03 floor)
+    ev = {k: GroupEvidence(0, 10, 0.5, 0.0, 10.0, engine="mlx") for k in mine}
+    ev |= {k: GroupEvidence(0, 10, 9.0, -5.0, 10.0, engine="evil") for k in theirs}
+    ing.commit(mine + theirs, evidence=ev, version=0)
+    calib = ing.cursor.calibration
+    assert set(calib.gap0) == {"mlx"} and set(calib.zt) == {"mlx/0"}
+    a = ing.allowances(1)
+    assert a.gap_bound(0, "mlx") == pytest.approx(2.0 * 0.05)  # BASE_MARGIN x the trusted max
+    assert a.gap_bound(0, "evil") == pytest.approx(0.03)  # the floor: a stranger cannot buy room
+    assert a.gap_bound(0, "torch") == pytest.approx(0.03)
+
+
+def test_a_trusted_key_is_never_quarantined_but_its_faulty_groups_are_still_dropped(tmp_path):
+    store = open_store(tmp_path / "s")
+    ing = _ingestor(store, trusted_keys=frozenset({MINE.fingerprint}))
+    mine = [_put(store, make_group(0, "mine", i, task_index=i), MINE) for i in range(12)]
+    theirs = [_put(store, make_group(0, "them", i, task_index=i), STRANGER) for i in range(12)]
+    ing.poll(0)
+    drifted = GroupEvidence(0, 100, 0.01, -20.0, 100.0, engine="torch")  # z = -2 on every group
+    faulty = {k: "logprob_gap" for k in mine[:6] + theirs[:6]}
+    ing.commit(mine + theirs, rejected=faulty, evidence={k: drifted for k in mine + theirs})
+    assert STRANGER.fingerprint in ing.cursor.quarantined
+    assert MINE.fingerprint not in ing.cursor.quarantined
+    assert ing.cursor.by_key[MINE.fingerprint]["logprob_gap"] == 6  # dropped and counted all the same
+    assert ing.cursor.drops["logprob_gap"] == 12
+    report = ing.key_report()
+    assert report[MINE.fingerprint]["trusted"] and not report[STRANGER.fingerprint]["trusted"]
+
+
+def test_a_whole_run_that_drifts_is_not_quarantined_even_for_groups_judged_before_calibration(tmp_path):
+    """The SmolLM2 failure: every honest group's raw z sat near -1 because the policy moved between
+    sampling and training, and the key's running z crossed -5 at 32 groups. Now the key is judged against
+    the run's measured centre, and the groups it had before the centre existed are re-centred too."""
+    store = open_store(tmp_path / "s")
+    keys = [_put(store, make_group(0, "w", i, task_index=i), STRANGER) for i in range(48)]
+    calibrated = _ingestor(store)
+    assert calibrated.poll(0) == 48
+    ev = GroupEvidence(1, 200, 2.0, -1.0 * math.sqrt(200.0), 200.0, engine="torch")  # raw z -1.0
+    for k in keys:
+        calibrated.commit([k], evidence={k: ev}, version=1)
+    assert STRANGER.fingerprint not in calibrated.cursor.quarantined
+    # the old rule (centre 0 for everyone) would have quarantined it
+    old = quarantine_reason(
+        {"groups": 48}, calibrated.cursor.evidence[STRANGER.fingerprint], QuarantineSettings()
+    )
+    assert old is not None and "implausible sampling over 48 groups (key z -6.9" in old
+    assert calibrated.key_report()[STRANGER.fingerprint]["key_z"] == pytest.approx(0.0, abs=1e-6)
+    # a liar among them, 1.5 below the honest centre, stands apart and is quarantined
+    liar = [_put(store, make_group(0, "liar", i, task_index=i), MINE) for i in range(20)]
+    calibrated.poll(0)
+    low = GroupEvidence(1, 200, 2.0, -2.5 * math.sqrt(200.0), 200.0, engine="torch")
+    for k in liar:
+        calibrated.commit([k], evidence={k: low}, version=1)
+    assert "where honest groups show -1.00" in calibrated.cursor.quarantined[MINE.fingerprint]
+
+
+def test_the_probe_is_held_out_from_the_step_and_prefers_trusted_keys(tmp_path):
+    store = open_store(tmp_path / "s")
+    ing = _ingestor(store, trusted_keys=frozenset({MINE.fingerprint}))
+    mine = _put(store, make_group(0, "mine", 0, task_index=0), MINE)
+    theirs = [_put(store, make_group(0, "them", i, task_index=i + 1), STRANGER) for i in range(3)]
+    ing.poll(0)
+    groups = ing.select(0, 4)
+    probe = choose_probe(groups, {theirs[0]: "implausible"}, frozenset({MINE.fingerprint}))
+    mine_group = next(g for g in groups if g.key == mine)
+    assert probe[0].prompt == list(mine_group.group.prompt_tokens)  # the trusted key's first
+    rejected_group = next(g for g in groups if g.key == theirs[0])
+    assert all(p.completion not in [s.tokens for s in rejected_group.group.samples] for p in probe)
+    ing.commit([g.key for g in groups], groups, {theirs[0]: "implausible"}, version=0)
+    assert ing.probe() == probe
+
+
+def test_the_drift_probe_measures_the_step_it_did_not_train_on():
+    import torch
+
+    from pnyx.config import PnyxConfig, shipped_model_path
+    from pnyx.models import load_model, load_tokenizer
+    from pnyx.rollout.cohort import CohortSpec, generate_cohort
+    from pnyx.rollout.engine import Engine
+    from pnyx.train.losses import LossSettings
+    from pnyx.train.microbatch import Row
+    from pnyx.train.rescore import rescore
+    from pnyx.train.step import make_optimizer, train_step
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    path = shipped_model_path()
+    model, tok = load_model(path, dtype="float32"), load_tokenizer(path)
+    spec = CohortSpec(RUN, "w", 0, "d", 8, 1.0, 1.0, 0, 16, 3)
+    seq = iter(range(1 << 20))
+    res = generate_cohort(Engine(model, tok), tok, ENV, ENV.sample("train", 3, 6), spec, lambda: next(seq))
+
+    def words(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    groups = [
+        rescore(layout.rollout_key(0, "w", g.seq), g, env=ENV, detokenize=words, settings=IngestSettings())
+        for g in res.groups
+    ]
+    trained = [g for g in groups if len(set(g.rewards)) > 1][:2] or groups[:2]
+    held = [g for g in groups if g not in trained]
+    probe = [
+        Row(p.prompt, p.completion, [0.0] * len(p.completion), p.mask, 0.0, p.sampling)
+        for p in choose_probe(held, {}, frozenset())
+    ]
+    assert probe and all(isinstance(p, Row) for p in probe)
+    cfg = PnyxConfig()
+    drifts = {}
+    for lr in (0.0, 1e-3):
+        m = load_model(path, dtype="float32")
+        opt = make_optimizer(m, lr, cfg.trainer.betas, 0.0)
+        stats = train_step(
+            m, opt, trained, LossSettings(), micro_batch_tokens=4096, grad_clip=1.0, policy_version=0,
+            lr=lr, checks=Allowances(CheckSettings()), probe=probe,
+        )  # fmt: skip
+        assert stats.drift is not None and stats.drift[1] == sum(sum(p.loss_mask) for p in probe)
+        assert stats.drift[2] is True  # held out
+        drifts[lr] = stats.drift
+    assert drifts[0.0][0] == pytest.approx(0.0, abs=1e-6)
+    assert drifts[1e-3][0] > 1e-3  # the update moved the held-out rows' logprobs
+    assert isinstance(
+        ProbeRow(probe[0].prompt, probe[0].completion, probe[0].loss_mask, probe[0].sampling), ProbeRow
+    )
+
+
+def test_evidence_summary_counts_what_the_floors_alone_would_have_rejected():
+    calib = Calibration()
+    calib.note_drift(0, (0.2, 64, True))  # a big model step: the derived bound at s=1 is 0.03 + 3 * 0.2
+    a = derive(CheckSettings(), calib, 1, 2)
+    honest_drift = GroupEvidence(1, 50, 50 * 0.4, 0.0, 50.0, engine="torch")  # gap 0.4 > floor 0.28
+    out = evidence_summary({"k": honest_drift}, a, {})
+    assert (
+        out["torch/1"]["n"] == 1 and out["torch/1"]["fixed_rejects"] == 1 and out["torch/1"]["rejects"] == 0
+    )
+    assert judge(honest_drift, a) is None and judge(honest_drift, CheckSettings()) == "logprob_gap"
+
+
+def test_a_starving_trainer_names_the_quarantined_key_the_check_and_what_to_do():
+    fp = MINE.fingerprint
+    d = {
+        "phase": "waiting", "phase_s": 45.0, "have": 0, "need": 4,
+        "quarantined": {fp: "implausible sampling over 32 groups (key z -5.6, mean z -0.99)"},
+        "keys": {fp: {"names": ["local-1"]}}, "backlog": {"waiting": 12, "fetched": 0},
+    }  # fmt: skip
+    note = starving_note(d)
+    assert note is not None
+    assert fp in note and "local-1" in note and "key z -5.6" in note and "trainer.trusted_keys" in note
+    assert "usable 0/4" in note
+    assert starving_note({**d, "phase_s": 5.0}) is None  # not yet
+    assert starving_note({**d, "phase": "training"}) is None
+    idle = starving_note({"phase": "waiting", "phase_s": 40.0, "have": 1, "need": 4, "backlog": {}})
+    assert idle is not None and "no groups are waiting" in idle and "start one" in idle
