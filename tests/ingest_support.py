@@ -74,3 +74,20 @@ def make_ingestor(store, grace_s: float = 0.0, **settings) -> Ingestor:
         run_id=RUN,
         sweep_grace_s=grace_s,
     )
+
+
+def signed_ingestor(store, cursor=None, **settings) -> Ingestor:
+    """An ingestor that requires signed groups (the trainer's), with `settings` and an optional cursor."""
+    from pnyx.train.ingest import Cursor
+
+    return Ingestor(
+        store=store, env=ENV, detokenize=detok, settings=IngestSettings(**settings), run_id=RUN,
+        require_signatures=True, sweep_grace_s=0.0, cursor=cursor or Cursor(),
+    )  # fmt: skip
+
+
+def put_signed(store, group, signer) -> str:
+    """Upload `group` signed by `signer` (a `pnyx.security.signing.Signer`); its key."""
+    key = layout.rollout_key(group.policy_version, group.worker_id, group.seq)
+    store.put(key, encode_group(group, signer=signer), mode="create")
+    return key

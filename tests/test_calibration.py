@@ -15,11 +15,11 @@ import math
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from ingest_support import ENV, RUN, detok, make_group
+from ingest_support import ENV, RUN, make_group, put_signed, signed_ingestor
 
 from pnyx.protocol import layout
-from pnyx.protocol.codec import encode_group
 from pnyx.security.calibration import (
+    BASE_MARGIN,
     GAP_MARGIN,
     MIN_ALL,
     MIN_TRUSTED,
@@ -34,23 +34,13 @@ from pnyx.security.calibration import (
 from pnyx.security.checks import CheckSettings, GroupEvidence, QuarantineSettings, judge, quarantine_reason
 from pnyx.security.signing import Signer
 from pnyx.store import open_store
-from pnyx.train.ingest import Cursor, Ingestor, IngestSettings
+from pnyx.train.ingest import IngestSettings
 from pnyx.train.progress import starving_note
 
 MINE, STRANGER = (Signer(Ed25519PrivateKey.generate()) for _ in range(2))
 
 
-def _ingestor(store, cursor: Cursor | None = None, **settings) -> Ingestor:
-    return Ingestor(
-        store=store, env=ENV, detokenize=detok, settings=IngestSettings(**settings), run_id=RUN,
-        require_signatures=True, sweep_grace_s=0.0, cursor=cursor or Cursor(),
-    )  # fmt: skip
-
-
-def _put(store, group, signer: Signer) -> str:
-    key = layout.rollout_key(group.policy_version, group.worker_id, group.seq)
-    store.put(key, encode_group(group, signer=signer), mode="create")
-    return key
+_ingestor, _put = signed_ingestor, put_signed
 
 
 def test_without_measurements_the_allowances_are_the_fixed_floors():
@@ -117,7 +107,7 @@ def test_trusted_groups_calibrate_their_engine_and_untrusted_ones_never_do(tmp_p
     calib = ing.cursor.calibration
     assert set(calib.gap0) == {"mlx"} and set(calib.zt) == {"mlx/0"}
     a = ing.allowances(1)
-    assert a.gap_bound(0, "mlx") == pytest.approx(2.0 * 0.05)  # BASE_MARGIN x the trusted max
+    assert a.gap_bound(0, "mlx") == pytest.approx(BASE_MARGIN * 0.05)  # x the trusted max
     assert a.gap_bound(0, "evil") == pytest.approx(0.03)  # the floor: a stranger cannot buy room
     assert a.gap_bound(0, "torch") == pytest.approx(0.03)
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from ingest_support import ENV, RUN, detok, make_group
+from ingest_support import ENV, RUN, make_group, put_signed, signed_ingestor
 
 from pnyx.protocol import layout
 from pnyx.protocol.codec import encode_group
@@ -46,17 +46,7 @@ class CountingStore:
         return getattr(self.inner, name)
 
 
-def _ingestor(store, cursor: Cursor | None = None, **settings) -> Ingestor:
-    return Ingestor(
-        store=store, env=ENV, detokenize=detok, settings=IngestSettings(**settings), run_id=RUN,
-        require_signatures=True, sweep_grace_s=0.0, cursor=cursor or Cursor(),
-    )  # fmt: skip
-
-
-def _put(store, group, signer: Signer) -> str:
-    key = layout.rollout_key(group.policy_version, group.worker_id, group.seq)
-    store.put(key, encode_group(group, signer=signer), mode="create")
-    return key
+_ingestor, _put = signed_ingestor, put_signed
 
 
 # --- the statistics -----------------------------------------------------------------------------------

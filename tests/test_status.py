@@ -219,3 +219,36 @@ def test_backlog_and_supply_against_consumption_are_shown(tmp_path):
     assert "87% of groups had the same reward for every sample" in text and "too hard" in text
     line = plain_line(snap)
     assert "supply=5.00g/s consume=2.00g/s backlog=waiting:1200,fetched:16 trainer=waiting" in line
+
+
+def test_a_starving_trainer_says_why_in_its_status_pnyx_status_and_the_live_line(tmp_path):
+    """The trainer's progress thread writes `starving` (which key, which check, what to do) into
+    trainer/status.json once it has waited 30 s; `pnyx status` and `pnyx run`'s plain line show it."""
+    from pnyx.train.progress import Progress
+
+    url = str(tmp_path / "run")
+    make_run(url, versions=2, heartbeats={"local-1": 3.0})
+    store = open_store(url)
+    fp = "443f13e36273ec6ac6f13b4faff0b2be"
+    why = "implausible sampling over 32 groups (key z -5.6: mean z -0.99 where honest groups show +0.00)"
+    progress = Progress(
+        store,
+        lambda: {
+            "version": 8, "need": 4, "have": 0, "quarantined": {fp: why},
+            "keys": {fp: {"names": ["local-1"], "quarantined": why}}, "backlog": {"waiting": 5},
+        },
+    )  # fmt: skip
+    progress.phase("waiting", have=0)
+    progress.phase_since = time.monotonic() - 45.0  # as if it had waited 45 s
+    progress.write_status()
+    status = json.loads(store.get("trainer/status.json"))
+    assert fp in status["starving"] and "key z -5.6" in status["starving"]
+    assert "trainer.trusted_keys" in status["starving"]
+    line = plain_line(RunWatcher(store).snapshot())
+    assert "starving: no full batch for 45s (usable 0/4)" in line and fp in line
+    out = subprocess.run(
+        [sys.executable, "-m", "pnyx", "status", "--store", url],
+        capture_output=True, text=True, timeout=60, env={**_env(), "COLUMNS": "400"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "starving" in out.stdout and "local-1" in out.stdout and "trusted_keys" in out.stdout

@@ -45,8 +45,11 @@ from pnyx.security.checks import CheckSettings
 GAP_MARGIN = 3.0
 """A group's mean |Δ| over its own tokens against the probe's mean over its tokens: measured on the tiny
 model and SmolLM2 (docs/security.md, "Honest drift"), the honest max stays under this multiple."""
-BASE_MARGIN = 2.0
-"""The staleness-0 gap bound of an engine is at least this multiple of its trusted groups' largest gap."""
+BASE_MARGIN = 4.0
+"""The staleness-0 gap bound of an engine is at least this multiple of its trusted groups' largest recent
+gap (SmolLM2's fresh gap grew from 0.008 to 0.065 over its first 7 versions, as the policy sharpened)."""
+MIN_TRUSTED_GAP = 4
+"""Trusted fresh groups of an engine needed before they set its gap base."""
 WINDOW = 64
 """Values kept per bucket (the newest): gaps and raw z. Short, so the centre follows a run whose drift
 shrinks as its learning rate decays."""
@@ -231,7 +234,7 @@ def derive(floors: CheckSettings, calib: Calibration | None, version: int, max_s
     for s in range(1, max(1, max_staleness) + 1):
         total += known.get(version - s, fallback)
         a_cum.append(total)
-    base = {e: BASE_MARGIN * max(g) for e, g in calib.gap0.items() if len(g) >= MIN_TRUSTED}
+    base = {e: BASE_MARGIN * max(g) for e, g in calib.gap0.items() if len(g) >= MIN_TRUSTED_GAP}
     return Allowances(floors, tuple(a_cum), base, centers(calib))
 
 

@@ -37,8 +37,14 @@ A temperature liar (samples at 0.3, claims 1.0) that records its true logprobs h
 fresh); one that rewrites its logprobs to the claimed temperature has a gap like an honest worker's and a
 per-group z of about +1.7 on ~40-token groups: no single group is implausible, its key is (below).
 
+These constants are the floors and the fallbacks: the allowances a trainer judges with are derived from
+its run (`pnyx.security.calibration`: the gap bound widened by the drift the trainer measures itself, z
+centred on what honest groups of the same engine and staleness show); `judge` and `add_evidence` take
+either.
+
 Per key, the running sum of z (`KeyEvidence`, in the ingestion cursor) catches a liar too subtle for one
-group: `key_z = Σ(z − Z_MEAN) / (Z_SD · sqrt(n))` grows like sqrt(n) when the key's groups are shifted.
+group: `key_z = Σ(z − centre) / (Z_SD · sqrt(n))` grows like sqrt(n) when the key's groups are shifted
+(the centre: the run's calibration per engine and staleness, Z_MEAN without one).
 Quarantine (`quarantine_reason`) triggers on it, and on the share of a key's groups that failed a check
 (`FAULTS`).
 
