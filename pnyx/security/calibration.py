@@ -50,6 +50,11 @@ BASE_MARGIN = 4.0
 gap (SmolLM2's fresh gap grew from 0.008 to 0.065 over its first 7 versions, as the policy sharpened)."""
 MIN_TRUSTED_GAP = 4
 """Trusted fresh groups of an engine needed before they set its gap base."""
+NOISE_PER_DRIFT = 0.5
+"""The staleness-0 gap base is also at least this share of the newest probe drift. A fresh group's gap is
+the engine's rounding noise alone, and it grows as the policy sharpens (larger logits, rarer sampled
+tokens): SmolLM2's went from 0.008 at v1 to 0.04-0.065 by v7-v8, when its probe drift was 0.08-0.3, so
+trusted groups seen early under-state it."""
 WINDOW = 64
 """Values kept per bucket (the newest): gaps and raw z. Short, so the centre follows a run whose drift
 shrinks as its learning rate decays."""
@@ -170,6 +175,8 @@ class Allowances:
     """Engine -> staleness-0 gap bound from its trusted groups (absent: the floor)."""
     z_center: dict[str, float] = field(default_factory=dict)
     """`engine/staleness` (trusted keys' groups) or `staleness` (every group) -> centre of raw z."""
+    noise: float = 0.0
+    """The staleness-0 base any engine gets from the newest probe drift (`NOISE_PER_DRIFT`)."""
 
     @property
     def z_limit(self) -> float | None:
@@ -191,7 +198,7 @@ class Allowances:
             return math.inf
         s = max(0, staleness)
         floor = f.lp_gap_base + f.lp_gap_per_version * s
-        derived = max(f.lp_gap_base, self.base.get(engine, 0.0)) + GAP_MARGIN * self._cum(s)
+        derived = max(f.lp_gap_base, self.base.get(engine, 0.0), self.noise) + GAP_MARGIN * self._cum(s)
         return max(floor, derived)
 
     def calibrated_center(self, engine: str, staleness: int) -> float | None:
@@ -211,7 +218,7 @@ class Allowances:
 
     def to_metrics(self, max_staleness: int) -> dict[str, Any]:
         """The allowances in force, for the step's metrics (`calibration`)."""
-        engines = sorted(self.base) or [""]
+        engines = sorted(self.base) + [""]
         return {
             "drift": [round(self._cum(s), 5) for s in range(1, max_staleness + 1)],
             "lp_gap_bound": {
@@ -235,7 +242,8 @@ def derive(floors: CheckSettings, calib: Calibration | None, version: int, max_s
         total += known.get(version - s, fallback)
         a_cum.append(total)
     base = {e: BASE_MARGIN * max(g) for e, g in calib.gap0.items() if len(g) >= MIN_TRUSTED_GAP}
-    return Allowances(floors, tuple(a_cum), base, centers(calib))
+    newest = known.get(max(known)) if known else None
+    return Allowances(floors, tuple(a_cum), base, centers(calib), NOISE_PER_DRIFT * (newest or 0.0))
 
 
 def centers(calib: Calibration) -> dict[str, float]:
