@@ -77,11 +77,35 @@ def table(sums: dict[str, dict[str, float]], last: dict[str, Any]) -> list[str]:
     return lines
 
 
+def markdown(sums: dict[str, dict[str, float]], last: dict[str, Any]) -> list[str]:
+    """The same table as markdown (what docs/security.md quotes)."""
+    out = [
+        "| engine / staleness | groups | gap mean | gap max | derived bound (min over steps) | fixed floor | z mean "
+        "(sd) | z min | centred z mean (sd) | rejected, derived | rejected, fixed floors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for k in sorted(sums, key=lambda k: (k.split("/")[0], int(k.split("/")[1]))):
+        b = sums[k]
+        n = b["n"]
+        engine, s = k.split("/")
+        bmin = (last.get("bound_min") or {}).get(engine) or (last.get("bound_min") or {}).get("any") or []
+        bound = bmin[int(s)] if int(s) < len(bmin) else float("nan")
+        out.append(
+            f"| {engine} / {s} | {int(n)} | {b['gap_sum'] / n:.4f} | {b['gap_max']:.4f} | {bound:.3f} | "
+            f"{0.03 + 0.25 * int(s):.2f} | {b['z_sum'] / n:+.2f} ({_sd(b['z_sum'], b['z_sq'], n):.2f}) | "
+            f"{b['z_min']:+.2f} | {b['za_sum'] / n:+.2f} ({_sd(b['za_sum'], b['za_sq'], n):.2f}) | "
+            f"{int(b['rejects'])} ({100 * b['rejects'] / n:.1f}%) | {int(b['fixed_rejects'])} "
+            f"({100 * b['fixed_rejects'] / n:.1f}%) |"
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("stores", nargs="+", help="run stores (a `pnyx run` folder, or a store URL)")
     ap.add_argument("--from", dest="first", type=int, default=1, help="first version counted")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
     args = ap.parse_args()
     out = {}
     for url in args.stores:
@@ -90,10 +114,12 @@ def main() -> None:
         if not sums:
             print("  (no checked groups: were the sampling checks on?)")
             continue
-        for line in table(sums, last):
-            print("  " + line)
-        print(f"  allowances at the last step: drift A(s) {last.get('drift')}, z bias B(s) {last.get('z_bias_per_token')}, "
-              f"gap bound {last.get('lp_gap_bound')}, z centre {last.get('z_center')}")
+        for line in markdown(sums, last) if args.markdown else table(sums, last):
+            print(line if args.markdown else "  " + line)
+        print(
+            f"  allowances at the last step: drift A(s) {last.get('drift')}, gap bound {last.get('lp_gap_bound')}, "
+            f"z centre {last.get('z_center')}"
+        )
         out[url] = {"steps": steps, "groups": sums, "last": last}
     if args.json:
         with open(args.json, "w") as fh:

@@ -86,9 +86,16 @@ def starving_note(d: dict[str, Any]) -> str | None:
             f"{head}: no groups are waiting. Workers may still be loading or generating; if none is "
             "running or pointed at this store, start one (`pnyx status` lists their heartbeats)."
         )
+    zv = d.get("zero_variance") or {}
+    hint = (
+        "; workers upload only groups whose rewards differ, and most of theirs do not (the zero-variance "
+        "warning says why)"
+        if (zv.get("frac") or 0.0) > 0.5
+        else ""
+    )
     return (
-        f"{head}: {b.get('waiting', 0)} groups waiting, {b.get('fetched', 0)} fetched, none usable yet; "
-        f"drops so far {fmt_counts(d.get('drops') or {})} (`pnyx status` shows each key's checks)."
+        f"{head}: {b.get('waiting', 0)} groups waiting, {b.get('fetched', 0)} fetched; drops so far "
+        f"{fmt_counts(d.get('drops') or {})}{hint} (`pnyx status` shows each key's checks)."
     )
 
 
