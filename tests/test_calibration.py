@@ -95,6 +95,10 @@ def test_z_is_centred_on_what_honest_groups_of_its_engine_and_staleness_show():
         calib.note_group("mlx", 1, 0.3, -0.4, trusted=True)
     both = derive(CheckSettings(), calib, 5, 3)
     assert both.center("mlx", 1) == pytest.approx(-0.4) and both.center("torch", 1) != pytest.approx(-0.4)
+    # a staleness not measured yet borrows the nearest lower one's centre for a single group's check, but
+    # the key statistic counts only measured buckets
+    assert both.center("mlx", 3) == pytest.approx(-0.4) and both.calibrated_center("mlx", 3) is None
+    assert both.center("vllm", 0) == 0.0
 
 
 def test_trusted_groups_calibrate_their_engine_and_untrusted_ones_never_do(tmp_path):

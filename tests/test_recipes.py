@@ -29,7 +29,7 @@ EXAMPLES = REPO / "examples"
 pytestmark = [
     pytest.mark.recipes,
     pytest.mark.slow,
-    pytest.mark.timeout(1500),
+    pytest.mark.timeout(3000),
     pytest.mark.skipif(
         os.environ.get("PNYX_TEST_RECIPES") != "1",
         reason="the recipes stage of .ci/run (PNYX_TEST_RECIPES=1 pytest -m recipes): minutes per recipe",
@@ -66,9 +66,9 @@ def test_the_smollm2_recipe_trains_with_every_check_on_and_quarantines_no_one(tm
     proc = _run(
         [
             "--config", str(EXAMPLES / "smollm2-135m.toml"), "--run.name", "smollm2",
-            "--run.steps", str(SMOLLM2_VERSIONS), "--run.time_budget_s", "1200", "--run.eval_tasks", "32",
+            "--run.steps", str(SMOLLM2_VERSIONS), "--run.time_budget_s", "2400", "--run.eval_tasks", "32",
         ],
-        tmp_path, 1450,
+        tmp_path, 2700,
     )  # fmt: skip
     folder = tmp_path / "runs" / "smollm2"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -90,6 +90,10 @@ def test_the_smollm2_recipe_trains_with_every_check_on_and_quarantines_no_one(tm
     )
     assert checked >= 4 * SMOLLM2_VERSIONS - 4
     assert rejected <= 1, [m["calibration"]["groups"] for m in metrics]
+    # the run is one the old fixed allowances fail: they reject honest groups, or the worker's raw running
+    # z is past their quarantine limit (otherwise this test would not test the calibration)
+    (key,) = keys.values()
+    assert old >= 2 or key["mean_z"] * key["checked"] ** 0.5 < -5.0, (old, key)
     assert sum(v for k, v in drops.items() if k in ("logprob_gap", "implausible")) <= 1, drops
     first = sum(m["reward"] for m in metrics[:4]) / 4
     last = sum(m["reward"] for m in metrics[-4:]) / 4
