@@ -51,10 +51,12 @@ gap (SmolLM2's fresh gap grew from 0.008 to 0.065 over its first 7 versions, as 
 MIN_TRUSTED_GAP = 4
 """Trusted fresh groups of an engine needed before they set its gap base."""
 NOISE_PER_DRIFT = 0.5
-"""The staleness-0 gap base is also at least this share of the newest probe drift. A fresh group's gap is
-the engine's rounding noise alone, and it grows as the policy sharpens (larger logits, rarer sampled
-tokens): SmolLM2's went from 0.008 at v1 to 0.04-0.065 by v7-v8, when its probe drift was 0.08-0.3, so
-trusted groups seen early under-state it."""
+"""The staleness-0 gap base is also at least this share of the largest held-out probe drift the run has
+kept (the last `DRIFT_KEEP` versions). A fresh group's gap is the engine's rounding noise alone, and it
+grows as the policy sharpens (larger logits, rarer sampled tokens) and stays when the learning rate
+decays: SmolLM2's went from 0.008 at v1 to 0.065-0.106 later, when its probe had read up to 0.3, so
+trusted groups seen early under-state it and the newest drift (0.01 at the end of a cosine schedule)
+does too."""
 WINDOW = 64
 """Values kept per bucket (the newest): gaps and raw z. Short, so the centre follows a run whose drift
 shrinks as its learning rate decays."""
@@ -177,7 +179,7 @@ class Allowances:
     z_center: dict[str, float] = field(default_factory=dict)
     """`engine/staleness` (trusted keys' groups) or `staleness` (every group) -> centre of raw z."""
     noise: float = 0.0
-    """The staleness-0 base any engine gets from the newest probe drift (`NOISE_PER_DRIFT`)."""
+    """The staleness-0 base any engine gets from the run's largest probe drift (`NOISE_PER_DRIFT`)."""
 
     @property
     def z_limit(self) -> float | None:
@@ -248,8 +250,9 @@ def derive(floors: CheckSettings, calib: Calibration | None, version: int, max_s
         total += known.get(version - s, fallback)
         a_cum.append(total)
     base = {e: BASE_MARGIN * max(g) for e, g in calib.gap0.items() if len(g) >= MIN_TRUSTED_GAP}
-    newest = known.get(max(known)) if known else None
-    return Allowances(floors, tuple(a_cum), base, centers(calib), NOISE_PER_DRIFT * (newest or 0.0))
+    held = [v[0] for v in calib.drift.values() if len(v) < 3 or v[2]]
+    largest = max(held or list(known.values()) or [0.0])
+    return Allowances(floors, tuple(a_cum), base, centers(calib), NOISE_PER_DRIFT * largest)
 
 
 def centers(calib: Calibration) -> dict[str, float]:
