@@ -56,20 +56,24 @@ def _sd(s: float, sq: float, n: float) -> float:
     return math.sqrt(max(0.0, sq / n - (s / n) ** 2)) if n else float("nan")
 
 
+def _buckets(sums: dict[str, dict[str, float]], last: dict[str, Any]) -> Any:
+    """(engine, staleness, sums, groups, the smallest derived bound any step used there) per bucket."""
+    bounds = last.get("bound_min") or {}
+    for k in sorted(sums, key=lambda k: (k.split("/")[0], int(k.split("/")[1]))):
+        engine, s = k.split("/")
+        bmin = bounds.get(engine) or bounds.get("any") or []
+        yield engine, int(s), sums[k], sums[k]["n"], bmin[int(s)] if int(s) < len(bmin) else float("nan")
+
+
 def table(sums: dict[str, dict[str, float]], last: dict[str, Any]) -> list[str]:
     lines = [
         "engine/s  groups  gap_mean  gap_max  bound_min(derived)  floor   z_mean  z_sd   z_min   z_max  "
         "za_mean  za_sd  za_min  za_max  rejected(derived)  rejected(fixed floors)"
     ]
-    for k in sorted(sums, key=lambda k: (k.split("/")[0], int(k.split("/")[1]))):
-        b = sums[k]
-        n = b["n"]
-        engine, s = k.split("/")
-        bmin = (last.get("bound_min") or {}).get(engine) or (last.get("bound_min") or {}).get("any") or []
-        bound = bmin[int(s)] if int(s) < len(bmin) else float("nan")
-        floor = 0.03 + 0.25 * int(s)
+    for engine, s, b, n, bound in _buckets(sums, last):
+        floor = 0.03 + 0.25 * s
         lines.append(
-            f"{k:8s}  {int(n):6d}  {b['gap_sum'] / n:8.4f}  {b['gap_max']:7.4f}  {bound:18.4f}  {floor:5.2f}  "
+            f"{engine + '/' + str(s):8s}  {int(n):6d}  {b['gap_sum'] / n:8.4f}  {b['gap_max']:7.4f}  {bound:18.4f}  {floor:5.2f}  "
             f"{b['z_sum'] / n:+6.3f}  {_sd(b['z_sum'], b['z_sq'], n):5.3f}  {b['z_min']:+6.2f}  {b['z_max']:+6.2f}  "
             f"{b['za_sum'] / n:+7.3f}  {_sd(b['za_sum'], b['za_sq'], n):5.3f}  {b['za_min']:+6.2f}  {b['za_max']:+6.2f}  "
             f"{int(b['rejects']):6d} ({100 * b['rejects'] / n:.2f}%)  {int(b['fixed_rejects']):6d} ({100 * b['fixed_rejects'] / n:.2f}%)"
@@ -84,15 +88,10 @@ def markdown(sums: dict[str, dict[str, float]], last: dict[str, Any]) -> list[st
         "(sd) | z min | centred z mean (sd) | rejected, derived | rejected, fixed floors |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for k in sorted(sums, key=lambda k: (k.split("/")[0], int(k.split("/")[1]))):
-        b = sums[k]
-        n = b["n"]
-        engine, s = k.split("/")
-        bmin = (last.get("bound_min") or {}).get(engine) or (last.get("bound_min") or {}).get("any") or []
-        bound = bmin[int(s)] if int(s) < len(bmin) else float("nan")
+    for engine, s, b, n, bound in _buckets(sums, last):
         out.append(
             f"| {engine} / {s} | {int(n)} | {b['gap_sum'] / n:.4f} | {b['gap_max']:.4f} | {bound:.3f} | "
-            f"{0.03 + 0.25 * int(s):.2f} | {b['z_sum'] / n:+.2f} ({_sd(b['z_sum'], b['z_sq'], n):.2f}) | "
+            f"{0.03 + 0.25 * s:.2f} | {b['z_sum'] / n:+.2f} ({_sd(b['z_sum'], b['z_sq'], n):.2f}) | "
             f"{b['z_min']:+.2f} | {b['za_sum'] / n:+.2f} ({_sd(b['za_sum'], b['za_sq'], n):.2f}) | "
             f"{int(b['rejects'])} ({100 * b['rejects'] / n:.1f}%) | {int(b['fixed_rejects'])} "
             f"({100 * b['fixed_rejects'] / n:.1f}%) |"
