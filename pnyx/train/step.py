@@ -115,6 +115,15 @@ def train_step(
     view = forward_view(model)
 
     rows_of: Counter[str] = Counter(r.key for r in rows)
+    # The drift probe's first forward, before any backward of this step (a forward between the backward and
+    # the optimizer step would run the sharded model's hooks with gradients pending).
+    held_out = bool(probe)
+    if check and not probe and isinstance(checks, Allowances):
+        probe = _own_rows(rows, {})  # nothing held out yet (the run's first step): an upper bound
+    probe = list(probe or []) if check else []
+    t2 = time.perf_counter()
+    before = _probe_terms(view, probe, compute_dtype, autocast) if probe else None
+    probe_s = time.perf_counter() - t2 if probe else 0.0
 
     def rounds(plan: list[list[int]], sign: float, part: PartialStats | None) -> None:
         """Forward and backward `plan` (this rank's share), the loss times `sign`; sums into `part`.
@@ -208,19 +217,14 @@ def train_step(
     full_tensor = getattr(grad_norm, "full_tensor", None)  # a DTensor under FSDP2
     if full_tensor is not None:
         grad_norm = full_tensor()
-    held_out = bool(probe)
-    if step and check and not probe and isinstance(checks, Allowances):
-        probe = _own_rows(rows, rejected)  # nothing held out yet (the run's first step): an upper bound
-    probe = list(probe or []) if step else []
-    t2 = time.perf_counter()
-    before = _probe_terms(view, probe, compute_dtype, autocast) if probe else None
     if step:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     drift = None
-    if before is not None:
+    if before is not None and step:
+        t2 = time.perf_counter()
         drift = _drift(before, _probe_terms(view, probe, compute_dtype, autocast), held_out)
-    probe_s = time.perf_counter() - t2 if probe else 0.0
+        probe_s += time.perf_counter() - t2
 
     c = total.counts
     n = max(c["counted"], 1)
