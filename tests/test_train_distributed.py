@@ -123,7 +123,9 @@ def reference2(tmp_path_factory, model_dir):
     [
         ("before_manifest:2@0", 20, 2),  # rank 0 dies with v2's payload uploaded and no manifest
         pytest.param(  # rank 1 dies with its v2 shards uploaded; v1 (2 ranks) committed
-            "during_checkpoint:2@1", 1, 1,
+            "during_checkpoint:2@1",
+            1,
+            1,
             marks=pytest.mark.xfail(
                 strict=False,
                 reason="#23 open: since the checks calibrate themselves (2026-12-02) the one-process replay "
