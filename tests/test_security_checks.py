@@ -290,7 +290,7 @@ def test_trainer_config_feeds_the_checks_and_caps():
 
 
 def test_status_shows_quarantined_keys():
-    from pnyx.cli.live import quarantine_text
+    from pnyx.cli.live_view import quarantine_text
 
     fp = LIAR.fingerprint
     snap = SimpleNamespace(

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from pnyx.cli.live import FLEET_ROWS, SILENT_AFTER_S, RunWatcher, plain_line, render
+from pnyx.cli.live import FLEET_ROWS, SILENT_AFTER_S, RunWatcher
+from pnyx.cli.live_view import plain_line, render
 from pnyx.protocol import Heartbeat, RunManifest, encode_json, layout
 from pnyx.store import open_store
 

@@ -144,7 +144,8 @@ def test_eval_store_refuses_an_unsigned_run_as_export_does(tmp_path):
 
 
 def test_the_run_watchers_version_ignores_every_forgery(signed_run, run_dir):
-    from pnyx.cli.live import RunWatcher, ignored_versions, plain_line
+    from pnyx.cli.live import RunWatcher
+    from pnyx.cli.live_view import ignored_versions, plain_line
 
     store = open_store(run_dir)
     _forge_higher_version(store, signed_run)

@@ -224,7 +224,7 @@ class Orchestrator:
     def _watch(self, watcher: Any, evals: Any, t0: float) -> Outcome:
         from rich.live import Live
 
-        from pnyx.cli.live import plain_line, render
+        from pnyx.cli.live_view import plain_line, render
 
         budget = self.plan.cfg.run.time_budget_s
         last_line = 0.0
@@ -263,7 +263,8 @@ class Orchestrator:
     # --- the end -------------------------------------------------------------------------------------
 
     def _report(self, store: Store, outcome: Outcome) -> int:
-        from pnyx.cli.live import RunWatcher, before_after_table
+        from pnyx.cli.live import RunWatcher
+        from pnyx.cli.live_view import before_after_table
         from pnyx.eval.runner import read_eval_file
         from pnyx.weights import trusted_latest
 
@@ -329,7 +330,8 @@ class Orchestrator:
     ) -> None:
         """The learning curve PNG and summary.json; `after` is the evaluation of `final_version` or None
         (then `after_not_evaluated` says why), never another version's."""
-        from pnyx.cli.live import pass_ratio, reward_of
+        from pnyx.cli.live import reward_of
+        from pnyx.cli.live_view import pass_ratio
         from pnyx.eval.plot import plot_learning_curve
 
         t0 = snap.started_at or self.t_start

@@ -22,7 +22,7 @@ def status_main(store: str, watch: bool, trust: str | None = None) -> None:
 
     from pnyx.cli.common import fail
     from pnyx.cli.live import RunWatcher
-    from pnyx.cli.live import render as render_run
+    from pnyx.cli.live_view import render as render_run
     from pnyx.cli.status_swarm import with_swarm
     from pnyx.errors import PnyxError, StoreError
     from pnyx.store import open_store
