@@ -127,6 +127,36 @@ def test_replay_that_does_not_reproduce_the_published_bits_adopts_them(tmp_path,
         assert torch.equal(v, published[k]), k
 
 
+def test_adoption_moves_only_the_values_whose_cast_differs(tmp_path, model_dir):
+    """A replay off by a rounding in a few values takes the published bits there and keeps its fp32 masters
+    everywhere else (rounding every master would perturb the next step of every weight)."""
+    from pnyx.train import resume
+    from pnyx.weights import Syncer
+
+    t = make_trainer(str(tmp_path / "run"), model_dir)
+    t.start()
+    write_groups(t.store, model_dir, 0, 2)
+    t.step()
+    masters = {k: p.detach().clone() for k, p in t.model.named_parameters()}
+    name = next(k for k, p in masters.items() if p.dim() == 2)
+    with torch.no_grad():
+        dict(t.model.named_parameters())[name][0, 0] += 0.5  # its cast now differs from the published v1
+    resume.verify_or_adopt(t, 1)
+    _, published = Syncer(t.store).sync(to_version=1)
+    after = dict(t.model.named_parameters())
+    assert after[name][0, 0].item() == published[name][0, 0].float().item()
+    off_bf16 = 0
+    for k, m in masters.items():
+        got = after[k].detach()
+        if k == name:
+            got, m = got.flatten()[1:], m.flatten()[1:]
+        assert torch.equal(got, m), k  # every other master kept, to the bit
+        off_bf16 += int((m != m.to(torch.bfloat16).float()).sum())
+    assert off_bf16 > 0  # the masters kept are finer than the published cast: nothing was rounded
+    for k, v in t.publish_tensors().items():
+        assert torch.equal(v, published[k]), k
+
+
 def test_metrics_report_every_quantity_the_step_line_needs(tmp_path, model_dir):
     t = make_trainer(str(tmp_path / "run"), model_dir, run__steps=1)
     t.start()
