@@ -110,7 +110,11 @@ def verify_or_adopt(t: Any, version: int) -> None:
     bf16, and Adam, which normalises each update, turns that into a different next step for ~10% of the
     weights of the tiny model; adopting elementwise leaves the replay as close to the uninterrupted run as
     the sums over ranks allow.)"""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     from pnyx.weights import Syncer
     from pnyx.weights.bits import from_torch
