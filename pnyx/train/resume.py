@@ -131,7 +131,7 @@ def verify_or_adopt(t: Any, version: int) -> None:
     merged, moved = {}, 0
     for name, pub in published.items():
         master = masters.get(name)
-        if master is None:
+        if not isinstance(master, torch.Tensor):
             continue
         master = master.detach().to("cpu", torch.float32)
         differ = _bits(master.to(pub.dtype)) != _bits(pub)
