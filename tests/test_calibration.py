@@ -25,8 +25,10 @@ from pnyx.security.calibration import (
     MIN_TRUSTED,
     NOISE_PER_DRIFT,
     Z_CENTER_MAX,
+    Z_DRIFT_MARGIN,
     Allowances,
     Calibration,
+    Drift,
     ProbeRow,
     choose_probe,
     derive,
@@ -230,6 +232,34 @@ def test_the_drift_probe_measures_the_step_it_did_not_train_on():
     assert isinstance(
         ProbeRow(probe[0].prompt, probe[0].completion, probe[0].loss_mask, probe[0].sampling), ProbeRow
     )
+
+
+def test_until_a_staleness_is_calibrated_its_lower_z_limit_widens_by_the_drift_the_probe_measured():
+    """mlx on SmolLM2, v1-v4: groups one version behind showed raw z down to -4.8 before 8 trusted groups
+    had calibrated that bucket, and were judged against the fresh bucket's centre (+0.2)."""
+    calib = Calibration()
+    for _ in range(MIN_TRUSTED):
+        calib.note_group("mlx", 0, 0.01, 0.2, trusted=True)  # the fresh bucket is calibrated: centre 0.2
+    calib.note_drift(3, Drift(0.05, 64, True))  # the step 3 -> 4 moved log q by 0.05 a token
+    a = derive(CheckSettings(), calib, version=4, max_staleness=3)
+    one_behind = GroupEvidence(1, 100, 100 * 0.2, -48.0, 100.0, engine="mlx")  # z -4.8, 100 tokens
+    low, high = a.z_range(one_behind)
+    assert low == pytest.approx(0.2 - 4.5 - Z_DRIFT_MARGIN * 0.05 * 100 / 10)  # centre, limit, drift
+    assert high == pytest.approx(0.2 + 4.5)  # the upper side is not widened
+    assert judge(one_behind, a) is None
+    assert judge(one_behind, derive(CheckSettings(), Calibration(), 4, 3)) == "implausible"  # no probe: -4.5
+    assert judge(GroupEvidence(1, 100, 20.0, 48.0, 100.0, engine="mlx"), a) == "implausible"  # z +4.8
+    assert (
+        judge(GroupEvidence(0, 100, 1.0, -48.0, 100.0, engine="mlx"), a) == "implausible"
+    )  # fresh: no drift
+    assert judge(GroupEvidence(1, 100, 20.0, -60.0, 100.0, engine="mlx"), a) == "implausible"  # beyond it
+    # once the bucket has its own centre, that decides, and the drift is no longer added
+    for _ in range(MIN_TRUSTED):
+        calib.note_group("mlx", 1, 0.2, -1.0, trusted=True)
+    b = derive(CheckSettings(), calib, 4, 3)
+    assert b.z_range(one_behind) == pytest.approx((-1.0 - 4.5, -1.0 + 4.5))
+    assert judge(one_behind, b) is None
+    assert judge(GroupEvidence(1, 100, 20.0, -56.0, 100.0, engine="mlx"), b) == "implausible"
 
 
 def test_evidence_summary_counts_what_the_floors_alone_would_have_rejected():

@@ -12,14 +12,20 @@ two reasons; the trainer measures both, from sources an attacker does not contro
    `base(engine) + GAP_MARGIN · A(s)`, A(s) = Σ a_j over those s steps. The probe's rows are older than
    a fresh group's, and a policy that is abandoning a pattern moves old samples of it most, so A errs wide.
 2. **The worker's engine, precision, and the same drift seen by z.** The plausibility z of an honest
-   group is biased (SmolLM2 one version behind: mean -1.2, against 0 for a fresh exact sampler), and no
-   forward the trainer runs predicts that bias well: the probe's mean change of log q + H (what the bias
-   telescopes to for fresh samples) overpredicted it 2-4x on SmolLM2 (its rows are older samples again),
-   so it is not used. Instead z is centred on
-   what honest groups of the same engine and staleness show: the median raw z of **trusted keys'** groups
-   (`pnyx run`'s own workers, `trainer.trusted_keys`) in that bucket, else the median of all checked groups
-   at that staleness, clamped to [-Z_CENTER_MAX, 0] (honest drift only lowers z, and a crowd of liars
-   cannot shift the centre above 0 or below -Z_CENTER_MAX). Untrusted keys never widen the gap bound.
+   group is biased (SmolLM2 one version behind: mean -1.2, against 0 for a fresh exact sampler; on the
+   mlx engine early in a run, -3.5). z is centred on what honest groups of the same engine and staleness
+   show: the median raw z of **trusted keys'** groups (`pnyx run`'s own workers, `trainer.trusted_keys`)
+   in that bucket, else the median of all checked groups at that staleness, clamped to
+   [-Z_CENTER_MAX, 0] (honest drift only lowers z, and a crowd of liars cannot shift the centre above 0 or
+   below -Z_CENTER_MAX). Untrusted keys never widen the gap bound.
+   Until a bucket (engine, staleness s > 0) has its own centre, a group there is judged against the
+   centre of the nearest lower staleness measured, and its **lower** limit is widened by what the drift
+   since then can do to its z: Z_DRIFT_MARGIN · (A(s) − A(s')) · tokens / sqrt(Σ Var), the probe's mean
+   |Δ log q| per token summed over the steps in between, over the group's tokens, in units of its z.
+   (Measured on SmolLM2 with the mlx engine, v1-v4: honest groups one version behind fell by 0.3 to 2.6
+   in z from their own version to the judging one, and by up to 1.5 more under the trainer's fp32
+   masters; the probe's mean change of log q + H predicted a tenth of the largest fall, so the bound is
+   taken on |Δ log q|.) the upper side keeps the borrowed centre (temperature liars are still caught from their first groups).
 
 The fixed settings (`CheckSettings`: `lp_gap_base`, `lp_gap_per_version`, `z_limit`) are **floors**: the
 gap bound is never below `lp_gap_base + lp_gap_per_version · s`; the z limit applies to the centred z.
@@ -36,7 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -48,6 +54,9 @@ model and SmolLM2 (docs/security.md, "Honest drift"), the honest max stays under
 BASE_MARGIN = 4.0
 """The staleness-0 gap bound of an engine is at least this multiple of its trusted groups' largest recent
 gap (SmolLM2's fresh gap grew from 0.008 to 0.065 over its first 7 versions, as the policy sharpened)."""
+Z_DRIFT_MARGIN = 2.0
+"""The lower z limit of a bucket not calibrated yet widens by this multiple of the drift since the
+nearest measured staleness, in units of the group's z (module docstring, point 2)."""
 MIN_TRUSTED_GAP = 4
 """Trusted fresh groups of an engine needed before they set its gap base."""
 NOISE_PER_DRIFT = 0.5
@@ -76,6 +85,16 @@ PROBE_ROWS = 4
 """Completions in the drift probe (one per group where it can): two extra forwards of these per step."""
 PROBE_TOKENS = 4096
 """The probe's padded size (rows x longest prompt+completion) stays within this."""
+
+
+class Drift(NamedTuple):
+    """What one step's drift probe measured, per model token of its rows."""
+
+    a: float
+    """Mean |log q_new − log q_old|."""
+    tokens: int
+    held_out: bool
+    """The rows were held out from the step (else they are its own rows, which the update moves further)."""
 
 
 class ProbeRow(msgspec.Struct, array_like=True):
@@ -126,7 +145,7 @@ class Calibration(msgspec.Struct):
 
     drift: dict[str, list[float]] = {}
     """Version v (as text) -> [a_v, probe tokens, held out (1) or the step's own rows (0)] measured by the
-    step v -> v+1."""
+    step v -> v+1 (`Drift`)."""
     gap0: dict[str, list[float]] = {}
     """Engine -> trusted keys' staleness-0 group gaps (the newest `WINDOW`)."""
     zt: dict[str, list[float]] = {}
@@ -134,12 +153,13 @@ class Calibration(msgspec.Struct):
     zall: dict[str, list[float]] = {}
     """Staleness -> every checked group's raw z (the newest `WINDOW`)."""
 
-    def note_drift(self, version: int, drift: tuple[float, int, bool] | None) -> None:
-        """Record the probe of step `version` -> `version`+1: (a, tokens, held out); None: no probe. A
-        probe on the step's own rows (the run's first step: nothing held out yet) errs wide."""
+    def note_drift(self, version: int, drift: Drift | None) -> None:
+        """Record the probe of step `version` -> `version`+1; None: no probe. A probe on the step's own
+        rows (the run's first step: nothing held out yet) errs wide."""
         if drift is None:
             return
-        self.drift[str(version)] = [float(drift[0]), float(drift[1]), float(bool(drift[2]))]
+        d = Drift(*drift)
+        self.drift[str(version)] = [float(d.a), float(d.tokens), float(bool(d.held_out))]
         if len(self.drift) > DRIFT_KEEP:
             for k in sorted(self.drift, key=int)[: len(self.drift) - DRIFT_KEEP]:
                 del self.drift[k]
@@ -210,19 +230,36 @@ class Allowances:
         c = self.z_center
         return c.get(f"{engine}/{staleness}", c.get(str(staleness)))
 
+    def _borrowed(self, engine: str, staleness: int) -> tuple[float, int]:
+        """(centre, the staleness it was measured at): `calibrated_center`, else that of the nearest lower
+        staleness the run has measured, else (0, 0)."""
+        for s in range(staleness, -1, -1):
+            c = self.calibrated_center(engine, s)
+            if c is not None:
+                return c, s
+        return 0.0, 0
+
     def center(self, engine: str, staleness: int) -> float:
         """The centre a single group is judged against: `calibrated_center`, else that of the nearest lower
         staleness the run has measured (honest z only falls with staleness, so the borrowed centre errs
         towards 0), else 0."""
-        for s in range(staleness, -1, -1):
-            c = self.calibrated_center(engine, s)
-            if c is not None:
-                return c
-        return 0.0
+        return self._borrowed(engine, staleness)[0]
 
     def z_adj(self, ev: Any) -> float:
         """A group's z centred on what honest groups of its engine and staleness show."""
         return ev.z - self.center(ev.engine, ev.staleness)
+
+    def z_range(self, ev: Any) -> tuple[float, float]:
+        """The raw z an honest group with evidence `ev` shows, limit included: [centre − limit − drift,
+        centre + limit], where drift is what the steps between the centre's staleness and the group's can
+        do to its z (0 once its bucket is calibrated; module docstring, point 2)."""
+        limit = self.z_limit if self.z_limit is not None else math.inf
+        c, measured_at = self._borrowed(ev.engine, ev.staleness)
+        drift = 0.0
+        if ev.staleness > measured_at and ev.var_sum > 1e-12:
+            moved = self._cum(ev.staleness) - self._cum(measured_at)
+            drift = Z_DRIFT_MARGIN * moved * ev.tokens / math.sqrt(ev.var_sum)
+        return c - drift - limit, c + limit
 
     def to_metrics(self, max_staleness: int) -> dict[str, Any]:
         """The allowances in force, for the step's metrics (`calibration`)."""

@@ -228,7 +228,9 @@ def lp_gap_bound(staleness: int, s: CheckSettings | Allowances, engine: str = ""
 
 def judge(ev: GroupEvidence, s: CheckSettings | Allowances) -> str | None:
     """The drop reason of a group with evidence `ev` (`logprob_gap`, `implausible`), or None if it passes.
-    With `Allowances`, z is the drift-corrected, engine-centred z_adj (`pnyx.security.calibration`)."""
+    With `Allowances`, z must lie in the run's honest range (`Allowances.z_range`: centred on what honest
+    groups of its engine and staleness show, widened below by the drift the probe measured until that
+    bucket is calibrated; `pnyx.security.calibration`)."""
     from pnyx.security.calibration import allowances
 
     if ev.tokens == 0:
@@ -237,8 +239,10 @@ def judge(ev: GroupEvidence, s: CheckSettings | Allowances) -> str | None:
     gap = ev.gap
     if math.isnan(gap) or gap > a.gap_bound(ev.staleness, ev.engine):
         return "logprob_gap"
-    if a.z_limit is not None and not abs(a.z_adj(ev)) <= a.z_limit:
-        return "implausible"
+    if a.z_limit is not None:
+        low, high = a.z_range(ev)
+        if not low <= ev.z <= high:
+            return "implausible"
     return None
 
 

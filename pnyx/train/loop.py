@@ -308,7 +308,9 @@ class Trainer(TrainerSetup):
         out = r.checks.to_metrics(self.cfg.algorithm.max_staleness)
         out["groups"] = evidence_summary(r.stats.evidence, r.checks, r.stats.rejected)
         d = r.stats.drift
-        out["probe"] = None if d is None else {"drift": round(d[0], 6), "tokens": d[1], "held_out": d[2]}
+        out["probe"] = (
+            None if d is None else {"drift": round(d.a, 6), "tokens": d.tokens, "held_out": d.held_out}
+        )
         return out
 
     def _describe(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 
 from pnyx.protocol import layout
-from pnyx.security.calibration import Allowances, ProbeRow, choose_probe, derive
+from pnyx.security.calibration import Allowances, Drift, ProbeRow, choose_probe, derive
 from pnyx.security.checks import GroupEvidence, KeyEvidence, add_evidence
 from pnyx.train.key_ledger import KeyLedger
 from pnyx.train.ranking import Plan, ranked
@@ -173,7 +173,7 @@ class BatchPlanner(KeyLedger):
         rejected: Mapping[str, str] | None = None,
         evidence: Mapping[str, GroupEvidence] | None = None,
         allowances: Allowances | None = None,
-        drift: tuple[float, int, bool] | None = None,
+        drift: Drift | None = None,
         version: int | None = None,
     ) -> None:
         """Record that one step consumed these groups (each once). `groups` (the scored groups of those

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from pnyx.security.calibration import Allowances
+from pnyx.security.calibration import Allowances, Drift
 from pnyx.security.checks import CheckSettings, GroupEvidence, judge
 from pnyx.train.ingest import ScoredGroup
 from pnyx.train.losses import LossSettings, policy_terms, token_weights
@@ -290,7 +290,7 @@ def _probe_terms(
 
 def _drift(
     before: tuple[torch.Tensor, torch.Tensor], after: tuple[torch.Tensor, torch.Tensor], held_out: bool
-) -> tuple[float, int, bool] | None:
+) -> Drift | None:
     """Per model token (finite ones): mean |Δ log q|, the token count, and whether the rows were held out
     from the step (else they are the step's own rows, which the update moves further)."""
     (lp0, mask), (lp1, _) = before, after
@@ -299,7 +299,7 @@ def _drift(
     n = int(ok.sum())
     if n == 0:
         return None
-    return float(d[ok].abs().mean()), n, held_out
+    return Drift(float(d[ok].abs().mean()), n, held_out)
 
 
 def _evidence(

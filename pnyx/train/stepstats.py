@@ -11,6 +11,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from pnyx.security.calibration import Drift
 from pnyx.security.checks import GroupEvidence
 
 
@@ -47,7 +48,7 @@ class StepStats:
     step: their contribution was taken out of the gradient before the optimizer step."""
     undo_s: float = 0.0
     """Seconds spent removing rejected groups (a forward and backward of their rows; 0 when none)."""
-    drift: tuple[float, int, bool] | None = None
+    drift: Drift | None = None
     """The drift probe (with `checks`): per model token of its rows, the mean |log q_new − log q_old| from
     this step's update, the token count, and whether the rows were held out from the step
     (`pnyx.security.calibration`). None when no probe was taken."""
