@@ -66,12 +66,14 @@ def run_sync(cfg: Any, window: RewardWindow, budget_s: float, threads: int) -> d
     """The synchronous baseline: generate a batch with the current weights, then train on it, repeat."""
     import torch
 
-    from pnyx.config import resolve_env_kwargs, resolve_max_new_tokens, resolve_model_path
+    from pnyx.config import resolve_env_kwargs, resolve_max_new_tokens
     from pnyx.envs import get_env
     from pnyx.models import load_model, load_tokenizer
+    from pnyx.models.source import resolve_model_path
+    from pnyx.protocol.rules import is_zero_variance
     from pnyx.rollout.cohort import CohortSpec, generate_cohort
     from pnyx.rollout.engine import Engine
-    from pnyx.train.advantages import group_advantages, is_zero_variance
+    from pnyx.train.advantages import group_advantages
     from pnyx.train.ingest import ScoredGroup
     from pnyx.train.loop import loss_settings
     from pnyx.train.step import make_optimizer, train_step

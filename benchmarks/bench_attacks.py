@@ -1,7 +1,7 @@
 """The attack suite with figures (issue #15 item 5): honest workers beside each hostile one, through the real
 trainer, and one table of detection and false-positive rates and of whether training still improves.
 
-Each arm is one fresh run (`pnyx.security.arena.Arena`: a local-folder store, the real trainer in process,
+Each arm is one fresh run (`pnyx_harness.arena.Arena`: a local-folder store, the real trainer in process,
 the shipped tiny model on `arith`, the default trainer settings: 8 groups per step, G = 8). Every step two
 honest workers (`HonestWorker`: sample from the pinned follower's engine at the served version, skip
 zero-variance groups, sign) upload `--honest` groups each and the arm's attacker uploads its own, then the
@@ -106,7 +106,7 @@ def wilson(k: int, n: int) -> tuple[float, float]:
 
 
 def evaluation(arena: Any, tasks: int) -> dict[str, Any]:
-    from pnyx.security.attacks import PAYLOAD
+    from pnyx_harness.attacks import PAYLOAD
 
     rep = arena.evaluate(tasks, seed=0, examples=tasks)
     payload = sum(PAYLOAD.strip() in t for t in rep.examples)
@@ -170,8 +170,8 @@ def hostile_round(name: str, atk: Any, arena: Any, step: int, n: int, log: dict[
 
 
 def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    from pnyx.security.arena import BENIGN, TRAINED, Arena
-    from pnyx.security.attacks import HonestWorker
+    from pnyx_harness.arena import BENIGN, TRAINED, Arena
+    from pnyx_harness.attacks import HonestWorker
 
     overrides: dict[str, Any] = {"trainer": {"groups_per_step": 8}}
     if name == "poisoner_undefended":
@@ -243,7 +243,7 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 def detection(res: dict[str, Any]) -> tuple[int, float | None, str]:
     """(hostile items, detection rate, how it was measured) of one arm."""
-    from pnyx.security.arena import BENIGN, TRAINED
+    from pnyx_harness.arena import BENIGN, TRAINED
 
     log = res["log"]
     if res["arm"] == "weight_forger":
@@ -270,7 +270,7 @@ def improves(res: dict[str, Any]) -> bool:
 
 def curves(res: dict[str, Any]) -> dict[str, Any]:
     """The temperature liar's detection by completion length and by groups seen from its key."""
-    from pnyx.security.arena import BENIGN, TRAINED
+    from pnyx_harness.arena import BENIGN, TRAINED
 
     groups = [g for g in res["hostile_groups"] if g["verdict"] not in ("waiting",)]
 
@@ -325,8 +325,8 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def doubling(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """1 hostile worker (`args.doubling`) beside 2 honest ones, until held-out pass@1 doubles."""
-    from pnyx.security.arena import Arena
-    from pnyx.security.attacks import HonestWorker
+    from pnyx_harness.arena import Arena
+    from pnyx_harness.attacks import HonestWorker
 
     name = args.doubling
     t0 = time.perf_counter()

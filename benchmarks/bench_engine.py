@@ -17,7 +17,7 @@ Knows nothing about RL or the store.
     python benchmarks/bench_engine.py --episodes --threads 1 --clock cpu --batches 32 --prompt-len 32,256
     python benchmarks/bench_engine.py --logprob-gaps   # max |recorded - recomputed| per architecture
 
-`--logprob-gaps` is not a speed figure: for each tiny architecture of `pnyx.models.testing.TINY_ARCHS` (and
+`--logprob-gaps` is not a speed figure: for each tiny architecture of `pnyx_harness.models.TINY_ARCHS` (and
 Qwen3 on the fast path) it prints the largest gap between the engine's recorded logprobs and the trainer's
 `completion_logprobs` over 16 ragged prompts x 32 tokens, sampled (t=1; t=0.7, top-k 40, top-p 0.9) and
 in tool episodes on the KV cache (or re-prefilled where the model's cache cannot hold holes).
@@ -31,8 +31,9 @@ import time
 import torch
 
 from pnyx.models import model_from_config
-from pnyx.models.testing import build_tiny_tokenizer
-from pnyx.rollout.engine import Engine, SamplingParams
+from pnyx.rollout.engine import Engine
+from pnyx.rollout.sampling import SamplingParams
+from pnyx_harness.models import build_tiny_tokenizer
 
 CONFIGS: dict[str, dict] = {
     # The shape of `make_tiny_model_dir` (~0.16M parameters).
@@ -166,7 +167,7 @@ def bench_episodes(args) -> None:
 def bench_gaps() -> None:
     """Largest |recorded - recomputed| logprob per tiny architecture, plain sampling and tool episodes."""
     from pnyx.models import completion_logprobs
-    from pnyx.models.testing import TINY_ARCHS, tiny_arch_model
+    from pnyx_harness.models import TINY_ARCHS, tiny_arch_model
 
     tokenizer = build_tiny_tokenizer(512)
     texts = ["What is 12 + 7?", "hi", "<search>capital of France</search> The answer is", "Use 2, 3, 7, 9"]

@@ -91,8 +91,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from pnyx.models import load_tokenizer
-    from pnyx.rollout.engine import SamplingParams
     from pnyx.rollout.engines import make_engine
+    from pnyx.rollout.sampling import SamplingParams
     from pnyx.weights.manifest import read_manifest
 
     path = model_path(args.model)

@@ -119,7 +119,7 @@ def counting_store(store: Any) -> Any:
             finally:
                 count("LIST", max(1, math.ceil(n / 1000)))  # S3 returns at most 1,000 keys per LIST request
 
-    out = Store(Counting(), store.url, store.retry, local_path=store.local_path, reopenable=False)
+    out = Store(Counting(), store.url, store.retry, local_path=store.local_path)
     out.counts = counts
     return out
 

@@ -71,7 +71,7 @@ def run_hf(model, ids: torch.Tensor, n: int) -> None:
 
 def run_pnyx(engine, prompts: list[list[int]], n: int) -> None:
     """The pnyx engine: exactly `n` sampled tokens per row (t=1, no truncation, EOS ignored)."""
-    from pnyx.rollout.engine import SamplingParams
+    from pnyx.rollout.sampling import SamplingParams
 
     out = engine.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True, seed=0))
     if any(len(c.tokens) != n for c in out):
@@ -80,9 +80,9 @@ def run_pnyx(engine, prompts: list[list[int]], n: int) -> None:
 
 def bench_generate(cfg: dict, args, device: torch.device, dtype: str) -> None:
     from pnyx.models import model_from_config
-    from pnyx.models.testing import build_tiny_tokenizer
     from pnyx.rollout.decoder import fast_path_supported
     from pnyx.rollout.engine import Engine
+    from pnyx_harness.models import build_tiny_tokenizer
 
     model = model_from_config(cfg, dtype=dtype, device=str(device), seed=0)
     engine = Engine(model, build_tiny_tokenizer(512))

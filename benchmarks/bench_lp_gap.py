@@ -58,6 +58,7 @@ def main() -> None:
     from pnyx.models import load_model, load_tokenizer
     from pnyx.models.logprobs import completion_logprobs
     from pnyx.protocol import layout
+    from pnyx.protocol.rules import is_zero_variance
     from pnyx.rollout.cohort import CohortSpec, generate_cohort
     from pnyx.rollout.engine import Engine
     from pnyx.security.checks import (
@@ -70,7 +71,6 @@ def main() -> None:
         lp_gap_bound,
         quarantine_reason,
     )
-    from pnyx.train.advantages import is_zero_variance
     from pnyx.train.rescore import rescore
     from pnyx.train.settings import ingest_settings, loss_settings
     from pnyx.train.step import make_optimizer, measure_evidence, train_step

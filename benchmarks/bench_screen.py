@@ -33,8 +33,8 @@ def measure(path: str, tasks_n: int, group: int, candidates: int, threads: int) 
 
     from pnyx.envs.registry import get_env
     from pnyx.models import load_tokenizer, render_prompt
-    from pnyx.rollout.engine import SamplingParams
     from pnyx.rollout.engines import make_engine
+    from pnyx.rollout.sampling import SamplingParams
     from pnyx.rollout.screen import choose
 
     torch.set_num_threads(threads)

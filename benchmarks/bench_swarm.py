@@ -2,7 +2,7 @@
 
 Nodes know different things, so sharing has something to carry. Start checkpoints: the shipped tiny base
 model (2-digit + and -), and two "specialists" made from it by a short supervised fine-tune
-(`pnyx.swarm.experiment.specialize`, train split only) on 1-digit +/- (`pm1`) and on 1-digit * (`mul1`);
+(`pnyx_harness.swarm_experiment.specialize`, train split only) on 1-digit +/- (`pm1`) and on 1-digit * (`mul1`);
 a specialist learns its family and forgets 2-digit arithmetic. Eight nodes pair start checkpoints with
 local task families (`PLAN`): each family has a node that can solve it and a node that cannot.
 
@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pnyx.swarm.experiment import Family, NodeSpec, RoundRobin, heldout_reward, specialize  # noqa: E402
+from pnyx_harness.swarm_experiment import Family, NodeSpec, RoundRobin, heldout_reward, specialize  # noqa: E402
 
 FAMILIES = {
     "add2": Family("add2", "arith", {"digits": 2, "ops": ["+"]}),

@@ -2,7 +2,7 @@
 
 Node A starts able to solve a task family X; node B starts unable to. By default X is 1-digit + and -
 (`pm1`), which the shipped tiny model was never trained on. Both start checkpoints are made from the
-shipped model by a short supervised fine-tune on X (`pnyx.swarm.experiment.mechanism_starts`, train split
+shipped model by a short supervised fine-tune on X (`pnyx_harness.swarm_experiment.mechanism_starts`, train split
 only): A on the right answers (`--a-steps`), B on answers off by one (`--b-start off1`, `--b-steps`): a
 deliberately damaged checkpoint with A's answer format and a wrong rule (held-out reward about 0.03).
 `--b-start base` starts B from the shipped model itself instead (it answers 1-digit problems with 2-3 digit
@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pnyx.swarm.experiment import Family, mechanism_starts, transfer_run  # noqa: E402
+from pnyx_harness.swarm_experiment import Family, mechanism_starts, transfer_run  # noqa: E402
 
 FAMILIES = {
     "add3": Family("add3", "arith", {"digits": 3, "ops": ["+"]}),

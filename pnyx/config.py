@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, ValidationError
 
@@ -164,14 +164,14 @@ def to_toml(cfg: PnyxConfig) -> str:
     """The resolved config as TOML (None values omitted, since TOML has no null)."""
     import tomli_w
 
-    def drop_none(d: Any) -> Any:
+    def drop_none(d: object) -> object:
         if isinstance(d, dict):
             return {k: drop_none(v) for k, v in d.items() if v is not None}
         if isinstance(d, tuple | list):
             return [drop_none(v) for v in d]
         return d
 
-    return tomli_w.dumps(drop_none(cfg.model_dump(mode="json")))
+    return tomli_w.dumps(cast(dict[str, object], drop_none(cfg.model_dump(mode="json"))))
 
 
 # --- derived values, computed in one place ----------------------------------------------------------
@@ -180,20 +180,6 @@ def to_toml(cfg: PnyxConfig) -> str:
 def shipped_model_path() -> Path:
     """The tiny base model that ships inside the package."""
     return Path(__file__).parent / "assets" / "tiny-base"
-
-
-def resolve_model_source(cfg: PnyxConfig) -> Any:
-    """The configured model (`model.path`, `model.revision`; unset: the shipped tiny model) as a resolved
-    `pnyx.models.source.ModelSource`: a hub id is downloaded (online) or found in the cache, a GGUF file
-    converted once. Raises ModelNotFoundError or ConfigError with what to do."""
-    from pnyx.models.source import resolve_source
-
-    return resolve_source(cfg.model.path, cfg.model.revision)
-
-
-def resolve_model_path(cfg: PnyxConfig) -> Path:
-    """The local folder of the configured model (see `resolve_model_source`)."""
-    return resolve_model_source(cfg).folder
 
 
 def resolve_env_kwargs(cfg: PnyxConfig) -> dict[str, Any]:
@@ -213,7 +199,7 @@ def resolve_env_kwargs(cfg: PnyxConfig) -> dict[str, Any]:
     return kwargs
 
 
-def resolve_max_new_tokens(configured: int | None, env: Any) -> int:
+def resolve_max_new_tokens(configured: int | None, env: object) -> int:
     """The generation budget per turn: the configured `worker.max_new_tokens`, else the environment's own
     (`env.max_new_tokens`). The trainer stores the result in run.json, so workers and the trainer's
     Dr.GRPO normaliser use one number."""

@@ -29,7 +29,7 @@ from typing import Any
 
 from pnyx.protocol import layout
 
-log = logging.getLogger("pnyx.security.arena")
+log = logging.getLogger("pnyx_harness.arena")
 
 BENIGN = frozenset({"zero_variance", "stale"})
 """Drop reasons that say nothing about honesty: a group every sample of which got the same reward, and one
@@ -92,10 +92,10 @@ class Arena:
         from pnyx.config import load_config
         from pnyx.models import load_tokenizer
         from pnyx.rollout.engines import make_engine
-        from pnyx.security.trust import run_verifier
         from pnyx.store import open_store
         from pnyx.train.loop import Trainer
         from pnyx.weights.syncer import Syncer
+        from pnyx.weights.trust import run_verifier
 
         torch.set_num_threads(int(os.environ.get("PNYX_ARENA_THREADS", "1")))
         self.root = Path(self.root)

@@ -48,8 +48,8 @@ import msgspec
 
 from pnyx.protocol import layout
 from pnyx.protocol.codec import encode_group
-from pnyx.security.arena import Arena, Upload
 from pnyx.security.signing import Signer
+from pnyx_harness.arena import Arena, Upload
 
 MADE_UP_LOGPROB = -0.05
 """The copier's claimed logprob of every token (a confident-looking number it never computed)."""

@@ -123,9 +123,7 @@ class FaultyStore(Store):
         sleep: Callable[[float], None] = time.sleep,
     ):
         self._faults = FaultyBackend(inner._backend, sleep=sleep)
-        super().__init__(
-            self._faults, inner.url, retry or inner.retry, local_path=inner.local_path, reopenable=False
-        )
+        super().__init__(self._faults, inner.url, retry or inner.retry, local_path=inner.local_path)
         self._faults.remaining = fail_next
         self._faults.predicate = fail_when
         self._faults.kind = kind

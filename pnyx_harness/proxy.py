@@ -26,7 +26,7 @@ faults by kind (`fault:<kind>`), so a benchmark can print store requests per con
 
 Pure Python (`http.server` threads + `http.client`), no dependency; signatures pass through untouched
 (the Host header is forwarded as the client sent it). Knows nothing about pnyx keys. Also a command:
-`python -m pnyx.store.proxy --upstream http://127.0.0.1:5000 --error-rate 0.05 ...` prints its URL and
+`python -m pnyx_harness.proxy --upstream http://127.0.0.1:5000 --error-rate 0.05 ...` prints its URL and
 serves until Ctrl-C.
 """
 
@@ -297,9 +297,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m pnyx.store.proxy --upstream URL [...]`: serve until Ctrl-C."""
+    """`python -m pnyx_harness.proxy --upstream URL [...]`: serve until Ctrl-C."""
     ap = argparse.ArgumentParser(
-        prog="python -m pnyx.store.proxy", description=(__doc__ or "").split("\n\n")[0]
+        prog="python -m pnyx_harness.proxy", description=(__doc__ or "").split("\n\n")[0]
     )
     ap.add_argument("--upstream", required=True, help="the S3 API endpoint, http://host:port")
     ap.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")

@@ -181,7 +181,7 @@ def heldout_reward(
     """
     from pnyx.models import render_prompt
     from pnyx.rollout.cohort import sample_env
-    from pnyx.rollout.engine import SamplingParams
+    from pnyx.rollout.sampling import SamplingParams
 
     picked = env.sample("test", 10_000 + seed, tasks)
     rows = [t for t in picked for _ in range(samples)]

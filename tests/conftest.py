@@ -167,7 +167,7 @@ def store_url(request, tmp_path) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Qwen2 model and a real tokenizer in Hugging Face layout (made once per session)."""
-    from pnyx.models.testing import make_tiny_model_dir
+    from pnyx_harness.models import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
 

@@ -54,7 +54,7 @@ def torchrun_cmd(nproc: int, *args: str) -> list[str]:
 
 def child_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    for k in ("PNYX_TEST_CRASH_AT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(k, None)
     return env | extra
 

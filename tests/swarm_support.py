@@ -79,7 +79,7 @@ ROUNDS = 4
 
 def make_swarm_env(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """(model dir, environment for the node processes): a tiny model, and the `swarm_len` hook on the path."""
-    from pnyx.models.testing import make_tiny_model_dir
+    from pnyx_harness.models import make_tiny_model_dir
 
     root = tmp_path_factory.mktemp("swarm-proc")
     model = make_tiny_model_dir(root / "model", vocab=400, seed=3)

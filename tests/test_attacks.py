@@ -1,8 +1,8 @@
 """The attack suite, once per attack, against the real trainer (in process) of a real run in a tmp folder:
 every hostile group must be rejected with the expected reason (read from the trainer's own cursor), every
 honest group beside it kept, forged weights refused by a real pinned follower, and the trainer must keep
-publishing through squatted versions. Hostile workers: `pnyx.security.attacks`; the arena:
-`pnyx.security.arena`.
+publishing through squatted versions. Hostile workers: `pnyx_harness.attacks`; the arena:
+`pnyx_harness.arena`.
 
 The checks of issue #15 items 3-4 (logprob gap, token plausibility, quarantine, per-key caps) catch all
 but one: a Sybil temperature liar (a fresh key per group) is `xfail(strict=True)` with the reason; once a
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from pnyx.security import attacks as A
-from pnyx.security.arena import BENIGN, TRAINED, Arena
+from pnyx_harness.arena import BENIGN, TRAINED, Arena
 
 SYBIL_LIAR = (
     "a temperature liar's single group (arith: ~40 model tokens) passes the per-group plausibility test "

@@ -32,7 +32,7 @@ from worker_support import start, wait_for, worker_command
 
 from pnyx.protocol import decode_group, layout
 from pnyx.store import open_store
-from pnyx.store.proxy import FaultProxy, Faults
+from pnyx_harness.proxy import FaultProxy, Faults
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 

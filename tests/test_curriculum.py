@@ -96,7 +96,7 @@ class SkillEngine:
         self.tokenizer, self.skill, self.rng = tokenizer, skill, random.Random(0)
 
     def generate(self, prompt_ids, params):
-        from pnyx.rollout.engine import Completion
+        from pnyx.rollout.sampling import Completion
 
         out = []
         for ids in prompt_ids:

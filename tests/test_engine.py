@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pnyx.models import completion_logprobs, load_model, load_tokenizer
-from pnyx.rollout.engine import Engine, SamplingParams
+from pnyx.rollout.engine import Engine
+from pnyx.rollout.sampling import SamplingParams
 
 torch.set_num_threads(1)
 
@@ -193,7 +194,7 @@ def test_cuda_sampled_logprobs_equal_recompute(tiny_model_dir, tokenizer, prompt
 
 def test_weights_loaded_in_place_after_fusing_are_used(tiny_model_dir, tokenizer, prompts, tmp_path):
     # The fast path stacks q/k/v and gate/up; a worker swapping weights with load_state_dict must see them.
-    from pnyx.models.testing import make_tiny_model_dir
+    from pnyx_harness.models import make_tiny_model_dir
 
     model = load_model(tiny_model_dir)
     engine = Engine(model, tokenizer)
@@ -220,7 +221,7 @@ def test_replaced_parameter_is_used_not_a_stale_fused_copy(tiny_model_dir, token
 
 @pytest.mark.parametrize("stop", ["é a", "</answer>", "🙂"], ids=["accent", "tag", "emoji"])
 def test_stop_matcher_fires_first_at_the_token_completing_a_multibyte_stop(tokenizer, stop):
-    from pnyx.rollout.engine import StopMatcher
+    from pnyx.rollout.sampling import StopMatcher
 
     tokens = tokenizer.encode("un café au lait <answer>7</answer> 🙂 fin", add_special_tokens=False)
     first = next(k for k in range(1, len(tokens) + 1) if stop in tokenizer.decode(tokens[:k]))

@@ -1,6 +1,6 @@
 """The generic engine path on architectures beyond the Llama family, and the Qwen3 fast path.
 
-Tiny random models (`pnyx.models.testing.tiny_arch_model`) of Qwen3, Gemma3, Gemma2, LFM2, SmolLM3 and
+Tiny random models (`pnyx_harness.models.tiny_arch_model`) of Qwen3, Gemma3, Gemma2, LFM2, SmolLM3 and
 Phi3 with the real tiny tokenizer: greedy tokens equal `model.generate`, recorded logprobs equal the
 trainer's recompute, rows leaving the batch do not change the others, and tool turns either reuse the
 KV cache exactly or (sliding windows, conv layers) fall back to re-prefilling.
@@ -13,9 +13,10 @@ import torch
 
 from pnyx.errors import ConfigError
 from pnyx.models import completion_logprobs
-from pnyx.models.testing import TINY_ARCHS, build_tiny_tokenizer, tiny_arch_model
 from pnyx.rollout.decoder import fast_path_supported, left_pad, open_session
-from pnyx.rollout.engine import Engine, SamplingParams
+from pnyx.rollout.engine import Engine
+from pnyx.rollout.sampling import SamplingParams
+from pnyx_harness.models import TINY_ARCHS, build_tiny_tokenizer, tiny_arch_model
 
 torch.set_num_threads(1)
 

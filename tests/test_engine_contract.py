@@ -19,8 +19,8 @@ import torch
 
 from pnyx.errors import IntegrityError
 from pnyx.models import completion_logprobs, load_model, load_tokenizer, render_prompt
-from pnyx.rollout.engine import SamplingParams
 from pnyx.rollout.engines import make_engine
+from pnyx.rollout.sampling import SamplingParams
 from pnyx.store import open_store
 from pnyx.weights import Publisher, Syncer
 from pnyx.weights.manifest import read_manifest

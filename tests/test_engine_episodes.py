@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pnyx.models import completion_logprobs, load_model, load_tokenizer
-from pnyx.rollout.engine import Engine, SamplingParams
+from pnyx.rollout.engine import Engine
+from pnyx.rollout.sampling import SamplingParams
 
 torch.set_num_threads(1)
 

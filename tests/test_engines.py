@@ -15,9 +15,9 @@ import torch
 
 from pnyx.errors import ConfigError, IntegrityError
 from pnyx.models import load_model, load_tokenizer, render_prompt, sampling_logprobs
-from pnyx.rollout.engine import SamplingParams
 from pnyx.rollout.engines import check_engine, make_engine
 from pnyx.rollout.engines.base import changed_names, prove
+from pnyx.rollout.sampling import SamplingParams
 from pnyx.store import open_store
 from pnyx.weights import Publisher, Syncer
 from pnyx.weights.bits import TensorBits

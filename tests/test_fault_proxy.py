@@ -12,7 +12,7 @@ from conftest import make_bucket
 
 from pnyx.errors import ConfigError, StoreUnavailableError
 from pnyx.store import RetryPolicy, open_store
-from pnyx.store.proxy import FaultProxy, Faults
+from pnyx_harness.proxy import FaultProxy, Faults
 
 pytestmark = pytest.mark.s3
 

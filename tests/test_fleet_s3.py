@@ -79,7 +79,8 @@ def fleet_model(tmp_path_factory) -> Path:
     import torch
 
     from pnyx.envs import get_env
-    from pnyx.models import load_model, load_tokenizer, make_tiny_model_dir, render_prompt
+    from pnyx.models import load_model, load_tokenizer, render_prompt
+    from pnyx_harness.models import make_tiny_model_dir
 
     torch.set_num_threads(1)
     path = make_tiny_model_dir(tmp_path_factory.mktemp("fleet-model"))

@@ -8,8 +8,8 @@ import torch
 from worker_support import make_run, rollout_groups
 
 from pnyx.config import load_config
+from pnyx.protocol.runfile import read_run
 from pnyx.store import open_store
-from pnyx.train.bootstrap import read_run
 from pnyx.train.loop import Trainer
 
 pytestmark = pytest.mark.timeout(120)

@@ -14,7 +14,8 @@ import torch
 
 from pnyx.models import completion_logprobs, load_model, load_tokenizer
 from pnyx.rollout.decoder import left_pad
-from pnyx.rollout.engine import Engine, SamplingParams
+from pnyx.rollout.engine import Engine
+from pnyx.rollout.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -210,7 +210,7 @@ def test_groups_from_int8_plane_workers_match_a_published_digest():
 
 
 def counting(store):
-    from pnyx.store.faults import FaultyStore
+    from pnyx_harness.faults import FaultyStore
 
     return FaultyStore(store)
 

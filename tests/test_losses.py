@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pnyx.errors import ConfigError
-from pnyx.train.advantages import group_advantages, is_zero_variance
+from pnyx.protocol.rules import is_zero_variance
+from pnyx.train.advantages import group_advantages
 from pnyx.train.losses import (
     LossSettings,
     aggregate,

@@ -14,12 +14,11 @@ import torch
 
 from pnyx.config import load_config
 from pnyx.errors import ConfigError
-from pnyx.models import make_tiny_model_dir
-from pnyx.models.testing import make_hub_cache
+from pnyx.protocol.runfile import read_run
 from pnyx.rollout.worker import Worker, WorkerOptions
 from pnyx.store import open_store
-from pnyx.train.bootstrap import read_run
 from pnyx.train.loop import Trainer
+from pnyx_harness.models import make_hub_cache, make_tiny_model_dir
 
 torch.set_num_threads(1)
 

@@ -15,9 +15,9 @@ import torch
 import xxhash
 
 from pnyx.errors import ConfigError, ModelNotFoundError
-from pnyx.models import fingerprint, load_model, load_tokenizer, make_tiny_model_dir, render_prompt
+from pnyx.models import fingerprint, load_model, load_tokenizer, render_prompt
 from pnyx.models.source import resolve_source
-from pnyx.models.testing import make_hub_cache, write_gguf
+from pnyx_harness.models import make_hub_cache, make_tiny_model_dir, write_gguf
 
 torch.set_num_threads(1)
 

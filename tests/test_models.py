@@ -80,7 +80,7 @@ def test_model_from_config_is_seeded():
 
 
 def test_make_tiny_model_dir_is_deterministic(tiny_model_dir, tmp_path):
-    from pnyx.models.testing import make_tiny_model_dir
+    from pnyx_harness.models import make_tiny_model_dir
 
     again = make_tiny_model_dir(tmp_path / "again")
     assert (again / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()

@@ -10,8 +10,8 @@ import pytest
 from ingest_support import make_group, make_ingestor, put
 
 from pnyx.store import RetryPolicy, open_store
-from pnyx.store.faults import FaultyStore
 from pnyx.train.prefetch import Prefetcher
+from pnyx_harness.faults import FaultyStore
 
 
 def wait_until(cond, timeout_s: float = 10.0) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pnyx.envs import get_env
-from pnyx.rollout.engine import SamplingParams
+from pnyx.rollout.sampling import SamplingParams
 from pnyx.rollout.screen import Screen, informative
 
 PARAMS = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=16, stop=["</answer>"])

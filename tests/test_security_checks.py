@@ -465,9 +465,9 @@ def test_trainer_drops_a_logprob_liar_quarantines_its_key_and_keeps_it_across_a_
     the checkpoint, and a resumed trainer never downloads that key's later groups."""
     from train_support import WORKER_SIGNER, make_trainer, write_groups
 
-    from pnyx.models import make_tiny_model_dir
     from pnyx.protocol.codec import decode_group
     from pnyx.train import checkpoint
+    from pnyx_harness.models import make_tiny_model_dir
 
     model_dir = make_tiny_model_dir(tmp_path / "model")
     url = str(tmp_path / "run")
@@ -585,7 +585,8 @@ def test_keys_under_the_flood_limit_are_not_quarantined(tmp_path):
 
 def test_flood_limit_defaults_to_twice_what_a_version_can_feed_and_workers_stop_at_half():
     from pnyx.config import load_config
-    from pnyx.train.settings import flood_limit, ingest_settings, worker_version_cap
+    from pnyx.protocol.rules import flood_limit, worker_version_cap
+    from pnyx.train.settings import ingest_settings
 
     cfg = load_config(overrides={"trainer": {"groups_per_step": 8}, "algorithm": {"max_staleness": 3}})
     assert flood_limit(cfg) == 64 and ingest_settings(cfg).flood_limit == 64

@@ -18,12 +18,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pnyx.errors import ConfigError, FencedError, IntegrityError
 from pnyx.protocol import layout
 from pnyx.security.signing import Signer, Verifier
-from pnyx.security.trust import check_trainer_key, pin_trainer, trainer_key_record
 from pnyx.store import open_store
 from pnyx.train.bootstrap import init_run
 from pnyx.weights.manifest import latest_version, read_manifest
 from pnyx.weights.publisher import Publisher
 from pnyx.weights.syncer import Syncer
+from pnyx.weights.trust import check_trainer_key, pin_trainer, trainer_key_record
 
 RUN = "run-sec"
 

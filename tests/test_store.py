@@ -17,8 +17,8 @@ from pnyx.errors import (
     UnsupportedError,
 )
 from pnyx.store import IfMatch, RetryPolicy, Store, open_store
-from pnyx.store.faults import FaultyStore
 from pnyx.store.retry import call_with_retry
+from pnyx_harness.faults import FaultyStore
 
 
 class FakeClock:

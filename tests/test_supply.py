@@ -11,8 +11,8 @@ import pytest
 from pnyx.protocol import Demand, Heartbeat, decode_json, encode_json, layout
 from pnyx.rollout.throttle import Throttle
 from pnyx.store import RetryPolicy, open_store
-from pnyx.store.faults import FaultyStore
 from pnyx.train.supply import DemandPublisher, supply_report
+from pnyx_harness.faults import FaultyStore
 
 B = 8
 

@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def model_a(tmp_path_factory):
-    from pnyx.models.testing import make_tiny_model_dir
+    from pnyx_harness.models import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("model_a"), vocab=512, seed=0)
 
@@ -31,7 +31,7 @@ def model_a(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model_b(tmp_path_factory):
     """A peer with a different tokenizer (another vocabulary size, so other merges and ids)."""
-    from pnyx.models.testing import make_tiny_model_dir
+    from pnyx_harness.models import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("model_b"), vocab=400, seed=1)
 

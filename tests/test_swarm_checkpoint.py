@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def model_a(tmp_path_factory):
-    from pnyx.models.testing import make_tiny_model_dir
+    from pnyx_harness.models import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("model_a"), vocab=512, seed=0)
 
@@ -85,7 +85,7 @@ def test_resume_refetches_pending_foreign_groups_and_skips_used_ones(model_a):
 
 
 def test_checkpoint_of_another_model_is_refused_with_a_way_out(model_a, tmp_path):
-    from pnyx.models.testing import make_tiny_model_dir
+    from pnyx_harness.models import make_tiny_model_dir
 
     other = make_tiny_model_dir(tmp_path / "other", vocab=400, seed=1)
     store = open_store("memory://")

@@ -38,7 +38,7 @@ MARGIN = 0.1
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from pnyx.config import shipped_model_path
-    from pnyx.swarm.experiment import Family, mechanism_starts
+    from pnyx_harness.swarm_experiment import Family, mechanism_starts
 
     torch.set_num_threads(1)
     family = Family("pm1", "arith", {"digits": 1, "ops": ["+", "-"]})
@@ -52,7 +52,7 @@ def setup(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_node_lacking_a_skill_learns_it_while_training_on_a_peers_groups(setup):
-    from pnyx.swarm.experiment import transfer_run
+    from pnyx_harness.swarm_experiment import transfer_run
 
     root, family, able, damaged = setup
     overrides = {

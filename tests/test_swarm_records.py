@@ -99,7 +99,7 @@ def test_segments_with_tool_text_are_not_trained():
 
 
 def test_char_ends_cover_the_decoded_text(tmp_path):
-    from pnyx.models.testing import build_tiny_tokenizer
+    from pnyx_harness.models import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer(400)
     text = "<answer>größe 42 ✓</answer>"

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_status_command_shows_swarm_nodes(tmp_path):
-    from pnyx.models.testing import make_tiny_model_dir
+    from pnyx_harness.models import make_tiny_model_dir
 
     model = make_tiny_model_dir(tmp_path / "model", vocab=512, seed=0)
     url = str(tmp_path / "swarm")

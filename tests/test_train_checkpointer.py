@@ -7,14 +7,13 @@ number of ranks (DCP reshards).
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 import dist_support as ds
 import pytest
 import torch
 
-from pnyx.errors import ConfigError, IntegrityError
+from pnyx.errors import IntegrityError
 from pnyx.store import open_store
 from pnyx.train import checkpoint, checkpointer
 from pnyx.train.checkpointer import Checkpointer
@@ -25,7 +24,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from pnyx.models import make_tiny_model_dir
+    from pnyx_harness.models import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-ckpt"))
 
@@ -102,12 +101,18 @@ def test_a_corrupt_checkpoint_part_is_refused(tmp_path, model_dir):
         ck.load(1, *ds.tiny_trainer_state(str(model_dir), Dist.single()))
 
 
-def test_a_legacy_single_object_checkpoint_is_refused_under_several_ranks(tmp_path):
-    from pnyx.train.resume import load_checkpoint
-
-    stand_in = types.SimpleNamespace(dist=Dist(rank=0, world=2))  # only the rank count matters here
-    with pytest.raises(ConfigError, match="resume once with one process"):
-        load_checkpoint(stand_in, checkpointer.Stored(5, "legacy", True))
+def test_only_sharded_checkpoint_folders_are_listed(tmp_path):
+    """An old one-object `ckpt-V.pt` is not a checkpoint any more; a folder counts once it has its commit."""
+    store = open_store(str(tmp_path / "run"))
+    store.put("trainer/ckpt-00000001.pt", b"old", mode="overwrite")
+    store.put("trainer/ckpt-00000002/r00000-000.p00000", b"part", mode="overwrite")
+    store.put("trainer/ckpt-00000003/r00000-000.p00000", b"part", mode="overwrite")
+    store.put(f"trainer/ckpt-00000003/{checkpointer.COMMIT}", b"{}", mode="overwrite")
+    assert checkpointer.list_checkpoints(store) == [
+        checkpointer.Stored(2, False),
+        checkpointer.Stored(3, True),
+    ]
+    assert [s.version for s in checkpointer.committed(store)] == [3]
 
 
 @pytest.mark.slow

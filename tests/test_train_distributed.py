@@ -25,9 +25,9 @@ import torch
 from train_support import batches, make_trainer, overrides, prepared_run, run_toml
 from worker_support import start, worker_command
 
+from pnyx.protocol.runfile import read_run
 from pnyx.store import open_store
 from pnyx.train import checkpoint
-from pnyx.train.bootstrap import read_run
 from pnyx.weights import Syncer, latest_version, read_manifest, verify_chain
 
 pytestmark = pytest.mark.slow
@@ -35,10 +35,11 @@ torch.set_num_threads(1)
 
 
 def torchrun(url: str, cfg, nproc: int, crash: str | None = None, *extra: str) -> subprocess.CompletedProcess:
-    env = ds.child_env(**({"PNYX_TEST_CRASH_AT": crash} if crash else {}))
+    hook = ["--crash-at", crash] if crash else []
     cmd = ds.torchrun_cmd(
-        nproc, "-m", "pnyx", "trainer", "--store", url, "--config", str(cfg), "--resume", *extra
+        nproc, "-m", "pnyx_harness.trainer", *hook, "--store", url, "--config", str(cfg), "--resume", *extra
     )
+    env = ds.child_env()
     return subprocess.run(cmd, env=env, cwd=ds.REPO, capture_output=True, text=True, timeout=600)
 
 
@@ -90,14 +91,14 @@ def test_torchrun_trains_with_a_worker_and_one_process_replays_it_within_toleran
     assert len(used) == len(set(used)) == 6
 
     one = make_trainer(url, model_dir, resume=True, **fleet)
-    one._load()
+    one.load_model_and_parts()
     one.manifest = read_run(store)
     one.ingestor.run_id = one.manifest.run_id
     for v in (1, 2, 3):
         rec = checkpoint.read_batch_record(store, v)
-        batch = one._batch(rec, one._load_recorded(rec))
+        batch = one.make_batch(rec, one.load_recorded(rec))
         one.version = v - 1
-        stats = one._train(batch)
+        stats = one.train_batch(batch)
         assert stats.loss == pytest.approx(metrics[v - 1]["loss"], rel=1e-4, abs=1e-7)
         assert stats.tokens == metrics[v - 1]["tokens"]
         _, published = Syncer(store).sync(to_version=v)

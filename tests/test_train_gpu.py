@@ -14,9 +14,9 @@ import pytest
 import torch
 from train_support import batches, make_trainer, prepared_run, run_toml, write_groups
 
+from pnyx.protocol.runfile import read_run
 from pnyx.store import open_store
 from pnyx.train import checkpoint
-from pnyx.train.bootstrap import read_run
 from pnyx.weights import Syncer, latest_version, verify_chain
 
 pytestmark = pytest.mark.gpu
@@ -61,13 +61,13 @@ def test_fsdp2_on_two_gpus_matches_one_gpu_replaying_the_same_batches(tmp_path, 
     assert len({k for b in batches(store, 3) for k in b}) == 6
 
     one = make_trainer(url, model_dir, resume=True, trainer__device="cuda")
-    one._load()
+    one.load_model_and_parts()
     one.manifest = read_run(store)
     one.ingestor.run_id = one.manifest.run_id
     for v in (1, 2, 3):
         rec = checkpoint.read_batch_record(store, v)
         one.version = v - 1
-        stats = one._train(one._batch(rec, one._load_recorded(rec)))
+        stats = one.train_batch(one.make_batch(rec, one.load_recorded(rec)))
         assert stats.loss == pytest.approx(metrics[v - 1]["loss"], rel=2e-2, abs=1e-4)
         _, published = Syncer(store).sync(to_version=v)
         mine = one.publish_tensors()

@@ -1,9 +1,9 @@
 """The trainer loop end to end on a tiny model: bootstrap, fencing, steps, metrics, resume, kill -9.
 
 Rollouts come from a scripted worker (fixed right/wrong answers, behaviour logprobs from the model), so
-the trainer is the only thing under test. The kill tests run `python -m pnyx.train` in real processes and
-SIGKILL them at the loop's test hook (PNYX_TEST_CRASH_AT), then resume and compare with an uninterrupted
-run: same batches per version, same final weight bits, a chain that verifies.
+the trainer is the only thing under test. The kill tests run the trainer in real processes and SIGKILL
+them at a named point of a step (`python -m pnyx_harness.trainer --crash-at`), then resume and compare
+with an uninterrupted run: same batches per version, same final weight bits, a chain that verifies.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from pnyx.models import make_tiny_model_dir
+    from pnyx_harness.models import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-loop"))
 
@@ -42,7 +42,7 @@ def model_dir(tmp_path_factory) -> Path:
 def test_start_writes_run_json_and_publishes_v0_anchor(tmp_path, model_dir):
     t = make_trainer(str(tmp_path / "run"), model_dir)
     t.start()
-    from pnyx.train.bootstrap import read_run
+    from pnyx.protocol.runfile import read_run
 
     run = read_run(t.store)
     assert run.model["vocab_size"] == t.model.config.vocab_size and run.model["tokenizer_digest"]
@@ -257,20 +257,24 @@ def test_replay_uses_the_recorded_rate_even_when_the_step_budget_changes(tmp_pat
         assert torch.equal(again.model.state_dict()[k], v), k
 
 
-def test_a_legacy_single_object_checkpoint_resumes_in_one_process(tmp_path, model_dir):
+def test_an_old_single_object_checkpoint_is_ignored_and_the_run_resumes_from_its_batch_records(
+    tmp_path, model_dir
+):
+    """Runs from before sharded checkpoints may hold `trainer/ckpt-V.pt`: it is no longer read; the batch
+    records replay the run from v0 to the same bits."""
+    from pnyx.protocol import layout
+
     url = str(tmp_path / "run")
     t = make_trainer(url, model_dir)
     t.start()
     write_groups(t.store, model_dir, 0, 6)
     t.step()
-    checkpoint.save_checkpoint(
-        t.store, 1, t.model, t.optimizer, t.ingestor.cursor.to_json(), {"run_id": t.manifest.run_id}
-    )
     t.step()
-    t.store.delete(checkpoint.batch_key(1))  # only the legacy checkpoint can bring back v1 now
+    t.store.put(layout.trainer_key("ckpt-00000001.pt"), b"an old torch.save object", mode="overwrite")
     again = make_trainer(url, model_dir, resume=True)
     again.start()
-    assert again.version == 2 and again.last_checkpoint == 1
+    assert again.version == 2 and again.last_checkpoint is None
+    assert again.ingestor is not None and t.ingestor is not None
     assert again.ingestor.cursor.uses == t.ingestor.cursor.uses
     for k, v in t.model.state_dict().items():
         assert torch.equal(again.model.state_dict()[k], v), k
@@ -292,11 +296,20 @@ def test_kl_to_the_reference_is_reported_and_its_logprobs_are_prefetched(tmp_pat
 
 def _subprocess(url: str, cfg_path: Path, crash: str | None, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    env.pop("PNYX_TEST_CRASH_AT", None)
-    if crash:
-        env["PNYX_TEST_CRASH_AT"] = crash
+    hook = ["--crash-at", crash] if crash else []
     return subprocess.run(
-        [sys.executable, "-m", "pnyx.train", "--store", url, "--config", str(cfg_path), "--resume", *extra],
+        [
+            sys.executable,
+            "-m",
+            "pnyx_harness.trainer",
+            *hook,
+            "--store",
+            url,
+            "--config",
+            str(cfg_path),
+            "--resume",
+            *extra,
+        ],  # fmt: skip
         env=env,
         cwd=REPO,
         capture_output=True,

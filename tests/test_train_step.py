@@ -17,7 +17,8 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from pnyx.models import load_model, load_tokenizer, make_tiny_model_dir
+    from pnyx.models import load_model, load_tokenizer
+    from pnyx_harness.models import make_tiny_model_dir
 
     d = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-step"))
     return load_model(d), load_tokenizer(d)

@@ -1,7 +1,7 @@
 """A real trainer process is never silent and stops promptly, whatever it is doing, and resumes exactly.
 
 The run holds a backlog of zero-variance groups (worthless: every sample got the same reward) ranked
-before six good ones, and every fetch is slowed by the test hook PNYX_TEST_INGEST_DELAY_S, so the trainer
+before six good ones, and every fetch is slowed by `python -m pnyx_harness.trainer --ingest-delay-s`, so the trainer
 spends a long time ingesting before it can step. The first process is SIGTERMed in the middle of that
 ingestion; the second resumes, steps three times on the good groups, then waits for data that never comes
 and is SIGTERMed while waiting. Throughout, no two of its log lines are more than 10 s apart.
@@ -37,7 +37,7 @@ STOP_WITHIN_S = 10.0
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from pnyx.models import make_tiny_model_dir
+    from pnyx_harness.models import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-liveness"))
 
@@ -69,14 +69,14 @@ def write_zero_variance_backlog(store, model_dir: Path, n: int) -> None:
 
 
 class Trainer:
-    """`python -m pnyx.train --resume` with its stderr lines timestamped as they arrive."""
+    """`python -m pnyx_harness.trainer --ingest-delay-s X ... --resume` with its stderr lines timestamped as
+    they arrive."""
 
     def __init__(self, url: str, cfg: Path, delay_s: float):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        env["PNYX_TEST_INGEST_DELAY_S"] = str(delay_s)
-        env.pop("PNYX_TEST_CRASH_AT", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pnyx.train", "--store", url, "--config", str(cfg), "--resume"],
+            [sys.executable, "-m", "pnyx_harness.trainer", "--ingest-delay-s", str(delay_s), "--store", url,
+             "--config", str(cfg), "--resume"],
             env=env, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
         )  # fmt: skip
         self.lines: list[tuple[float, str]] = []

@@ -25,9 +25,9 @@ from worker_support import TinyRun, make_run
 
 from pnyx.errors import UntrustedWeightsError
 from pnyx.protocol import RunManifest, encode_json, layout
+from pnyx.protocol.runfile import read_run
 from pnyx.security.signing import Signer
 from pnyx.store import open_store
-from pnyx.train.bootstrap import read_run
 from pnyx.weights import Publisher, read_manifest
 
 FORGED_STATE = 77  # the seed of the forger's weights (TinyRun.state): not any version the trainer made

@@ -128,7 +128,7 @@ def test_corrupted_newer_version_is_never_used(tmp_path, tiny_model_dir):
 
 def test_store_outage_spools_groups_and_uploads_all_after_recovery(tmp_path, tiny_model_dir):
     from pnyx.store import RetryPolicy
-    from pnyx.store.faults import FaultyStore
+    from pnyx_harness.faults import FaultyStore
 
     run = make_run(str(tmp_path / "run"), tiny_model_dir)
     faulty = FaultyStore(run.store, retry=RetryPolicy(deadline_s=0.2, base_s=0.01, cap_s=0.05))

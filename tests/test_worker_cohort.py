@@ -13,7 +13,8 @@ import pytest
 from pnyx.envs import get_env
 from pnyx.protocol import decode_group, encode_group
 from pnyx.rollout.cohort import CohortSpec, generate_cohort
-from pnyx.rollout.engine import Completion, Engine
+from pnyx.rollout.engine import Engine
+from pnyx.rollout.sampling import Completion
 
 G = 2
 

@@ -8,7 +8,7 @@ from pnyx.errors import AlreadyExistsError, StorePermissionError
 from pnyx.protocol import layout
 from pnyx.rollout.spool import Spool
 from pnyx.store import RetryPolicy, open_store
-from pnyx.store.faults import FaultyStore
+from pnyx_harness.faults import FaultyStore
 
 FAST = RetryPolicy(deadline_s=0.05, base_s=0.01, cap_s=0.01)
 

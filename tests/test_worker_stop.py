@@ -14,7 +14,7 @@ from conftest import make_bucket
 from worker_support import make_run, start, wait_for, worker_command
 
 from pnyx.protocol import RunManifest, decode_json, layout
-from pnyx.store.proxy import FaultProxy, Faults
+from pnyx_harness.proxy import FaultProxy, Faults
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 

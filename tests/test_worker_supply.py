@@ -16,8 +16,8 @@ from worker_support import make_run, rollout_groups, wait_for
 
 from pnyx.envs import stable_hash
 from pnyx.protocol import Demand, Heartbeat, decode_json, encode_json, layout
+from pnyx.protocol.rules import is_zero_variance
 from pnyx.rollout.worker import Worker, WorkerOptions
-from pnyx.train.advantages import is_zero_variance
 
 
 @pytest.fixture(autouse=True)
@@ -92,7 +92,7 @@ def test_worker_waits_for_the_trainers_demand_then_makes_one_more_step(tmp_path,
 
 def test_spooled_groups_past_the_trainers_window_expire_instead_of_uploading(tmp_path, tiny_model_dir):
     from pnyx.store import RetryPolicy
-    from pnyx.store.faults import FaultyStore
+    from pnyx_harness.faults import FaultyStore
 
     run = make_run(str(tmp_path / "run"), tiny_model_dir, supply_control=False)
     spool = str(tmp_path / "spool")

@@ -94,7 +94,7 @@ def write_groups(store, model_dir: Path, version: int, n: int, worker: str = "w"
 
 
 def run_id_of(store) -> str:
-    from pnyx.train.bootstrap import read_run
+    from pnyx.protocol.runfile import read_run
 
     return read_run(store).run_id
 

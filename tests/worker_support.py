@@ -76,8 +76,8 @@ def worker_settings(**over: Any) -> dict[str, Any]:
 def create_signed_run(store: Any, config: dict[str, Any], info: dict[str, Any]) -> tuple[Any, Any]:
     """run.json written as the trainer writes it (`init_run` with the trainer's public key) and the
     trainer's signer bound to the run: (RunManifest, Signer). Workers refuse runs without a key."""
-    from pnyx.security.trust import trainer_key_record, trainer_signer
     from pnyx.train.bootstrap import init_run
+    from pnyx.weights.trust import trainer_key_record, trainer_signer
 
     signer = trainer_signer()  # $PNYX_TRAINER_KEY: a throwaway key (tests/conftest.py)
     manifest = init_run(store, config, info, trainer_key_record(signer))

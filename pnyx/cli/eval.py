@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pnyx.config import PnyxConfig
+    from pnyx.eval.runner import EvalReport
 
 
 def _run_config(store_url: str, extra: list[str], trust: str | None) -> tuple[Any, Any]:
@@ -34,7 +38,7 @@ def _run_config(store_url: str, extra: list[str], trust: str | None) -> tuple[An
     return weights, config_from_dict(data, source=f"{layout.RUN_MANIFEST} + command-line overrides")
 
 
-def print_report(report: Any, title: str) -> None:
+def print_report(report: EvalReport, title: str) -> None:
     """A rich table of one `EvalReport`."""
     from rich.console import Console
     from rich.table import Table
@@ -63,7 +67,7 @@ def print_report(report: Any, title: str) -> None:
     Console().print(t)
 
 
-def _sampling(cfg: Any, flags: dict[str, Any]) -> dict[str, Any]:
+def _sampling(cfg: PnyxConfig, flags: dict[str, Any]) -> dict[str, Any]:
     """Sampling settings: each flag given on the command line, else the config's `worker` value."""
     w = cfg.worker
     defaults = {
@@ -75,7 +79,7 @@ def _sampling(cfg: Any, flags: dict[str, Any]) -> dict[str, Any]:
     return {k: flags[k] if flags.get(k) is not None else v for k, v in defaults.items()}
 
 
-def _switch_env(cfg: Any, env: str | None) -> None:
+def _switch_env(cfg: PnyxConfig, env: str | None) -> None:
     """Point `cfg` at environment `env`; the config's env options belong to its own env, so they are dropped
     (with a note) when `env` is another one."""
     import typer
@@ -117,9 +121,10 @@ def eval_main(
     import torch
 
     from pnyx.cli.common import fail
-    from pnyx.config import load_config, resolve_env_kwargs, resolve_model_path
+    from pnyx.config import load_config, resolve_env_kwargs
     from pnyx.errors import ConfigError, PnyxError, UntrustedWeightsError
     from pnyx.eval.runner import VersionEvaluator, evaluate_model, heldout_tasks, quiet_transformers
+    from pnyx.models.source import resolve_model_path
 
     if model is not None and store is not None:
         raise fail("give either --model (a folder) or --store (a run), not both")

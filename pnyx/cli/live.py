@@ -151,7 +151,7 @@ class RunWatcher:
     def _open_run(self) -> TrustedWeights | None:
         """The run's trusted weights, once run.json exists (kept: run.json is written once)."""
         if self._weights is None:
-            from pnyx.train.bootstrap import read_run
+            from pnyx.protocol.runfile import read_run
             from pnyx.weights.trusted import TrustedWeights
 
             run = read_run(self.store)
@@ -185,7 +185,7 @@ class RunWatcher:
 
         from pnyx.protocol import Heartbeat, decode_json
 
-        def read(key: str) -> Any:
+        def read(key: str) -> Heartbeat | None:
             try:
                 return decode_json(self.store.get(key), Heartbeat)
             except (NotFoundError, RecordRejected):

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+    from rich.table import Table
 
 from pnyx.cli.live import FLEET_ROWS, SILENT_AFTER_S, Snapshot, WorkerRow, masked_of, reward_of, staleness_of
 from pnyx.protocol import layout
@@ -153,7 +157,7 @@ def plain_line(snap: Snapshot) -> str:
     )
 
 
-def render(snap: Snapshot, title: str = "pnyx") -> Any:
+def render(snap: Snapshot, title: str = "pnyx") -> RenderableType:
     """A rich renderable: a summary table (version, throughput, reward, pass@1, staleness, masked) and a
     worker table (id, status, version, last heartbeat age, rollouts/s)."""
     from rich.console import Group
@@ -224,7 +228,7 @@ def pass_ratio(before: dict | None, after: dict | None) -> float | None:
     return round(after["pass@1"] / before["pass@1"], 3)
 
 
-def before_after_table(before: dict | None, after: dict | None, env: str) -> Any:
+def before_after_table(before: dict | None, after: dict | None, env: str) -> Table:
     """The closing table: pass@1 (95% CI), search rate for tool envs, tasks, version — before and after."""
     from rich.table import Table
 

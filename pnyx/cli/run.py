@@ -25,13 +25,19 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from pnyx.cli.run_fleet import Fleet
 from pnyx.cli.run_folder import CURVE_FILE, SUMMARY_FILE, RunPlan, plan_run
-from pnyx.config import PnyxConfig, resolve_model_path
+from pnyx.config import PnyxConfig
 from pnyx.errors import ConfigError
+from pnyx.models.source import resolve_model_path
 from pnyx.store import Store
+
+if TYPE_CHECKING:
+    from pnyx.cli.live import RunWatcher, Snapshot
+    from pnyx.eval.runner import EvalLoop, VersionEvaluator
 
 START_DEADLINE_S = 180.0
 TICK_S = 1.0
@@ -40,13 +46,13 @@ TICK_S = 1.0
 # --- evaluation in the background ---------------------------------------------------------------------------
 
 
-def _make_evaluator(plan: RunPlan) -> Any:
+def _make_evaluator(plan: RunPlan) -> VersionEvaluator:
     import torch
 
     from pnyx.config import config_from_dict, resolve_env_kwargs
-    from pnyx.eval.runner import VersionEvaluator, quiet_transformers
+    from pnyx.eval.runner import quiet_transformers
+    from pnyx.protocol.runfile import read_run
     from pnyx.store import open_store
-    from pnyx.train.bootstrap import read_run
 
     torch.set_num_threads(1)
     quiet_transformers()
@@ -99,8 +105,8 @@ def run_main(cfg: PnyxConfig, workers: int, resume: bool, live: bool) -> None:
         plan = plan_run(cfg, resume)
     except ConfigError as e:
         raise fail(str(e)) from None
-    from pnyx.config import resolve_model_source
     from pnyx.errors import ModelNotFoundError
+    from pnyx.models.source import resolve_model_source
 
     try:  # fetch a hub model or convert a GGUF file once, here, before the fleet's processes need it
         resolve_model_source(plan.cfg)
@@ -124,7 +130,7 @@ class Orchestrator:
         self.console = Console()
         self.observed: dict[int, float] = {}
         self.t_start = time.time()
-        self.evals: Any = None  # the EvalLoop, once the fleet is up
+        self.evals: EvalLoop | None = None  # once the fleet is up
         self.supply: dict[str, Any] | None = None  # groups generated vs consumed, once the fleet stopped
 
     def say(self, text: str) -> None:
@@ -187,12 +193,12 @@ class Orchestrator:
                 "interrupted (Ctrl-C): resume with `pnyx run --resume --run.name=" + self.plan.name + "`"
             )
 
-    def _run_t0(self, watcher: Any) -> float:
+    def _run_t0(self, watcher: RunWatcher) -> float:
         snap = watcher.snapshot()
         return snap.started_at or self.t_start
 
     def _wait_for_v0(self, store: Store, t0: float) -> bool:
-        from pnyx.train.bootstrap import read_run
+        from pnyx.protocol.runfile import read_run
         from pnyx.weights import TrustedWeights
 
         weights = None  # opened once run.json exists: one verifier, so a forgery is reported once
@@ -221,7 +227,7 @@ class Orchestrator:
             f"{reason} (exit code {rc}); see {self.fleet.started_trainer.log}", trainer_failed=True
         )
 
-    def _watch(self, watcher: Any, evals: Any, t0: float) -> Outcome:
+    def _watch(self, watcher: RunWatcher, evals: EvalLoop, t0: float) -> Outcome:
         from rich.live import Live
 
         from pnyx.cli.live_view import plain_line, render
@@ -320,7 +326,7 @@ class Orchestrator:
 
     def _write_outputs(
         self,
-        snap: Any,
+        snap: Snapshot,
         records: list[dict[str, Any]],
         before: dict | None,
         after: dict | None,
@@ -338,7 +344,7 @@ class Orchestrator:
         train_points = []
         for m in snap.metrics:
             v = m.get("version")
-            when = m.get("time") or m.get("timestamp") or self.observed.get(v)
+            when = m.get("time") or m.get("timestamp") or (self.observed.get(v) if v is not None else None)
             if v is not None and when is not None:
                 train_points.append({"version": v, "elapsed_s": float(when) - t0, "reward": reward_of(m)})
         plot_learning_curve(
@@ -375,5 +381,5 @@ def _supply_report(store: Store) -> dict[str, Any] | None:
         return None
 
 
-def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
+def _sigterm_as_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt

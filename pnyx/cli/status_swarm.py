@@ -13,17 +13,24 @@ nothing about processes; never writes to the store; a heartbeat it cannot read i
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pnyx.errors import NotFoundError, RecordRejected
 from pnyx.protocol import layout
 from pnyx.store import Store
 
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+    from rich.table import Table
+
+    from pnyx.cli.live import Snapshot
+    from pnyx.swarm.records import NodeHeartbeat
+
 SILENT_AFTER_S = 120.0
 """A running node whose heartbeat is older than this shows as silent (a round can take a while)."""
 
 
-def read_nodes(store: Store) -> list[Any]:
+def read_nodes(store: Store) -> list[NodeHeartbeat]:
     """Every readable node heartbeat in the store, by node name."""
     from pnyx.protocol.codec import decode_json
     from pnyx.swarm.records import NodeHeartbeat
@@ -39,7 +46,7 @@ def read_nodes(store: Store) -> list[Any]:
     return sorted(out, key=lambda hb: hb.node)
 
 
-def swarm_table(nodes: list[Any], now: float | None = None) -> Any:
+def swarm_table(nodes: list[NodeHeartbeat], now: float | None = None) -> Table:
     """A rich table with one row per node heartbeat."""
     from rich.table import Table
 
@@ -79,7 +86,7 @@ def swarm_table(nodes: list[Any], now: float | None = None) -> Any:
     return t
 
 
-def with_swarm(renderable: Any, store: Store, snap: Any) -> Any:
+def with_swarm(renderable: RenderableType, store: Store, snap: Snapshot) -> RenderableType:
     """`renderable` (the run view of `snap`) plus the swarm table when the store has swarm nodes."""
     from rich.console import Group
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-import typer
-
 from pnyx.cli.common import fail, setup_logging
 from pnyx.config import PnyxConfig
 from pnyx.errors import ConfigError, FencedError, IntegrityError, ModelNotFoundError, PeerFailedError
@@ -87,20 +85,3 @@ def trainer(
         raise fail(str(e)) from None
     cfg.store.url = store
     return trainer_main(cfg, resume=resume, steps=steps)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m pnyx.train --store URL [--config FILE] [--resume] [--steps N] [--section.field=value ...]`."""
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-
-    @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _cmd(
-        ctx: typer.Context,
-        store: str = typer.Option(..., "--store", "-s"),
-        config: Path | None = typer.Option(None, "--config", "-c"),
-        resume: bool = typer.Option(False, "--resume"),
-        steps: int | None = typer.Option(None, "--steps", min=1),
-    ) -> None:
-        trainer(store, config, resume, steps, list(ctx.args))
-
-    app(args=argv, prog_name="python -m pnyx.train")

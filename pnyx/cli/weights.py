@@ -47,7 +47,7 @@ def _trust(store, trust: str | None, required: bool):
 
     from pnyx.cli.common import fail
     from pnyx.errors import ConfigError
-    from pnyx.train.bootstrap import read_run
+    from pnyx.protocol.runfile import read_run
     from pnyx.weights import TrustedWeights
 
     run = read_run(store)

@@ -20,8 +20,6 @@ answer longer than `max_answer_chars` scores 0, so listing every candidate is no
 
 from __future__ import annotations
 
-from typing import Any
-
 from pnyx.envs.base import (
     Environment,
     Score,
@@ -191,8 +189,3 @@ class SearchQAEnv(Environment):
     def describe(self) -> str:
         source = "synthetic world" if self.dataset is None else "user corpus"
         return f"{super().describe()} [{source}, top_k={self.top_k}]"
-
-
-def join_turns(turns: list[tuple[str, str]] | Any) -> str:
-    """The full completion text of a reference episode (turns concatenated)."""
-    return turns if isinstance(turns, str) else "".join(text for _, text in turns)

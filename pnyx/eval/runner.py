@@ -29,9 +29,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pnyx.envs.base import Environment, Score, Task
 from pnyx.errors import ConfigError
 from pnyx.eval.metrics import pass_at_k
 from pnyx.store import Store
+from pnyx.weights.syncer import Syncer
 
 if TYPE_CHECKING:
     import torch
@@ -131,29 +133,29 @@ def pass_at_1_interval(correct_per_task: Sequence[int], samples: int) -> tuple[f
 # --- sampling ------------------------------------------------------------------------------------
 
 
-def heldout_tasks(env: Any, n: int, seed: int = 0) -> list[Any]:
+def heldout_tasks(env: Environment, n: int, seed: int = 0) -> list[Task]:
     """The first `n` tasks of the environment's test split for `seed` (the same every call)."""
     if n < 1:
         raise ConfigError(f"held-out evaluation needs at least one task, got {n}")
     return env.sample("test", seed, n)
 
 
-def _is_correct(score: Any) -> bool:
+def _is_correct(score: Score) -> bool:
     """Full marks: the verifier's `correct` part when it reports one, else reward == 1."""
     if "correct" in score.parts:
         return score.parts["correct"] >= 1.0 - 1e-9
     return score.reward >= 1.0 - 1e-9
 
 
-def _has_format(score: Any) -> bool:
+def _has_format(score: Score) -> bool:
     return score.parts.get("format", float(score.reward > 0)) > 0
 
 
 def evaluate_model(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    env: Any,
-    tasks: Sequence[Any],
+    env: Environment,
+    tasks: Sequence[Task],
     samples: int = 1,
     temperature: float = 1.0,
     top_p: float = 1.0,
@@ -175,7 +177,8 @@ def evaluate_model(
     from pnyx.config import resolve_max_new_tokens
     from pnyx.models import render_prompt
     from pnyx.rollout.cohort import sample_env
-    from pnyx.rollout.engine import Engine, SamplingParams
+    from pnyx.rollout.engine import Engine
+    from pnyx.rollout.sampling import SamplingParams
 
     if samples < 1:
         raise ConfigError(f"samples per task must be >= 1, got {samples}")
@@ -351,7 +354,7 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, Any]) -> None:
         )
 
 
-def _digest_of(syncer: Any) -> str | None:
+def _digest_of(syncer: Syncer) -> str | None:
     for attr in ("digest", "current_digest"):
         value = getattr(syncer, attr, None)
         if isinstance(value, str):

@@ -3,7 +3,7 @@
 Public surface (imported lazily, so `import pnyx.models` does not import torch or transformers):
 `resolve_source`, `ModelSource`, `resolve_run_model`, `check_run_model`, `load_model`, `load_tokenizer`,
 `model_from_config`, `resolve_device`, `resolve_dtype`, `render_prompt`, `eos_token_ids`,
-`tokenizer_digest`, `completion_logprobs`, `sampling_logprobs`, `make_tiny_model_dir`.
+`tokenizer_digest`, `completion_logprobs`, `sampling_logprobs`. (Tiny test models: `pnyx_harness.models`.)
 Knows nothing about the store or RL.
 """
 
@@ -23,7 +23,6 @@ _EXPORTS = {
     ),
     "pnyx.models.tokenizer": ("render_prompt", "eos_token_ids", "tokenizer_digest"),
     "pnyx.models.logprobs": ("completion_logprobs", "sampling_logprobs"),
-    "pnyx.models.testing": ("make_tiny_model_dir",),
 }
 
 __all__ = export_names(_EXPORTS)

@@ -13,14 +13,14 @@ importing this module stays cheap.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pnyx.errors import ConfigError
 from pnyx.models.source import ModelSource, resolve_source
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 DType = Literal["float32", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda", "mps", "auto"] | str
@@ -91,7 +91,10 @@ def load_tokenizer(path: ModelRef) -> PreTrainedTokenizerBase:
 
 
 def model_from_config(
-    config: Any, dtype: DType = "float32", device: Device = "cpu", seed: int = 0
+    config: PretrainedConfig | dict[str, object],
+    dtype: DType = "float32",
+    device: Device = "cpu",
+    seed: int = 0,
 ) -> PreTrainedModel:
     """A randomly initialised causal LM from a transformers config object or a config dict (for tests).
 
@@ -104,7 +107,7 @@ def model_from_config(
     if isinstance(config, dict):
         cfg = dict(config)
         model_type = cfg.pop("model_type", None)
-        if model_type is None:
+        if not isinstance(model_type, str):
             raise ConfigError("a model config dict needs 'model_type' (e.g. 'qwen2')")
         config = AutoConfig.for_model(model_type, **cfg)
     with torch.random.fork_rng(devices=[]):

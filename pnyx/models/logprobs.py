@@ -97,7 +97,7 @@ def _picked_logits(
     head = get_head() if get_head is not None else None
     fired = False
 
-    def narrow(module: Any, args: tuple) -> tuple | None:
+    def narrow(module: torch.nn.Module, args: tuple) -> tuple | None:
         nonlocal fired
         hidden = args[0] if args else None
         if (

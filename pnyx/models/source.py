@@ -30,7 +30,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from pnyx.config import shipped_model_path
+from pnyx.config import PnyxConfig, shipped_model_path
 from pnyx.errors import ConfigError, ModelNotFoundError
 from pnyx.models import fingerprint
 from pnyx.models.tokenizer import TOKENIZER_FILES, tokenizer_digest
@@ -368,3 +368,15 @@ def _file_diff(want: Mapping[str, str], have: Mapping[str, str]) -> list[str]:
         elif want[name] != have[name]:
             out.append(f"{name}: different content")
     return out
+
+
+def resolve_model_source(cfg: PnyxConfig) -> ModelSource:
+    """The configured model (`model.path`, `model.revision`; unset: the shipped tiny model) resolved: a hub
+    id is downloaded (online) or found in the cache, a GGUF file converted once. Raises ModelNotFoundError
+    or ConfigError with what to do."""
+    return resolve_source(cfg.model.path, cfg.model.revision)
+
+
+def resolve_model_path(cfg: PnyxConfig) -> Path:
+    """The local folder of the configured model (see `resolve_model_source`)."""
+    return resolve_model_source(cfg).folder

@@ -1,6 +1,6 @@
 """The run layout: every object key pnyx reads or writes is built here, and nowhere else.
 
-A store URL points at one run's root; keys are relative to it (DESIGN.md §3):
+A store URL points at one run's root; keys are relative to it (docs/architecture.md, "Store layout"):
 
     run.json                                create-only run manifest
     weights/HEAD                            hint pointer {version, digest}
@@ -13,7 +13,7 @@ A store URL points at one run's root; keys are relative to it (DESIGN.md §3):
                                             create-only rollout groups, by producing policy version, then
                                             by upload stamp (the uploader's clock, in ms)
     workers/{worker}.json                   worker heartbeat (overwritten)
-    trainer/{name}                          trainer batch records, metrics, legacy checkpoints
+    trainer/{name}                          trainer batch records and metrics
     trainer/ckpt-{V:08d}/{name}             sharded (DCP) checkpoint objects, COMMIT.json last
     swarm/{node}/{seq:010d}                 swarm-mode shared groups (decoded text)
     swarm/nodes/{node}.json                 swarm-mode node heartbeat
@@ -102,12 +102,6 @@ def signed_weights_manifest(version: int, tag: str) -> str:
 def weights_manifest_candidates(version: int) -> str:
     """The listing prefix under which every manifest of `version` (signed or not, genuine or not) lies."""
     return f"{weights_dir(version)}manifest"
-
-
-def parse_weights_manifest(key: str) -> int | None:
-    """Version of a `weights/vNNNNNNNN/manifest.json` key, or None for any other key."""
-    m = re.match(r"^weights/v(\d{8})/manifest\.json$", key)
-    return int(m.group(1)) if m else None
 
 
 def parse_any_weights_manifest(key: str) -> tuple[int, str | None] | None:

@@ -21,7 +21,7 @@ RUN_SCHEMA = 1
 HEARTBEAT_SCHEMA = 1
 DEMAND_SCHEMA = 1
 PROTOCOL_VERSION = 1
-"""The run-layout/commit protocol version recorded in run.json (DESIGN.md §3)."""
+"""The run-layout/commit protocol version recorded in run.json (docs/architecture.md, "Store layout")."""
 
 
 class TokenView(msgspec.Struct, kw_only=True):

@@ -16,14 +16,31 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from pnyx.envs import Environment, Task
+from pnyx.protocol.records import RolloutGroup
+from pnyx.rollout.episodes import Episode, ToolFn
+from pnyx.rollout.sampling import Completion, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from pnyx.rollout.engine import SamplingParams
+
+class Generator(Protocol):
+    """What a cohort samples with: every worker engine (`engines.base.WorkerEngine`: torch, mlx, vllm) and
+    the torch `engine.Engine` itself."""
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+    def run_episodes(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        tool: ToolFn | Sequence[ToolFn],
+        tool_stops: list[str],
+        max_turns: int,
+    ) -> list[Episode]: ...
 
 
 @dataclass(frozen=True)
@@ -46,7 +63,7 @@ class CohortSpec:
 class CohortResult:
     """The groups of one cohort plus throughput figures for the heartbeat."""
 
-    groups: list[Any]  # list[RolloutGroup]
+    groups: list[RolloutGroup]
     tokens: int
     gen_seconds: float
     score_seconds: float
@@ -62,8 +79,12 @@ def _tool_for(env: Environment, task: Task) -> Callable[[str], str | None]:
 
 
 def sample_env(
-    engine: Any, env: Environment, prompt_ids: list[list[int]], tasks: Sequence[Task], params: Any
-) -> list:
+    engine: Generator,
+    env: Environment,
+    prompt_ids: list[list[int]],
+    tasks: Sequence[Task],
+    params: SamplingParams,
+) -> list[Completion] | list[Episode]:
     """One completion per prompt (`tasks[i]` is prompt i's task): the engine's tool loop for environments
     with tools, plain generation otherwise. Shared by the worker's cohorts and held-out evaluation."""
     if env.tool_stops:
@@ -74,8 +95,6 @@ def sample_env(
 
 def sampling_params(spec: CohortSpec, env: Environment) -> SamplingParams:
     """The engine's sampling settings for a cohort of `spec` on `env`."""
-    from pnyx.rollout.engine import SamplingParams
-
     return SamplingParams(
         temperature=spec.temperature,
         top_p=spec.top_p,
@@ -87,7 +106,7 @@ def sampling_params(spec: CohortSpec, env: Environment) -> SamplingParams:
 
 
 def generate_cohort(
-    engine: Any,
+    engine: Generator,
     tokenizer: PreTrainedTokenizerBase,
     env: Environment,
     tasks: Sequence[Task],

@@ -22,6 +22,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from pnyx.envs.base import Environment, Task, seeded_rng
+from pnyx.protocol.records import Sample
 
 OVERSAMPLE = 8
 """Candidates drawn per task returned: enough that every level of a few-level env is usually present."""
@@ -87,7 +88,7 @@ class Curriculum:
         return {str(level): self.pass_rate(level) for level in self.history}
 
 
-def _passed(sample: Any) -> bool:
+def _passed(sample: Sample) -> bool:
     parts = getattr(sample, "reward_parts", None) or {}
     value = parts.get("correct", sample.reward)
     return float(value) >= 1.0 - 1e-9

@@ -29,18 +29,17 @@ Knows nothing about sampling, stop strings or tools.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from pnyx.errors import ConfigError
+from pnyx.rollout.hf_session import HFSession
+from pnyx.rollout.slots import Parked, check_chunk, chunk_positions, pad_slots
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-    from pnyx.rollout.hf_session import HFSession
 
 FAST_MODEL_TYPES = ("qwen2", "llama", "mistral", "qwen3")
 QK_NORM_MODEL_TYPES = ("qwen3",)
@@ -152,47 +151,6 @@ def _prefill_mask(attn: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(width, width, dtype=torch.bool, device=attn.device).tril()
     eye = torch.eye(width, dtype=torch.bool, device=attn.device)
     return ((causal & attn[:, None, :]) | eye)[:, None]
-
-
-def _chunk_positions(pos: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """Position ids [B, R] of a chunk appended after last positions `pos` [B, 1]: real tokens count up,
-    holes repeat the previous position (they are masked, so their value only has to be valid)."""
-    return pos + attn.long().cumsum(-1)
-
-
-@dataclass
-class Parked:
-    """Rows taken out of a session (`take`) to be put back later (`merge`): their cache up to its length."""
-
-    kv: list[tuple[torch.Tensor, torch.Tensor] | None]
-    """Per layer: keys and values [r, kv heads, length, head dim], or None for a layer without a cache."""
-    attn: torch.Tensor
-    """[r, length] bool: which slots are real tokens."""
-    pos: torch.Tensor
-    """[r, 1]: the position id of each row's last real token."""
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of layer `i`, which the caller knows has a cache."""
-        kv = self.kv[i]
-        if kv is None:
-            raise RuntimeError(f"parked rows have no cache for layer {i}")
-        return kv
-
-
-def _pad_slots(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    """`x` zero-padded (False for bool) along `dim` to `length`: holes must hold finite values, since a
-    masked score is still computed from them."""
-    extra = length - x.shape[dim]
-    if extra == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = extra
-    return torch.cat([x, torch.zeros(shape, dtype=x.dtype, device=x.device)], dim=dim)
-
-
-def _check_chunk(attn: torch.Tensor) -> None:
-    if not bool(attn[:, -1].all()):
-        raise ValueError("extend: every row's chunk must end with a real token (left-pad the chunk)")
 
 
 class FastSession:
@@ -330,11 +288,11 @@ class FastSession:
         return self.head(hidden)
 
     def extend(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        _check_chunk(attn)
+        check_chunk(attn)
         r = ids.shape[1]
         start, end = self.length, self.length + r
         self._reserve(end)
-        pos = _chunk_positions(self.pos, attn)
+        pos = chunk_positions(self.pos, attn)
         self.attn[:, start:end] = attn
         slots = torch.arange(end, device=self.device)
         causal = slots[None, :] <= (start + torch.arange(r, device=self.device))[:, None]  # [R, end]
@@ -371,20 +329,18 @@ class FastSession:
         used, cap = self.length, self.capacity
         for li in range(len(self.k)):
             for which, store in ((0, self.k), (1, self.v)):
-                parts = [store[li][:, :, :used]] + [_pad_slots(p.layer(li)[which], used, 2) for p in parked]
+                parts = [store[li][:, :, :used]] + [pad_slots(p.layer(li)[which], used, 2) for p in parked]
                 merged = torch.cat(parts)
                 store[li] = torch.empty((merged.shape[0], *merged.shape[1:2], cap, merged.shape[3]),
                                         dtype=self.dtype, device=self.device)  # fmt: skip
                 store[li][:, :, :used] = merged
-        attn = torch.cat([self.attn[:, :used]] + [_pad_slots(p.attn, used, 1) for p in parked])
-        self.attn = _pad_slots(attn, cap, 1)
+        attn = torch.cat([self.attn[:, :used]] + [pad_slots(p.attn, used, 1) for p in parked])
+        self.attn = pad_slots(attn, cap, 1)
         self.pos = torch.cat([self.pos] + [p.pos for p in parked])
 
 
 def open_session(model: PreTrainedModel, max_len: int, fast: bool | None = None) -> FastSession | HFSession:
     """A decode session for `model`; `fast=None` uses the fast path whenever it is supported."""
-    from pnyx.rollout.hf_session import HFSession
-
     use_fast = fast_path_supported(model) if fast is None else fast
     if use_fast and not fast_path_supported(model):
         raise ConfigError(

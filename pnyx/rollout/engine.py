@@ -18,8 +18,7 @@ early. Knows nothing about environments' scoring, the store or the trainer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -27,6 +26,14 @@ from pnyx.errors import ConfigError
 from pnyx.models.logprobs import sampling_logprobs
 from pnyx.models.tokenizer import eos_token_ids
 from pnyx.rollout.decoder import FastSession, Parked, left_pad, open_session
+from pnyx.rollout.sampling import (
+    COMPACT_FRACTION,
+    Completion,
+    FinishReason,
+    SamplingParams,
+    StopMatcher,
+    Turn,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -35,97 +42,6 @@ if TYPE_CHECKING:
 
     from pnyx.rollout.episodes import Episode, ToolFn
     from pnyx.rollout.hf_session import HFSession
-
-FinishReason = Literal["stop", "length"]
-
-# Compact the KV cache once this fraction of the rows in it have finished: copying the cache costs about
-# one decode step, decoding dead rows costs a little every step.
-COMPACT_FRACTION = 0.25
-
-
-@dataclass
-class SamplingParams:
-    """How to sample. temperature 0 means greedy; top_k 0 and top_p 1 mean no truncation."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
-    stop: list[str] = field(default_factory=list)
-    seed: int = 0
-    ignore_eos: bool = False
-    """Keep sampling past EOS (benchmarks use it so every row produces max_new_tokens)."""
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}")
-
-
-@dataclass
-class Completion:
-    """One sampled completion: token ids, behaviour logprob per token, why it ended, its text."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason
-    text: str
-    stop: str | None = None
-    """The stop string that ended it (None for EOS or length)."""
-
-
-class StopMatcher:
-    """Finds the first token whose text completes one of the stop strings, from a window of recent tokens."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str]):
-        self.tokenizer = tokenizer
-        self.stops = list(stops)
-        # Every token decodes to at least one byte, so a stop of n bytes is covered by its last n tokens;
-        # two more absorb a partial UTF-8 character at the window's start.
-        self.window = max((len(s.encode("utf-8")) for s in self.stops), default=0) + 2
-        self.last_chars = {s[-1] for s in self.stops}
-        self.token_text: dict[int, str] = {}
-
-    def could_end(self, token: int) -> bool:
-        """False if `token` cannot be the one completing a stop: a newly completed stop ends inside the
-        newest token's text, so that text must hold a stop's last character (unknown for tokens that
-        decode to nothing or to part of a UTF-8 character; those are always checked)."""
-        text = self.token_text.get(token)
-        if text is None:
-            text = self.token_text[token] = cast(
-                str, self.tokenizer.decode([token], skip_special_tokens=False)
-            )
-        return not text or "\ufffd" in text or any(c in text for c in self.last_chars)
-
-    def match(self, tokens: list[int]) -> str | None:
-        """The stop string the text of `tokens` now contains, checked after every appended token."""
-        if not self.stops or not self.could_end(tokens[-1]):
-            return None
-        tail = self.tokenizer.decode(tokens[-self.window :], skip_special_tokens=False)
-        for s in self.stops:
-            if s in tail:
-                return s
-        return None
-
-
-@dataclass
-class Turn:
-    """What one decode turn produced for each of its rows, and which rows the session still holds."""
-
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    reasons: list[FinishReason]
-    stops: list[str | None]
-    resident: list[int]
-    """The turn's rows still in the session after the turn, in session order (rows ended by a `park` stop
-    always are; their last token is not in the cache yet)."""
 
 
 class Engine:

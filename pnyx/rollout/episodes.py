@@ -22,14 +22,40 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from pnyx.errors import ConfigError
+from pnyx.rollout.sampling import Completion, SamplingParams, Turn
 
 log = logging.getLogger("pnyx.engine")
 
 if TYPE_CHECKING:
-    from pnyx.rollout.engine import Engine, SamplingParams
+    import torch
+
+    from pnyx.rollout.decoder import FastSession
+    from pnyx.rollout.hf_session import HFSession
+
+
+class Decoding(Protocol):
+    """What the tool loop drives: the torch `pnyx.rollout.engine.Engine` (its tokenizer, batched
+    `generate`, and the decode session it samples over turn by turn)."""
+
+    tokenizer: Any  # a transformers tokenizer: untyped library surface
+    pad_id: int
+    device: torch.device
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+    def session(self, max_len: int) -> FastSession | HFSession: ...
+
+    def decode(
+        self,
+        session: FastSession | HFSession,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        park: frozenset[str] = ...,
+    ) -> Turn: ...
+
 
 ToolFn = Callable[[str], "str | None"]
 EpisodeFinish = Literal["stop", "length", "turn_limit", "tool_error"]
@@ -122,7 +148,7 @@ def _settle(
 
 
 def run_episodes(
-    engine: Engine,
+    engine: Decoding,
     prompt_ids: list[list[int]],
     params: SamplingParams,
     tool: ToolFn | Sequence[ToolFn],
@@ -167,7 +193,7 @@ class _Loop:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Decoding,
         params: SamplingParams,
         tools: list[ToolFn],
         tool_stops: list[str],
@@ -269,7 +295,7 @@ class _Loop:
                 turn_params = self.turn_params(episodes, active, turn)
 
 
-def _note_fallback(engine: Engine, reason: str | None) -> None:
+def _note_fallback(engine: Decoding, reason: str | None) -> None:
     """Say once per engine why tool turns re-prefill instead of reusing the KV cache."""
     if not getattr(engine, "_told_fallback", False):
         log.info("tool turns re-prefill the context (no KV-cache reuse) for this model: %s", reason)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pnyx.rollout.decoder import Parked, _check_chunk, _chunk_positions, _pad_slots
+from pnyx.rollout.slots import Parked, check_chunk, chunk_positions, pad_slots
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -118,8 +118,8 @@ class HFSession:
         return self._call(tokens[:, None], self.pos)
 
     def extend(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        _check_chunk(attn)
-        pos = _chunk_positions(self.pos, attn)
+        check_chunk(attn)
+        pos = chunk_positions(self.pos, attn)
         self.attn = torch.cat([self.attn, attn], dim=1)
         self.pos = pos[:, -1:]
         return self._call(ids, pos)
@@ -151,7 +151,7 @@ class HFSession:
         used = self.attn.shape[1]
         for li, la in enumerate(self._kv_layers()):
             if la is not None:
-                la.keys = torch.cat([la.keys] + [_pad_slots(p.layer(li)[0], used, 2) for p in parked])
-                la.values = torch.cat([la.values] + [_pad_slots(p.layer(li)[1], used, 2) for p in parked])
-        self.attn = torch.cat([self.attn] + [_pad_slots(p.attn, used, 1) for p in parked])
+                la.keys = torch.cat([la.keys] + [pad_slots(p.layer(li)[0], used, 2) for p in parked])
+                la.values = torch.cat([la.values] + [pad_slots(p.layer(li)[1], used, 2) for p in parked])
+        self.attn = torch.cat([self.attn] + [pad_slots(p.attn, used, 1) for p in parked])
         self.pos = torch.cat([self.pos] + [p.pos for p in parked])

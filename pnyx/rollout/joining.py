@@ -18,7 +18,9 @@ from typing import Any
 
 from pnyx.errors import ConfigError, IntegrityError, NotFoundError, StoreUnavailableError
 from pnyx.protocol import layout
+from pnyx.protocol.records import RunManifest
 from pnyx.store import Store
+from pnyx.weights.syncer import Syncer
 
 log = logging.getLogger("pnyx.worker")
 
@@ -48,9 +50,9 @@ def resume_seq(
     return highest + 1
 
 
-def read_run_manifest(store: Store, deadline_s: float, stop: threading.Event) -> Any:
+def read_run_manifest(store: Store, deadline_s: float, stop: threading.Event) -> RunManifest:
     """The run's RunManifest, waiting (with backoff) for a trainer that has not created the run yet."""
-    from pnyx.protocol import RunManifest, decode_json
+    from pnyx.protocol import decode_json
 
     end = time.monotonic() + deadline_s
     delay = 0.2
@@ -70,7 +72,7 @@ def read_run_manifest(store: Store, deadline_s: float, stop: threading.Event) ->
 
 
 def cold_join(
-    syncer: Any, deadline_s: float, poll_s: float, stop: threading.Event
+    syncer: Syncer, deadline_s: float, poll_s: float, stop: threading.Event
 ) -> tuple[int, dict[str, Any]]:
     """(version, tensors) of the newest verified version, waiting with backoff for the first publish.
 

@@ -38,12 +38,15 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pnyx.envs.base import Environment, Task
 
 if TYPE_CHECKING:
-    from pnyx.rollout.engine import SamplingParams
+    from transformers import PreTrainedTokenizerBase
+
+    from pnyx.rollout.engines.base import WorkerEngine
+    from pnyx.rollout.sampling import SamplingParams
 
 log = logging.getLogger("pnyx.worker")
 
@@ -92,8 +95,8 @@ class Screen:
     def __init__(
         self,
         env: Environment,
-        engine: Any,
-        tokenizer: Any,
+        engine: WorkerEngine,
+        tokenizer: PreTrainedTokenizerBase,
         candidates: int,
         group_size: int,
         rule: Rule = "informative",

@@ -33,9 +33,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
 
 from pnyx.errors import ConfigError
+from pnyx.protocol.records import Demand
 
 GAIN_P = 0.25
 """Share of the queue's error refilled (or drained) at once, per demand."""
@@ -89,7 +89,7 @@ class Throttle:
 
     # -- inputs --
 
-    def observe(self, demand: Any) -> bool:
+    def observe(self, demand: Demand) -> bool:
         """Take a demand record (`pnyx.protocol.Demand`); True if it was news (a newer version)."""
         if self.version is not None and demand.version <= self.version:
             return False
@@ -102,7 +102,7 @@ class Throttle:
         else:
             if workers != self.workers:
                 self.quota *= self.workers / workers  # the fleet's total stays put; the error term adjusts it
-            steps = max(1, demand.version - self.version)
+            steps = max(1, demand.version - (self.version or 0))
         error = self.lead * b - int(demand.waiting)
         self.target += self.quota * steps + self.gain_p * share * max(
             error, -b * (int(demand.max_staleness) + 1)

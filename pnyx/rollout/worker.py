@@ -55,8 +55,9 @@ from pnyx.rollout.worker_link import WorkerLink
 from pnyx.rollout.worker_state import Status, Throughput, WorkerOptions, WorkerSummary
 from pnyx.security.keys import load_or_create_key, worker_key_path
 from pnyx.security.signing import Signer
-from pnyx.security.trust import pin_trainer
 from pnyx.store import Store
+from pnyx.weights.syncer import Syncer
+from pnyx.weights.trust import pin_trainer
 
 log = logging.getLogger("pnyx.worker")
 
@@ -94,7 +95,7 @@ class Worker(WorkerLink):
         self._made: dict[int, int] = {}  # groups spooled per policy version (for version_cap)
         self._kept_frac = 1.0  # recent share of groups not skipped as zero-variance (sizes throttled cohorts)
         self.spool: Spool | None = None
-        self.syncer: Any = None
+        self.syncer: Syncer | None = None
         self.signer: Signer | None = None
         self.throttle: Throttle | None = None
         self.courier: Courier | None = None
@@ -109,7 +110,6 @@ class Worker(WorkerLink):
         from pnyx.models import load_tokenizer, resolve_run_model
         from pnyx.rollout.curriculum import Curriculum
         from pnyx.rollout.engines import check_engine, make_engine
-        from pnyx.weights.syncer import Syncer
 
         self._set_status("starting", "reading run.json")
         manifest = read_run_manifest(self.store, self.opts.join_timeout_s, self.stop_event)
@@ -122,7 +122,7 @@ class Worker(WorkerLink):
             " (created)" if created else "",
         )  # fmt: skip
         self.cfg = config_from_dict(manifest.config)
-        from pnyx.train.settings import worker_version_cap
+        from pnyx.protocol.rules import worker_version_cap
 
         self.version_cap = worker_version_cap(self.cfg)  # half the run's flood limit (docs/security.md)
         if self.opts.int8 and not self.cfg.worker.int8:
@@ -154,16 +154,14 @@ class Worker(WorkerLink):
 
         self._set_status("syncing", "cold join")
         self._write_heartbeat()
-        self.syncer = Syncer(
+        self.syncer = syncer = Syncer(
             self.store,
             plane=self.plane,
             max_backoff_s=self.opts.max_backoff_s,
             poll_interval_s=w.poll_interval_s,
             trust=self.trust,  # only weights the run's trainer key signed: fail-closed otherwise
         )
-        version, tensors = cold_join(
-            self.syncer, self.opts.join_timeout_s, w.poll_interval_s, self.stop_event
-        )
+        version, tensors = cold_join(syncer, self.opts.join_timeout_s, w.poll_interval_s, self.stop_event)
         self._load(version, tensors)
         pending = [layout.parse_rollout_key(k) for k in self.spool.pending_keys()]
         spooled = max((p[2] for p in pending if p and p[1] == self.worker_id), default=-1)
@@ -174,7 +172,7 @@ class Worker(WorkerLink):
             self.worker_id, self.run_id, self.engine.name, self.env.name, version, self.digest[:12],
             self.engine.proof_kind, self._seq, folder, self.spool.stats.loaded,
         )  # fmt: skip
-        self.syncer.start()  # background prefetch; swapped in only at cohort boundaries
+        syncer.start()  # background prefetch; swapped in only at cohort boundaries
         self.courier = Courier(
             self.store, self.spool, heartbeat=self._heartbeat_bytes,
             heartbeat_key=layout.worker_heartbeat(self.worker_id), heartbeat_s=w.heartbeat_interval_s,
@@ -193,10 +191,13 @@ class Worker(WorkerLink):
         the version's manifest (`pnyx.rollout.engines.base`); `tensors` (the syncer's torch view) is not
         needed: engines read the syncer's verified bits, which they never write.
         """
-        proof = self.engine.update(version, self.syncer.state, self.syncer.manifest)
-        if proof.chain_digest != self.syncer.digest:
+        syncer = self.syncer
+        if syncer is None:
+            raise RuntimeError("the worker applies weights only after joining (no syncer yet)")
+        proof = self.engine.update(version, syncer.state, syncer.manifest)
+        if proof.chain_digest != syncer.digest:
             raise IntegrityError(
-                f"v{version}: the engine proved {proof.chain_digest}, the syncer holds {self.syncer.digest}"
+                f"v{version}: the engine proved {proof.chain_digest}, the syncer holds {syncer.digest}"
             )
         self.version, self.digest = version, proof.chain_digest
         self.versions_used.append(version)
@@ -227,8 +228,8 @@ class Worker(WorkerLink):
         """One cohort boundary: maybe swap weights, then (if supply control and the spool allow) generate one
         cohort and spool its groups. Never calls the store: the courier uploads."""
         from pnyx.envs import stable_hash
+        from pnyx.protocol.rules import is_zero_variance
         from pnyx.rollout.cohort import CohortSpec, generate_cohort, sampling_params
-        from pnyx.train.advantages import is_zero_variance
 
         if (
             self.spool is None
@@ -314,7 +315,7 @@ class Worker(WorkerLink):
         import msgspec
 
         from pnyx.protocol import encode_group
-        from pnyx.train.advantages import is_zero_variance  # the trainer's own test: same verifier, same drop
+        from pnyx.protocol.rules import is_zero_variance  # the trainer's own test: same verifier, same drop
 
         # called by step() only, after join(): the parts below exist
         assert self.spool is not None and self.courier is not None and self.throttle is not None

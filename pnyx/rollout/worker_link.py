@@ -16,10 +16,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pnyx.errors import PnyxError, StoreError
 from pnyx.protocol import layout
+from pnyx.protocol.records import Demand
 from pnyx.rollout.courier import Courier
 from pnyx.rollout.screen import Screen
 from pnyx.rollout.spool import Spool
@@ -27,6 +28,7 @@ from pnyx.rollout.throttle import Throttle
 from pnyx.rollout.worker_state import Status, Throughput, WorkerOptions, WorkerSummary
 from pnyx.security.signing import Signer
 from pnyx.store import Store
+from pnyx.weights.syncer import Syncer
 
 if TYPE_CHECKING:
     from pnyx.config import PnyxConfig
@@ -54,7 +56,7 @@ class WorkerLink:
     screen: Screen | None
     started_at: float
     spool: Spool | None
-    syncer: Any
+    syncer: Syncer | None
     signer: Signer | None
     throttle: Throttle | None
     courier: Courier | None
@@ -82,13 +84,13 @@ class WorkerLink:
 
     # -- supply control (called by the courier thread) --
 
-    def _take_demand(self, demand: Any) -> None:
+    def _take_demand(self, demand: Demand) -> None:
         assert self.throttle is not None  # the courier runs only after join()
         with self._lock:
             news = self.throttle.observe(demand)
         if not news:
             return
-        if self.version is not None and demand.version > self.version:
+        if self.version is not None and demand.version > self.version and self.syncer is not None:
             # Fetch the announced version now rather than at the prefetcher's next poll, so the groups this
             # demand asks for come from the newest weights (fresher groups go stale later). Fail-closed: a
             # version that does not verify is not staged, and the prefetch thread retries it.

@@ -40,13 +40,13 @@ step and sends it to every rank with the batch. Pure: no torch, no store.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
-from pnyx.security.checks import CheckSettings
+from pnyx.security.checks import CheckSettings, GroupEvidence
 
 GAP_MARGIN = 3.0
 """A group's mean |Δ| over its own tokens against the probe's mean over its tokens: measured on the tiny
@@ -97,6 +97,39 @@ class Drift(NamedTuple):
     """The rows were held out from the step (else they are its own rows, which the update moves further)."""
 
 
+class _Sample(Protocol):
+    @property
+    def tokens(self) -> Sequence[int]: ...
+    @property
+    def loss_mask(self) -> Sequence[int]: ...
+
+
+class _Group(Protocol):
+    """What the probe reads of a rollout group (`pnyx.protocol.records.RolloutGroup`)."""
+
+    @property
+    def prompt_tokens(self) -> Sequence[int]: ...
+    @property
+    def samples(self) -> Sequence[_Sample]: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def top_p(self) -> float: ...
+
+
+class _Scored(Protocol):
+    """A group of the step's batch (`pnyx.train.ingest.ScoredGroup`)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def signer(self) -> str: ...
+    @property
+    def group(self) -> _Group: ...
+
+
 class ProbeRow(msgspec.Struct, array_like=True):
     """One completion the drift probe re-forwards: held out from the step it measures."""
 
@@ -107,7 +140,9 @@ class ProbeRow(msgspec.Struct, array_like=True):
     """(temperature, top_k, top_p) it was sampled under."""
 
 
-def choose_probe(groups: Any, rejected: Mapping[str, str], trusted: frozenset[str]) -> list[ProbeRow]:
+def choose_probe(
+    groups: Iterable[_Scored], rejected: Mapping[str, str], trusted: frozenset[str]
+) -> list[ProbeRow]:
     """The next step's probe: completions of `groups` (scored groups of the step just taken) that passed
     its checks, trusted signers' first, one per group before a second, under one sampling setting and
     `PROBE_TOKENS`. The next step did not train on them, so how far it moves them is how far it moves
@@ -245,11 +280,11 @@ class Allowances:
         towards 0), else 0."""
         return self._borrowed(engine, staleness)[0]
 
-    def z_adj(self, ev: Any) -> float:
+    def z_adj(self, ev: GroupEvidence) -> float:
         """A group's z centred on what honest groups of its engine and staleness show."""
         return ev.z - self.center(ev.engine, ev.staleness)
 
-    def z_range(self, ev: Any) -> tuple[float, float]:
+    def z_range(self, ev: GroupEvidence) -> tuple[float, float]:
         """The raw z an honest group with evidence `ev` shows, limit included: [centre − limit − drift,
         centre + limit], where drift is what the steps between the centre's staleness and the group's can
         do to its z (0 once its bucket is calibrated; module docstring, point 2)."""
@@ -303,11 +338,6 @@ def centers(calib: Calibration) -> dict[str, float]:
         if len(z) >= MIN_ALL:
             out[s] = max(-Z_CENTER_MAX, min(0.0, _median(z)))
     return out
-
-
-def allowances(checks: CheckSettings | Allowances) -> Allowances:
-    """`checks` as allowances (fixed settings: the floors alone)."""
-    return checks if isinstance(checks, Allowances) else Allowances(checks)
 
 
 def evidence_summary(

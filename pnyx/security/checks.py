@@ -57,12 +57,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
-
-if TYPE_CHECKING:
-    from pnyx.security.calibration import Allowances
 
 LP_GAP_BASE = 0.03
 """Logprob-gap bound at staleness 0 (nats, mean over a group's model tokens); see the module docstring."""
@@ -161,13 +158,36 @@ Z_CLAMP = 50.0
 """One group moves a key's z sum by at most this much."""
 
 
+class Limits(Protocol):
+    """What a group is judged against: the fixed `CheckSettings`, or the run's derived
+    `pnyx.security.calibration.Allowances`."""
+
+    @property
+    def z_limit(self) -> float | None: ...
+
+    def gap_bound(self, staleness: int, engine: str = "") -> float: ...
+
+    def z_range(self, ev: GroupEvidence) -> tuple[float, float]: ...
+
+
 @dataclass(frozen=True)
 class CheckSettings:
-    """The per-group sampling checks of a step (None switches one off)."""
+    """The per-group sampling checks of a step (None switches one off); as `Limits`, the fixed values."""
 
     lp_gap_base: float | None = LP_GAP_BASE
     lp_gap_per_version: float = LP_GAP_PER_VERSION
     z_limit: float | None = Z_LIMIT
+
+    def gap_bound(self, staleness: int, engine: str = "") -> float:
+        """`lp_gap_base + lp_gap_per_version · staleness` (inf when the check is off), for any engine."""
+        if self.lp_gap_base is None:
+            return math.inf
+        return self.lp_gap_base + self.lp_gap_per_version * max(0, staleness)
+
+    def z_range(self, ev: GroupEvidence) -> tuple[float, float]:
+        """±`z_limit` around 0 (an exact, fresh sampler's mean)."""
+        limit = self.z_limit if self.z_limit is not None else math.inf
+        return -limit, limit
 
 
 @dataclass(frozen=True)
@@ -218,24 +238,19 @@ class GroupEvidence:
         return self.dev_sum / math.sqrt(self.var_sum)
 
 
-def lp_gap_bound(staleness: int, s: CheckSettings | Allowances, engine: str = "") -> float:
+def lp_gap_bound(staleness: int, s: Limits, engine: str = "") -> float:
     """The largest honest logprob gap of a group `staleness` versions behind (inf when the check is off):
     the fixed floor for `CheckSettings`, the run's derived bound for `Allowances`."""
-    from pnyx.security.calibration import allowances
-
-    return allowances(s).gap_bound(staleness, engine)
+    return s.gap_bound(staleness, engine)
 
 
-def judge(ev: GroupEvidence, s: CheckSettings | Allowances) -> str | None:
+def judge(ev: GroupEvidence, a: Limits) -> str | None:
     """The drop reason of a group with evidence `ev` (`logprob_gap`, `implausible`), or None if it passes.
     With `Allowances`, z must lie in the run's honest range (`Allowances.z_range`: centred on what honest
     groups of its engine and staleness show, widened below by the drift the probe measured until that
     bucket is calibrated; `pnyx.security.calibration`)."""
-    from pnyx.security.calibration import allowances
-
     if ev.tokens == 0:
         return None
-    a = allowances(s)
     gap = ev.gap
     if math.isnan(gap) or gap > a.gap_bound(ev.staleness, ev.engine):
         return "logprob_gap"
@@ -246,13 +261,10 @@ def judge(ev: GroupEvidence, s: CheckSettings | Allowances) -> str | None:
     return None
 
 
-def add_evidence(k: KeyEvidence, ev: GroupEvidence, s: CheckSettings | Allowances) -> None:
+def add_evidence(k: KeyEvidence, ev: GroupEvidence, a: Limits) -> None:
     """Fold one checked group into its key's running evidence (raw z per bucket; centred when judged)."""
-    from pnyx.security.calibration import allowances
-
     if ev.tokens == 0:
         return
-    a = allowances(s)
     z = ev.z
     z = -Z_CLAMP if math.isnan(z) else max(-Z_CLAMP, min(Z_CLAMP, z))
     k.n += 1

@@ -238,7 +238,7 @@ class Store:
         retry: RetryPolicy | None = None,
         *,
         local_path: Path | None = None,
-        reopenable: bool = True,
+        reopen: Callable[[str, RetryPolicy], Store] | None = None,
     ):
         self._backend = backend
         self.url = url
@@ -246,7 +246,8 @@ class Store:
         self.retry = retry or RetryPolicy()
         self.local_path = local_path
         """The run folder for the local backend (None otherwise), for files that live beside the run."""
-        self._reopenable = reopenable
+        self._reopen = reopen
+        """How another process opens this run root again (`pnyx.store.open_store`); None: it cannot."""
 
     # -- properties --
     @property
@@ -264,14 +265,12 @@ class Store:
         return f"Store({self.url!r})"
 
     def __reduce__(self) -> tuple[Callable[..., Store], tuple[Any, ...]]:
-        if not self._reopenable:
+        if self._reopen is None:
             raise UnsupportedError(
                 f"{self.url} cannot be pickled: an anonymous memory store lives in one process only. "
                 "Use a named one (memory://name, shared per process) or a folder/S3 URL."
             )
-        from pnyx.store.url import open_store
-
-        return (open_store, (self.url, _picklable_policy(self.retry)))
+        return (self._reopen, (self.url, _picklable_policy(self.retry)))
 
     # -- operations --
     def get(self, key: str) -> bytes:

@@ -104,7 +104,7 @@ def _open_local(path: Path, retry: RetryPolicy | None) -> Store:
     raw = LocalStore(root, mkdir=True)
     # LocalStore lists in directory order, and has no compare-and-swap (PutMode::Update).
     backend = ObstoreBackend(raw, sorted_listing=False, supports_cas=False, remote=False)
-    return Store(backend, "file://" + quote(str(root)), retry, local_path=root)
+    return Store(backend, "file://" + quote(str(root)), retry, local_path=root, reopen=open_store)
 
 
 def _open_memory(name: str, retry: RetryPolicy | None) -> Store:
@@ -112,14 +112,13 @@ def _open_memory(name: str, retry: RetryPolicy | None) -> Store:
 
     if not name:
         backend = ObstoreBackend(MemoryStore(), sorted_listing=True, supports_cas=True, remote=False)
-        return Store(backend, "memory://", retry, reopenable=False)
+        return Store(backend, "memory://", retry)
     with _named_lock:
         raw = _named_memory.get(name)
         if raw is None:
             raw = _named_memory[name] = MemoryStore()
-    return Store(
-        ObstoreBackend(raw, sorted_listing=True, supports_cas=True, remote=False), f"memory://{name}", retry
-    )
+    backend = ObstoreBackend(raw, sorted_listing=True, supports_cas=True, remote=False)
+    return Store(backend, f"memory://{name}", retry, reopen=open_store)
 
 
 def _open_s3(bucket: str, prefix: str, query: dict[str, str], text: str, retry: RetryPolicy | None) -> Store:
@@ -152,7 +151,7 @@ def _open_s3(bucket: str, prefix: str, query: dict[str, str], text: str, retry: 
     shown = {k: query[k].rstrip("/") for k in _S3_QUERY if k in query}
     if shown:
         canonical += "?" + urlencode(shown, safe=":/")
-    return Store(backend, canonical, retry)
+    return Store(backend, canonical, retry, reopen=open_store)
 
 
 def _open_gcs(bucket: str, prefix: str, retry: RetryPolicy | None) -> Store:
@@ -164,7 +163,7 @@ def _open_gcs(bucket: str, prefix: str, retry: RetryPolicy | None) -> Store:
         bucket, prefix=prefix or None, client_options=_CLIENT_OPTIONS.copy(), retry_config=_NO_OBSTORE_RETRY
     )
     backend = ObstoreBackend(raw, sorted_listing=True, supports_cas=True, remote=True)
-    return Store(backend, f"gs://{bucket}/{prefix}".rstrip("/"), retry)
+    return Store(backend, f"gs://{bucket}/{prefix}".rstrip("/"), retry, reopen=open_store)
 
 
 def _refuse_query(query: str, text: str, allowed: tuple[str, ...]) -> None:

@@ -4,9 +4,9 @@ Public surface (imported lazily, so `import pnyx.swarm` does not import torch): 
 `RoundStats` (node loop), `SwarmGroup`, `SwarmSample`, `NodeHeartbeat`, `encode_swarm_group`,
 `decode_swarm_group` (wire records), `PeerFeed`, `to_swarm_group`, `check_node_name` (sharing),
 `sample_external`, `Pool` (the mix), `aligned_behaviour`, `char_ends` (cross-tokenizer behaviour
-estimate), `save_node_checkpoint`, `load_node_checkpoint` (checkpoints), `Family`, `specialize`,
-`heldout_reward`, `RoundRobin`, `transfer_run` (experiments). See docs/swarm.md. Knows nothing about the
-central trainer's loop or PULSE.
+estimate), `save_node_checkpoint`, `load_node_checkpoint` (checkpoints). The experiments (`Family`, `specialize`,
+`heldout_reward`, `RoundRobin`, `transfer_run`) are in `pnyx_harness.swarm_experiment`. See docs/swarm.md.
+Knows nothing about the central trainer's loop or PULSE.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ _EXPORTS = {
     "pnyx.swarm.sample": ("sample_external", "Pool"),
     "pnyx.swarm.align": ("aligned_behaviour", "char_ends"),
     "pnyx.swarm.checkpoint": ("save_node_checkpoint", "load_node_checkpoint"),
-    "pnyx.swarm.experiment": ("Family", "specialize", "heldout_reward", "RoundRobin", "transfer_run"),
 }
 
 __all__ = export_names(_EXPORTS)

@@ -53,7 +53,7 @@ class NodeState:
     """repr of the mix-sampling `random.Random` state."""
 
 
-def capture(node: Any) -> NodeState:
+def capture(node: Any) -> NodeState:  # a SwarmNode (node.py imports this module)
     """The state of a `SwarmNode` (duck-typed: its counters, drops, peers, feed cursor, pool and RNG)."""
     return NodeState(
         node=node.name,
@@ -67,7 +67,7 @@ def capture(node: Any) -> NodeState:
     )
 
 
-def restore(node: Any, blob: dict[str, Any]) -> NodeState:
+def restore(node: Any, blob: dict[str, Any]) -> NodeState:  # a SwarmNode, as above
     """Put a checkpoint back into a freshly built `SwarmNode`: tensors, RNGs, counters, drops, peer cursor,
     and the pending foreign groups (fetched again). The node's seq only moves forward (uploads made after
     the checkpoint keep their keys)."""

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
+    from pnyx.envs.base import Environment
+    from pnyx.train.advantages import AdvantageMode
+    from pnyx.train.ingest import ScoredGroup
+
 ForeignMode = Literal["onpolicy", "gated"]
 Path_ = Literal["exact", "aligned"]
 
@@ -86,7 +90,7 @@ class EnvCache:
         self.accept = set(accept)
         self._envs: dict[str, Any] = {}
 
-    def get(self, name: str, kwargs: dict[str, Any]) -> Any:
+    def get(self, name: str, kwargs: dict[str, Any]) -> Environment:
         import msgspec
 
         from pnyx.envs import get_env
@@ -246,7 +250,9 @@ def own_logprobs(
     return out
 
 
-def scored_group(rows: ForeignRows, mus: list[list[float]], masks: list[list[int]], advantage: Any) -> Any:
+def scored_group(
+    rows: ForeignRows, mus: list[list[float]], masks: list[list[int]], advantage: AdvantageMode
+) -> ScoredGroup:
     """The trainer's `ScoredGroup` for a foreign group: our token ids, the chosen behaviour logprobs and
     masks, our verifier's rewards and advantages (the sender's claimed rewards kept only for the record)."""
     from pnyx.protocol.records import RolloutGroup, Sample

@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pnyx.config import PnyxConfig, resolve_env_kwargs, resolve_max_new_tokens
-from pnyx.envs.base import stable_hash
+from pnyx.envs.base import Environment, stable_hash
 from pnyx.errors import AlreadyExistsError, ConfigError, RecordRejected, StoreError
 from pnyx.protocol import layout
 from pnyx.protocol.records import RolloutGroup
+from pnyx.protocol.rules import is_zero_variance
 from pnyx.store import Store
 from pnyx.swarm import foreign
 from pnyx.swarm.checkpoint import capture, load_node_checkpoint, restore, save_node_checkpoint
@@ -46,7 +47,7 @@ from pnyx.swarm.share import (
     upload,
     write_heartbeat,
 )
-from pnyx.train.advantages import group_advantages, is_zero_variance
+from pnyx.train.advantages import group_advantages
 from pnyx.train.ingest import ScoredGroup
 from pnyx.train.settings import loss_settings
 from pnyx.train.step import make_optimizer, train_step
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pnyx.swarm")
 
 
-def _model_id(model_dir: Path, model: Any) -> str:
+def _model_id(model_dir: Path, model: object) -> str:
     cfg = getattr(model, "config", None)
     arch = getattr(cfg, "model_type", "model")
     return f"{model_dir.name}:{arch}"[:256]
@@ -75,7 +76,7 @@ class SwarmNode:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         model_dir: str | Path,
-        env: Any,
+        env: Environment,
         accept_envs: set[str] | None = None,
     ):
         from pnyx.models.tokenizer import eos_token_ids, tokenizer_digest
@@ -432,9 +433,9 @@ def open_node(
     store: Store, name: str, cfg: PnyxConfig, model_dir: str | Path | None = None, **kwargs: Any
 ) -> SwarmNode:
     """Load this node's model (fp32, for training), tokenizer and environment, and build the node."""
-    from pnyx.config import resolve_model_path
     from pnyx.envs import get_env
     from pnyx.models import load_model, load_tokenizer, model_folder
+    from pnyx.models.source import resolve_model_path
 
     check_node_name(name)
     path = model_folder(model_dir) if model_dir is not None else resolve_model_path(cfg)

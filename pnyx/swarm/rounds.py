@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pnyx.train.advantages import is_zero_variance
+from pnyx.protocol.rules import is_zero_variance
 from pnyx.train.stepstats import StepStats
 
 if TYPE_CHECKING:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 from pnyx.errors import ConfigError, NotFoundError, RecordRejected, StoreError
 from pnyx.protocol import layout
 from pnyx.protocol.codec import decode_json, encode_json
+from pnyx.protocol.records import RolloutGroup
 from pnyx.store import Store
 from pnyx.swarm.align import char_ends
 from pnyx.swarm.records import NodeHeartbeat, SwarmGroup, SwarmSample, decode_swarm_group, encode_swarm_group
@@ -50,7 +51,7 @@ def check_node_name(name: str) -> str:
 
 
 def to_swarm_group(
-    group: Any,
+    group: RolloutGroup,
     tokenizer: PreTrainedTokenizerBase,
     eos_ids: set[int],
     *,

@@ -10,26 +10,13 @@ turned into zeros that would still cost a forward/backward pass.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Literal
 
 from pnyx.errors import ConfigError
+from pnyx.protocol.rules import reward_std
 
 AdvantageMode = Literal["grpo", "drgrpo"]
-
-
-def reward_std(rewards: Sequence[float]) -> float:
-    """Population standard deviation of a group's rewards (the group is the whole population: ddof=0)."""
-    if not rewards:
-        raise ValueError("reward_std: empty group")
-    m = sum(rewards) / len(rewards)
-    return math.sqrt(sum((r - m) ** 2 for r in rewards) / len(rewards))
-
-
-def is_zero_variance(rewards: Sequence[float], tol: float = 1e-9) -> bool:
-    """True when every reward equals the others (within `tol`): the group's advantages are all zero."""
-    return reward_std(rewards) <= tol
 
 
 def group_advantages(

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pnyx.errors import AlreadyExistsError, ConfigError, NotFoundError
+from pnyx.errors import AlreadyExistsError, ConfigError
 from pnyx.protocol import layout
+from pnyx.protocol.records import RunManifest, TrainerKey
+from pnyx.protocol.runfile import read_run
 from pnyx.store import Store
-
-if TYPE_CHECKING:
-    from pnyx.protocol.records import RunManifest
 
 # Fields that define what workers do and what a group means: two trainers (or a resumed trainer) with
 # different values here would train on rollouts that do not mean what they think.
@@ -53,19 +52,8 @@ def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     ]
 
 
-def read_run(store: Store) -> RunManifest | None:
-    """The run's manifest, or None if the run has none yet."""
-    from pnyx.protocol.codec import decode_json
-    from pnyx.protocol.records import RunManifest
-
-    try:
-        return decode_json(store.get(layout.RUN_MANIFEST), RunManifest)
-    except NotFoundError:
-        return None
-
-
 def init_run(
-    store: Store, config: dict[str, Any], model: dict[str, Any], trainer_key: Any = None
+    store: Store, config: dict[str, Any], model: dict[str, Any], trainer_key: TrainerKey | None = None
 ) -> RunManifest:
     """Create `run.json` (create-only) or join the existing one if its run-defining fields match.
 
@@ -90,7 +78,9 @@ def init_run(
     return existing
 
 
-def check_compatible(existing: Any, config: dict[str, Any], model: dict[str, Any], where: str) -> None:
+def check_compatible(
+    existing: RunManifest, config: dict[str, Any], model: dict[str, Any], where: str
+) -> None:
     """Raise ConfigError if `config`/`model` differ from the run's in run-defining fields."""
     diffs = config_diff(run_defining(existing.config, existing.model), run_defining(config, model))
     if diffs:

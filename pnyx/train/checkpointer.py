@@ -13,7 +13,7 @@ and rank 0 commits. Only `COMMIT.json` makes a checkpoint exist, so a process ki
 leaves a folder that is ignored and later deleted; the previous checkpoint and the batch records (replay)
 cover the gap. The loop is blocked only for staging, and for a previous checkpoint still uploading.
 
-Retention keeps the newest `keep` committed checkpoints (legacy `ckpt-V.pt` objects count), and deletes
+Retention keeps the newest `keep` committed checkpoints, and deletes
 uncommitted folders older than the newest committed one (abandoned by a crash). Knows nothing about the
 training loop's policy; imports torch only inside the functions that need it.
 """
@@ -28,9 +28,10 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import xxhash
@@ -41,6 +42,8 @@ from pnyx.store import Store
 
 if TYPE_CHECKING:
     import torch
+
+    from pnyx.train.distributed import Dist
 
 log = logging.getLogger("pnyx.train")
 
@@ -95,24 +98,21 @@ class Stored:
     """A checkpoint version found in the store."""
 
     version: int
-    kind: str  # "dcp" | "legacy"
     committed: bool
 
 
 def list_checkpoints(store: Store) -> list[Stored]:
-    """Every checkpoint version in the store (legacy `ckpt-V.pt` objects and DCP folders), ascending."""
-    found: dict[tuple[int, str], bool] = {}
+    """Every checkpoint (DCP folder) in the store, ascending."""
+    found: dict[int, bool] = {}
     for meta in store.list(layout.TRAINER_PREFIX + "ckpt-"):
         rest = meta.key[len(layout.TRAINER_PREFIX) + len("ckpt-") :]
         digits, sep, tail = rest[:8], rest[8:9], rest[9:]
         if len(digits) != 8 or not digits.isdigit():
             continue
         v = int(digits)
-        if sep == "." and tail == "pt":
-            found[(v, "legacy")] = True
-        elif sep == "/":
-            found[(v, "dcp")] = found.get((v, "dcp"), False) or tail == COMMIT
-    return sorted((Stored(v, k, c) for (v, k), c in found.items()), key=lambda s: (s.version, s.kind))
+        if sep == "/":
+            found[v] = found.get(v, False) or tail == COMMIT
+    return [Stored(v, c) for v, c in sorted(found.items())]
 
 
 def committed(store: Store) -> list[Stored]:
@@ -161,9 +161,6 @@ def prune(store: Store, keep: int) -> list[int]:
     newest = done[-1].version
     doomed = done[:-keep] + [s for s in stored if not s.committed and s.version < newest]
     for s in doomed:
-        if s.kind == "legacy":
-            store.delete(layout.trainer_key(f"ckpt-{s.version:08d}.pt"))
-            continue
         keys = [m.key for m in store.list(layout.TRAINER_PREFIX + folder(s.version) + "/")]
         for k in sorted(keys, key=lambda k: not k.endswith("/" + COMMIT)):
             store.delete(k)
@@ -200,7 +197,7 @@ class Checkpointer:
     def __init__(
         self,
         store: Store,
-        d: Any,
+        d: Dist,
         local_root: Path,
         keep: int = 2,
         asynchronous: bool = True,
@@ -261,7 +258,7 @@ class Checkpointer:
             err, self._error = self._error, None
             raise err
 
-    def _finish(self, local: Path, fut: Any, commit: Commit) -> None:
+    def _finish(self, local: Path, fut: Future[object] | None, commit: Commit) -> None:
         """Background half of a save: wait for DCP, upload this rank's files, record, commit (rank 0)."""
         try:
             t0 = time.perf_counter()

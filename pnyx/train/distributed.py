@@ -18,15 +18,17 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 
 from pnyx.errors import ConfigError
 
 M = TypeVar("M", bound=torch.nn.Module)
+T = TypeVar("T")
 
 log = logging.getLogger("pnyx.train")
 
@@ -43,9 +45,9 @@ class Dist:
     world: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
-    objects: Any = None
+    objects: Any = None  # torch's new_group: ProcessGroup | int | None
     """gloo group for Python objects (None: single process)."""
-    checkpoints: Any = None
+    checkpoints: Any = None  # as above
     """gloo group for DCP checkpoint collectives (None: single process)."""
 
     @classmethod
@@ -63,35 +65,35 @@ class Dist:
 
     # --- object collectives (the `pnyx.weights.parallel.Collective` protocol) ---------------------------
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: T) -> T:
         """Rank 0's `obj` on every rank."""
         if not self.sharded:
             return obj
         import torch.distributed as dist
 
-        box = [obj if self.is_main else None]
+        box: list[object] = [obj if self.is_main else None]
         dist.broadcast_object_list(box, src=0, group=self.objects)
-        return box[0]
+        return cast(T, box[0])
 
-    def gather(self, obj: Any) -> list[Any] | None:
+    def gather(self, obj: T) -> list[T] | None:
         """Every rank's `obj` on rank 0, in rank order (None on the others)."""
         if not self.sharded:
             return [obj]
         import torch.distributed as dist
 
-        out: list[Any] | None = [None] * self.world if self.is_main else None
+        out: list[object] | None = [None for _ in range(self.world)] if self.is_main else None
         dist.gather_object(obj, out, dst=0, group=self.objects)
-        return out
+        return cast(list[T] | None, out)
 
-    def all_gather(self, obj: Any) -> list[Any]:
+    def all_gather(self, obj: T) -> list[T]:
         """Every rank's `obj` on every rank, in rank order."""
         if not self.sharded:
             return [obj]
         import torch.distributed as dist
 
-        out: list[Any] = [None] * self.world
+        out: list[object] = [None for _ in range(self.world)]
         dist.all_gather_object(out, obj, group=self.objects)
-        return out
+        return cast(list[T], out)
 
     def barrier(self) -> None:
         if self.sharded:
@@ -196,7 +198,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: object) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
@@ -259,7 +261,7 @@ class RootForward:
             model.pnyx_hidden = types.MethodType(lambda _self, **kw: body(**kw), model)  # pyright: ignore[reportArgumentType]
             register_fsdp_forward_method(model, "pnyx_hidden")
 
-    def parameters(self) -> Any:
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
         return self.model.parameters()
 
     def get_decoder(self) -> Any:
@@ -272,7 +274,7 @@ class RootForward:
         return self.model(*args, **kwargs)
 
 
-def forward_view(model: torch.nn.Module) -> Any:
+def forward_view(model: torch.nn.Module) -> Any:  # the Module, or a RootForward duck-typed as one
     """The model as `completion_logprobs` must call it: a `RootForward` for an FSDP2 model, else itself."""
     from torch.distributed.fsdp import FSDPModule
 

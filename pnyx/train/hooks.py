@@ -1,45 +1,42 @@
-"""The trainer's test hooks, set through the environment. Used by tests only.
+"""Named points of a trainer step where a harness may act (`pnyx_harness.trainer` kills the process there).
 
-`PNYX_TEST_CRASH_AT=<point>:N[@R]` SIGKILLs the trainer process (only rank R when given) at a named point
-of the step that produces version N: `after_step` (optimizer step done), `before_manifest` (payload
-uploaded, manifest not written), `after_publish` (published, before metrics and checkpoint) or
-`during_checkpoint` (this rank's checkpoint shards uploaded, not committed); `crash_point` is called at
-those points by the loop (`loop.py`), the publisher and the checkpointer. `PNYX_TEST_INGEST_DELAY_S=x`
-makes every group fetch sleep x seconds first (`slow_decode`; the liveness tests use it to hold the
-trainer in ingestion). Knows nothing about training.
+The loop, the publisher and the checkpointer call `point(name, version)` at: `after_step` (optimizer step
+done), `before_manifest` (payload uploaded, manifest not written), `after_publish` (published, before
+metrics and checkpoint) and `during_checkpoint` (this rank's checkpoint shards uploaded, not committed).
+Nothing is registered in production: `point` is then a no-op. `decode` is the group decoder the trainer's
+ingestor uses (a harness may wrap it, e.g. to slow every fetch down). Knows nothing about training.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import signal
-import time
-from typing import Any
+from collections.abc import Callable
 
-log = logging.getLogger("pnyx.train")
+Point = Callable[[str, int], None]
+Decode = Callable[[bytes, "int | None"], object]
+"""(record bytes, vocabulary size) -> the decoded group."""
 
-CRASH_ENV = "PNYX_TEST_CRASH_AT"
-INGEST_DELAY_ENV = "PNYX_TEST_INGEST_DELAY_S"
+_points: list[Point] = []
+_decode_wrap: list[Callable[[Decode], Decode]] = []
 
 
-def crash_point(name: str, version: int) -> None:
-    """The kill-test hook (see module docstring): SIGKILL ourselves at a named point."""
-    want = os.environ.get(CRASH_ENV)
-    if want is None:
-        return
-    point, _, rank = want.partition("@")
-    if point == f"{name}:{version}" and (not rank or rank == os.environ.get("RANK", "0")):
-        log.warning("test hook %s=%s: SIGKILL", CRASH_ENV, want)
-        os.kill(os.getpid(), signal.SIGKILL)
+def on_point(fn: Point) -> None:
+    """Call `fn(name, version)` at every named point of this process's trainer."""
+    _points.append(fn)
 
 
-def slow_decode(delay_s: float) -> Any:
-    """The decoder behind `PNYX_TEST_INGEST_DELAY_S`: sleep, then decode as usual."""
-    from pnyx.protocol.codec import decode_group
+def point(name: str, version: int) -> None:
+    """A named point of the step that produces `version` (see the module docstring)."""
+    for fn in _points:
+        fn(name, version)
 
-    def decode(data: bytes, vocab_size: int | None) -> Any:
-        time.sleep(delay_s)
-        return decode_group(data, vocab_size=vocab_size)
 
+def wrap_decode(fn: Callable[[Decode], Decode]) -> None:
+    """Wrap the group decoder of the trainers made in this process: `fn(decode) -> decode`."""
+    _decode_wrap.append(fn)
+
+
+def decoder(decode: Decode) -> Decode:
+    """`decode`, wrapped by whatever `wrap_decode` registered (itself when nothing did)."""
+    for fn in _decode_wrap:
+        decode = fn(decode)
     return decode

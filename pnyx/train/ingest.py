@@ -58,12 +58,14 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
+from pnyx.envs.base import Environment
 from pnyx.errors import NotFoundError, RecordRejected, StoreUnavailableError
 from pnyx.protocol import layout
 from pnyx.protocol.codec import frame_signer
+from pnyx.protocol.records import RolloutGroup
+from pnyx.protocol.rules import is_zero_variance
 from pnyx.security.keys import fingerprint
 from pnyx.store import Store
-from pnyx.train.advantages import is_zero_variance
 from pnyx.train.ingest_state import Cursor, IngestSettings
 from pnyx.train.listing import SWEEP_GRACE_S, VersionListing
 from pnyx.train.planner import BatchPlanner
@@ -91,7 +93,7 @@ def _theft(worker: str, bound: str, fp: str) -> RecordRejected:
     return e
 
 
-def _default_decode(data: bytes, vocab_size: int | None) -> Any:
+def _default_decode(data: bytes, vocab_size: int | None) -> RolloutGroup:
     from pnyx.protocol.codec import decode_group
 
     return decode_group(data, vocab_size=vocab_size)
@@ -108,7 +110,7 @@ class Ingestor(BatchPlanner):
     """
 
     store: Store
-    env: Any
+    env: Environment
     detokenize: Callable[[list[int]], str]
     settings: IngestSettings = field(default_factory=IngestSettings)
     cursor: Cursor = field(default_factory=Cursor)

@@ -16,6 +16,7 @@ method takes it where it says so). Knows nothing about torch or how groups are r
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -65,7 +66,7 @@ class KeyLedger(WindowListings):
         if why is not None:
             self.quarantine(fp, why)
 
-    def _center(self) -> Any:
+    def _center(self) -> Callable[[str, int], float | None]:
         """The run's honest z per (engine, staleness) now (`calibration.Allowances.center`)."""
         from pnyx.security.calibration import Allowances, centers
 

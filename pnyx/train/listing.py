@@ -31,6 +31,7 @@ from typing import Any
 
 from pnyx.protocol import layout
 from pnyx.store import Store
+from pnyx.train.ingest_state import Cursor, IngestSettings
 
 log = logging.getLogger("pnyx.train.ingest")
 
@@ -140,8 +141,8 @@ class WindowListings:
     """The listing layer of the `Ingestor` (see the module docstring); the attributes below are its."""
 
     store: Store
-    cursor: Any
-    settings: Any
+    cursor: Cursor
+    settings: IngestSettings
     sweep_grace_s: float
     listed: int
     _lock: threading.RLock

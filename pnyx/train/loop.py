@@ -1,6 +1,6 @@
 """The trainer loop: bootstrap or resume a run, then ingest → step → publish → checkpoint, until a budget.
 
-Per step at version V (DESIGN.md §5, docs/trainer.md):
+Per step at version V (docs/trainer.md):
 1. the batch of step V→V+1 is `trainer/batch-{V+1}` if that record exists (a step that was started
    before a crash, or by another trainer), else the ingestor selects one and records it create-only;
 2. `train_step` (fp32 master, micro-batched, AdamW, clip);
@@ -27,8 +27,8 @@ checkpoint shards.
 
 Layout: `trainer_setup.py` (`TrainerSetup`, the base class `Trainer` builds on) loads the model and what a
 step needs and creates or joins the run; `resume.py` replays the steps published after a checkpoint;
-`hooks.py` holds the test hooks (`PNYX_TEST_CRASH_AT` kills the process at a named point of a step,
-`PNYX_TEST_INGEST_DELAY_S` slows every group fetch). This module is the step loop: choose and record the
+`hooks.py` names the points of a step where a harness may act (`pnyx_harness.trainer` kills the process
+there, or slows every group fetch). This module is the step loop: choose and record the
 batch, train, publish, commit, metrics, checkpoint. Knows nothing about generation internals.
 """
 
@@ -38,16 +38,18 @@ import logging
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 from pnyx.config import PnyxConfig
 from pnyx.errors import IntegrityError, NotFoundError, RecordRejected
+from pnyx.security.signing import Verifier
 from pnyx.store import Store
-from pnyx.train import checkpoint
-from pnyx.train.hooks import crash_point
+from pnyx.train import checkpoint, hooks
+from pnyx.train.batch import Batch, StepResult
 from pnyx.train.ingest import Ingestor, ScoredGroup
 from pnyx.train.progress import Progress, format_line, reward_parts
+from pnyx.train.reference import Reference
+from pnyx.train.resume import restore
 from pnyx.train.settings import check_settings, loss_settings
 from pnyx.train.step import StepStats, train_step
 from pnyx.train.trainer_setup import TrainerSetup, manifest_digests
@@ -56,32 +58,6 @@ log = logging.getLogger("pnyx.train")
 
 STATUS_KEYS = 32
 """`trainer/status.json` reports at most this many worker keys (quarantined first, then by faults)."""
-
-
-@dataclass
-class StepResult:
-    version: int
-    stats: StepStats
-    groups: list[ScoredGroup]
-    publish_s: float
-    publish_kind: str
-    lr: float = 0.0
-    checks: Any = None
-    """The `Allowances` the step judged its groups with."""
-
-
-@dataclass
-class Batch:
-    """What rank 0 sends every rank for one step: the groups, their reference logprobs, the rate."""
-
-    keys: list[str]
-    groups: list[ScoredGroup]
-    lr: float
-    ref: dict[tuple[str, int], list[float]] | None = None
-    checks: Any = None
-    """The sampling checks' `Allowances` for this step (derived from the run on rank 0; None: off)."""
-    probe: list[Any] | None = None
-    """The drift probe's rows (`microbatch.Row`s, from the previous step's batch; None: none)."""
 
 
 class Trainer(TrainerSetup):
@@ -101,13 +77,22 @@ class Trainer(TrainerSetup):
         self._check_pending = True  # read a pending batch record before the first step of this process
         self._ingest_wait_s = 0.0
         self.progress = Progress(store, self._describe)
-        self.reference: Any = None
-        self.trust: Any = None
+        self.reference: Reference | None = None
+        self.trust: Verifier | None = None
         """The verifier of the run's trainer key (from run.json), once the run is created or joined."""
 
     # --- one step ------------------------------------------------------------------------------------
 
-    def _batch(self, rec: checkpoint.BatchRecord, groups: list[ScoredGroup]) -> Batch:
+    def start(self) -> None:
+        """Load the model and either create the run (publish v0) or resume it from the store: the newest
+        checkpoint, then every version published after it replayed (`resume.restore`)."""
+        self.progress.phase("loading")
+        with self.progress.running(status=False):
+            published = self._start()
+            if self.resume:
+                restore(self, published)
+
+    def make_batch(self, rec: checkpoint.BatchRecord, groups: list[ScoredGroup]) -> Batch:
         """Rank 0: what every rank needs for the step of `rec` (its rate, the reference logprobs)."""
         lr = rec.lr if rec.lr is not None else self.cfg.trainer.lr
         ref = self.reference.logprobs(groups) if self.reference is not None else None
@@ -120,7 +105,7 @@ class Trainer(TrainerSetup):
         ]
         return Batch(list(rec.keys), groups, lr, ref, checks, probe)
 
-    def _train(self, batch: Batch) -> StepStats:
+    def train_batch(self, batch: Batch) -> StepStats:
         return train_step(
             self.model,
             self.optimizer,
@@ -155,7 +140,7 @@ class Trainer(TrainerSetup):
             )
         return chosen
 
-    def _load_recorded(self, rec: checkpoint.BatchRecord) -> list[ScoredGroup]:
+    def load_recorded(self, rec: checkpoint.BatchRecord) -> list[ScoredGroup]:
         """The groups a batch record names, validated and re-scored again (they are immutable)."""
         try:
             return self._ingest.load_many(rec.keys)
@@ -174,15 +159,15 @@ class Trainer(TrainerSetup):
     def step(self) -> StepResult | None:
         """One step V → V+1 (None if stopped while waiting for data). Every rank calls it together."""
         target = self.version + 1
-        batch = self._on_main(lambda: self._choose_batch(target))
+        batch = self.on_main(lambda: self._choose_batch(target))
         if batch is None:
             return None
         self.progress.phase("training", have=len(batch.groups))
-        stats = self._train(batch)
-        crash_point("after_step", target)
+        stats = self.train_batch(batch)
+        hooks.point("after_step", target)
         self.progress.phase("publishing")
         t0 = time.perf_counter()
-        m = self._publish(target)
+        m = self.publish(target)
         publish_s = time.perf_counter() - t0
         if self.dist.is_main:
             self._digests[target] = manifest_digests(m)
@@ -193,7 +178,7 @@ class Trainer(TrainerSetup):
             )  # fmt: skip
             self.prefetcher.ahead(target)
         self.version = target
-        crash_point("after_publish", target)
+        hooks.point("after_publish", target)
         return StepResult(target, stats, batch.groups, publish_s, m.kind, batch.lr, batch.checks)
 
     def _choose_batch(self, target: int) -> Batch | None:
@@ -212,7 +197,7 @@ class Trainer(TrainerSetup):
             )
             by_key = {g.key: g for g in chosen}
             groups = (
-                [by_key[k] for k in rec.keys] if set(rec.keys) == set(by_key) else self._load_recorded(rec)
+                [by_key[k] for k in rec.keys] if set(rec.keys) == set(by_key) else self.load_recorded(rec)
             )
         else:
             log.info(
@@ -222,10 +207,10 @@ class Trainer(TrainerSetup):
                 len(rec.keys),
             )
             self.progress.phase("ingesting", have=0)
-            groups = self._load_recorded(rec)
+            groups = self.load_recorded(rec)
             self._ingest_wait_s = 0.0
         self.prefetcher.ahead(target, rec.keys)  # the next step's groups, fetched while this one runs
-        return self._batch(rec, groups)
+        return self.make_batch(rec, groups)
 
     def checkpoint(self) -> None:
         """Start a sharded checkpoint of the current version (every rank together); it uploads and commits
@@ -327,7 +312,7 @@ class Trainer(TrainerSetup):
 
     # --- the loop ------------------------------------------------------------------------------------
 
-    def request_stop(self, *_: Any) -> None:
+    def request_stop(self, *_: object) -> None:
         """Stop soon (installed for SIGINT/SIGTERM): a wait or a fetch ends within 0.1 s; a step under way
         finishes and publishes; then the trainer checkpoints and returns. Only sets a flag."""
         self._stop = True

@@ -2,7 +2,7 @@
 importance weights, KL to a reference, and the aggregation weights that turn per-token terms into a scalar.
 
 Small pure torch functions over [B, T] tensors (B sequences, T completion positions, right-padded); no
-model, no store, no config tree. Notation (DESIGN.md §5): `logp` = log π(y_t) under the current parameters
+model, no store, no config tree. Notation (docs/trainer.md): `logp` = log π(y_t) under the current parameters
 (differentiable), `behaviour_logp` = log μ(y_t) recorded by the worker at its sampling temperature,
 `adv` = one advantage per sequence [B], `loss_mask` = 1 for model tokens that count, 0 for tool tokens and
 padding.

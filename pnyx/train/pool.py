@@ -32,7 +32,7 @@ class DaemonPool:
         for t in self._threads:
             t.start()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., object], *args: object) -> Future:
         if self._closed:
             raise RuntimeError("submit on a pool that was shut down")
         fut: Future = Future()

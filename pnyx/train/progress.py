@@ -174,7 +174,7 @@ class Progress:
             if status:
                 self.write_status()
 
-    def phase(self, name: str, **detail: Any) -> None:
+    def phase(self, name: str, **detail: object) -> None:
         """Enter phase `name` (the clock restarts only when the name changes); `detail` adds to the report."""
         if name != self.phase_name:
             self.phase_name, self.phase_since = name, time.monotonic()

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from pnyx.train.ingest import ScoredGroup
+
 log = logging.getLogger("pnyx.train")
 
 CACHE_GROUPS = 4096
@@ -69,7 +71,7 @@ class Reference:
         self._stop.set()
         self._thread.join(timeout=30)
 
-    def _score(self, g: Any) -> list[list[float]]:
+    def _score(self, g: ScoredGroup) -> list[list[float]]:
         from pnyx.models.logprobs import completion_logprobs
 
         with self._lock:

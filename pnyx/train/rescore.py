@@ -16,8 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pnyx.envs.base import Environment
 from pnyx.errors import ConfigError, RecordRejected
+from pnyx.protocol.records import RolloutGroup
 from pnyx.train.advantages import group_advantages
+from pnyx.train.ingest_state import IngestSettings
 
 REWARD_TOL = 1e-6
 """A worker's reward 'agrees' with the re-score when they differ by at most this."""
@@ -33,8 +36,8 @@ class ScoredGroup:
     version: int
     worker_id: str
     task_id: str
-    group: Any
-    """The decoded `RolloutGroup` record."""
+    group: RolloutGroup
+    """The decoded record."""
     rewards: list[float]
     """Re-scored by the trainer's verifier, one per sample."""
     advantages: list[float]
@@ -52,11 +55,11 @@ class ScoredGroup:
 
 def rescore(
     key: str,
-    group: Any,
+    group: RolloutGroup,
     *,
-    env: Any,
+    env: Environment,
     detokenize: Callable[[list[int]], str],
-    settings: Any,
+    settings: IngestSettings,
     run_id: str | None = None,
     expected_digest: Callable[[int], frozenset[str] | None] | None = None,
     render: Callable[[Any], list[int]] | None = None,
@@ -113,7 +116,7 @@ def rescore(
     return ScoredGroup(key, version, worker, group.task_id, group, rewards, adv, claimed, parts)
 
 
-def check_sampling(group: Any, settings: Any) -> None:
+def check_sampling(group: RolloutGroup, settings: IngestSettings) -> None:
     """`settings` gives the run's `temperature`, `top_p`, `top_k`, `max_new_tokens` (None: not checked).
     Raise RecordRejected unless the group's sampling settings are the run's (`sampling_mismatch`) and
     every model turn (a run of loss-mask 1 tokens) fits the per-turn budget (`over_budget`)."""

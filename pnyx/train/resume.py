@@ -1,9 +1,8 @@
 """Resuming a trainer: the newest committed checkpoint, then a replay of every step published after it.
 
 The checkpoint at version C holds the model, the optimizer, the RNG and the ingestion cursor after step C
-(a sharded DCP checkpoint, loadable by any number of ranks, or a legacy single object, loadable by one
-process). Every version P > C that was published since has a batch record naming exactly the groups
-(and the learning rate) it was trained on, so replaying C+1..P rebuilds the state that produced P. A
+(a sharded DCP checkpoint, loadable by any number of ranks). Every version P > C that was published since
+has a batch record naming exactly the groups (and the learning rate) it was trained on, so replaying C+1..P rebuilds the state that produced P. A
 replay whose cast differs from the published bits (non-deterministic kernels, another number of ranks:
 the sum over ranks rounds differently) adopts the published bits where its cast differs, so the chain
 continues from what the workers run.
@@ -15,20 +14,58 @@ calls them together. Knows nothing about how batches are chosen.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from pnyx.errors import ConfigError, IntegrityError
+from pnyx.errors import IntegrityError
+from pnyx.protocol.records import RunManifest
+from pnyx.security.signing import Verifier
+from pnyx.store import Store
 from pnyx.train import checkpoint, checkpointer
+from pnyx.train.batch import Batch, StepResult
+from pnyx.train.distributed import Dist
+from pnyx.train.ingest import Ingestor, ScoredGroup
 from pnyx.train.ingest_state import Cursor
+from pnyx.train.stepstats import StepStats
+from pnyx.weights.manifest import WeightManifest
 
 log = logging.getLogger("pnyx.train")
+T = TypeVar("T")
 
 
-def restore(t: Any, published: int | None) -> None:
+class Resumable(Protocol):
+    """What a resume reads and sets of the trainer (`loop.Trainer`)."""
+
+    store: Store
+    dist: Dist
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    checkpointer: checkpointer.Checkpointer
+    manifest: RunManifest
+    ingestor: Ingestor | None
+    trust: Verifier | None
+    version: int
+    last_checkpoint: int | None
+
+    def publish(self, version: int, force_anchor: bool = False) -> WeightManifest: ...
+    def on_main(self, fn: Callable[[], T]) -> T: ...
+    def make_batch(self, rec: checkpoint.BatchRecord, groups: list[ScoredGroup]) -> Batch: ...
+    def load_recorded(self, rec: checkpoint.BatchRecord) -> list[ScoredGroup]: ...
+    def train_batch(self, batch: Batch) -> StepStats: ...
+    def metrics(self, r: StepResult) -> dict[str, Any]: ...
+    def publish_tensors(self) -> dict[str, torch.Tensor]: ...
+
+
+def _ingestor(t: Resumable) -> Ingestor:
+    if t.ingestor is None:
+        raise RuntimeError("resume: the trainer has no ingestor yet (start() sets it up)")
+    return t.ingestor
+
+
+def restore(t: Resumable, published: int | None) -> None:
     """Load the newest committed checkpoint into `t`, then replay every version published after it."""
-    from pnyx.train.loop import StepResult
     from pnyx.weights.manifest import read_manifest
 
     done = checkpointer.committed(t.store)
@@ -37,7 +74,7 @@ def restore(t: Any, published: int | None) -> None:
         load_checkpoint(t, done[-1])
         t.last_checkpoint = base
     if published is None:  # killed before v0 was published: publish it now
-        t._publish(0, force_anchor=True)
+        t.publish(0, force_anchor=True)
         published = 0
     if published < base:
         raise IntegrityError(
@@ -45,11 +82,11 @@ def restore(t: Any, published: int | None) -> None:
             "of this run were deleted or the checkpoint belongs to another run"
         )
     for v in range(base + 1, published + 1):
-        batch = t._on_main(lambda v=v: recorded_batch(t, v, base, published))
+        batch = t.on_main(lambda v=v: recorded_batch(t, v, base, published))
         t.version = v - 1
-        stats = t._train(batch)
+        stats = t.train_batch(batch)
         if t.dist.is_main:
-            t.ingestor.commit(
+            _ingestor(t).commit(
                 batch.keys, batch.groups, stats.rejected, stats.evidence, batch.checks, stats.drift, v - 1
             )
             kind = read_manifest(t.store, v, t.trust).kind
@@ -63,34 +100,21 @@ def restore(t: Any, published: int | None) -> None:
     log.info("trainer run=%s resumed at v%d (checkpoint v%d)", t.manifest.run_id, published, base)
 
 
-def load_checkpoint(t: Any, stored: checkpointer.Stored) -> None:
-    """Model, optimizer, RNG and cursor from a committed checkpoint (sharded, or the legacy object)."""
+def load_checkpoint(t: Resumable, stored: checkpointer.Stored) -> None:
+    """Model, optimizer, RNG and cursor from a committed (sharded) checkpoint."""
     v = stored.version
-    if stored.kind == "dcp":
-        commit = t.checkpointer.load(v, t.model, t.optimizer)
-        owner, cursor = commit.run_id, commit.cursor.encode()
-        checkpointer.restore_rng(commit.rng)
-    elif t.dist.sharded:
-        raise ConfigError(
-            f"the newest checkpoint of this run, {checkpoint.ckpt_key(v)}, is a single-object checkpoint from an "
-            "older pnyx: resume once with one process (`pnyx trainer --resume`; it writes a sharded checkpoint "
-            "at its next checkpoint), then under torchrun"
-        )
-    else:
-        state = checkpoint.load_checkpoint(t.store, v)
-        owner, cursor = state["extra"].get("run_id"), state["cursor"].encode()
-        t.model.load_state_dict(state["model"])
-        t.optimizer.load_state_dict(state["optimizer"])
-        checkpoint.restore_rng(state["rng"])
+    commit = t.checkpointer.load(v, t.model, t.optimizer)
+    owner, cursor = commit.run_id, commit.cursor.encode()
+    checkpointer.restore_rng(commit.rng)
     if owner != t.manifest.run_id:
         raise IntegrityError(
             f"checkpoint v{v} belongs to run {owner!r}, not to this run ({t.manifest.run_id!r}): "
             "the trainer/ folder was copied from another run"
         )
-    t.ingestor.cursor = Cursor.from_json(cursor)
+    _ingestor(t).cursor = Cursor.from_json(cursor)
 
 
-def recorded_batch(t: Any, version: int, base: int, published: int) -> Any:
+def recorded_batch(t: Resumable, version: int, base: int, published: int) -> Batch:
     """Rank 0: the batch of an already published step, from its record (for a replay)."""
     rec = checkpoint.read_batch_record(t.store, version)
     if rec is None:
@@ -98,10 +122,10 @@ def recorded_batch(t: Any, version: int, base: int, published: int) -> Any:
             f"cannot roll forward from checkpoint v{base} to published v{published}: "
             f"{checkpoint.batch_key(version)} is missing"
         )
-    return t._batch(rec, t._load_recorded(rec))
+    return t.make_batch(rec, t.load_recorded(rec))
 
 
-def verify_or_adopt(t: Any, version: int) -> None:
+def verify_or_adopt(t: Resumable, version: int) -> None:
     """After a replay, the cast of the master weights must be the published bits; else adopt those.
 
     Each rank checks the tensors it publishes against the manifest's digests (together: every tensor). On

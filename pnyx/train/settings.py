@@ -8,6 +8,7 @@ what `losses` needs.
 from __future__ import annotations
 
 from pnyx.config import PnyxConfig
+from pnyx.protocol.rules import flood_limit
 from pnyx.security.checks import CheckSettings, QuarantineSettings
 from pnyx.security.keys import normalize_fingerprint
 from pnyx.train.ingest_state import IngestSettings
@@ -51,26 +52,6 @@ def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
         reject_reward_lies=t.reject_reward_lies,
         trusted_keys=frozenset(normalize_fingerprint(fp) for fp in t.trusted_keys),
     )
-
-
-def flood_limit(cfg: PnyxConfig) -> int | None:
-    """Groups one key may have listed at one policy version before it is quarantined as a flooder
-    (`trainer.flood_limit`; "auto": twice the most that could ever be trained from one version)."""
-    limit = cfg.trainer.flood_limit
-    if limit == "auto":
-        return 2 * (cfg.algorithm.max_staleness + 1) * cfg.trainer.groups_per_step
-    return limit
-
-
-def worker_version_cap(cfg: PnyxConfig) -> int | None:
-    """Groups an honest worker makes at one policy version before it waits for the next: half the run's
-    flood limit, or `worker.max_groups_per_version` if lower (None: no cap). Half, so a worker restarted
-    at the same version (its count starts over) still stays under the limit."""
-    limit = flood_limit(cfg)
-    caps = [
-        c for c in (cfg.worker.max_groups_per_version, None if limit is None else max(1, limit // 2)) if c
-    ]
-    return min(caps) if caps else None
 
 
 def check_settings(cfg: PnyxConfig) -> CheckSettings:

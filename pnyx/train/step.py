@@ -31,9 +31,10 @@ from typing import Any
 import torch
 
 from pnyx.security.calibration import Allowances, Drift
-from pnyx.security.checks import CheckSettings, GroupEvidence, judge
+from pnyx.security.checks import GroupEvidence, Limits, judge
+from pnyx.train.distributed import Dist
 from pnyx.train.ingest import ScoredGroup
-from pnyx.train.losses import LossSettings, policy_terms, token_weights
+from pnyx.train.losses import LossSettings, LossTerms, policy_terms, token_weights
 from pnyx.train.microbatch import Row, assign_micro_batches, build_rows, plan_micro_batches
 from pnyx.train.stepstats import PartialStats, StepStats
 
@@ -64,9 +65,9 @@ def train_step(
     ref_logprobs: Mapping[tuple[str, int], Sequence[float]] | None = None,
     policy_version: int | None = None,
     lr: float | None = None,
-    dist: Any = None,
+    dist: Dist | None = None,
     compute_dtype: torch.dtype | None = None,
-    checks: CheckSettings | Allowances | None = None,
+    checks: Limits | None = None,
     probe: Sequence[Row] | None = None,
 ) -> StepStats:
     """Accumulate the loss of `groups` over micro-batches, clip, and take one AdamW step.
@@ -331,7 +332,7 @@ def _evidence(
 
 def _accumulate(
     part: PartialStats,
-    terms: Any,
+    terms: LossTerms,
     logp: torch.Tensor,
     mu: torch.Tensor,
     entropy: torch.Tensor | None,

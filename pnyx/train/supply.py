@@ -28,6 +28,7 @@ from typing import Any
 
 from pnyx.errors import NotFoundError, RecordRejected, StoreError
 from pnyx.protocol import layout
+from pnyx.protocol.records import Demand
 from pnyx.store import Store
 
 log = logging.getLogger("pnyx.train")
@@ -66,10 +67,10 @@ class DemandPublisher:
         self._counted_at: float | None = None
         self._failures = 0
 
-    def after_publish(self, version: int, waiting: int) -> Any:
+    def after_publish(self, version: int, waiting: int) -> Demand:
         """Record that `version` was just published with `waiting` usable groups queued for the next step;
         write the demand. Returns the record (also when the write failed)."""
-        from pnyx.protocol import Demand, encode_json
+        from pnyx.protocol import encode_json
 
         now = self._clock()
         if self._last_publish is not None:

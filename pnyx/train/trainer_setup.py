@@ -15,28 +15,35 @@ Knows nothing about how a step chooses or trains on its batch (`loop.py`) or abo
 from __future__ import annotations
 
 import logging
-import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 
-from pnyx.config import PnyxConfig, overlay_changed, resolve_model_source
+from pnyx.config import PnyxConfig, overlay_changed
 from pnyx.errors import ConfigError, FencedError, NotFoundError, PnyxError
-from pnyx.security.trust import check_trainer_key, run_verifier, trainer_key_record, trainer_signer
+from pnyx.models.source import resolve_model_source
+from pnyx.protocol.records import RunManifest
+from pnyx.protocol.runfile import read_run
+from pnyx.security.signing import Verifier
 from pnyx.store import Store
-from pnyx.train import bootstrap, checkpointer
-from pnyx.train.hooks import INGEST_DELAY_ENV, crash_point, slow_decode
+from pnyx.train import bootstrap, checkpointer, hooks
 from pnyx.train.ingest import Ingestor
 from pnyx.train.prefetch import Prefetcher
 from pnyx.train.progress import Progress
+from pnyx.train.reference import Reference
 from pnyx.train.settings import ingest_settings
 from pnyx.train.step import make_optimizer
 from pnyx.train.supply import DemandPublisher
+from pnyx.weights.manifest import WeightManifest
+from pnyx.weights.trust import check_trainer_key, run_verifier, trainer_key_record, trainer_signer
+
+T = TypeVar("T")
 
 log = logging.getLogger("pnyx.train")
 
 
-def published_digests(store: Store, version: int, trust: Any = None) -> frozenset[str] | None:
+def published_digests(store: Store, version: int, trust: Verifier | None = None) -> frozenset[str] | None:
     """Chain digests a group of `version` may carry, one per plane (a worker on the int8 actor plane stamps
     its groups with that plane's digest); None if the version is not published (with `trust`: by the
     run's key)."""
@@ -49,7 +56,7 @@ def published_digests(store: Store, version: int, trust: Any = None) -> frozense
     return manifest_digests(m)
 
 
-def manifest_digests(m: Any) -> frozenset[str]:
+def manifest_digests(m: WeightManifest) -> frozenset[str]:
     """The chain digests of a weight manifest's planes."""
     planes = [m.weights] + ([m.int8] if m.int8 is not None else [])
     return frozenset(p.chain_digest for p in planes)
@@ -72,16 +79,15 @@ class TrainerSetup:
     version: int
     ingestor: Ingestor | None
     progress: Progress
-    reference: Any
-    trust: Any
+    reference: Reference | None
+    trust: Verifier | None
 
-    def _load(self, run: Any = None) -> None:
+    def load_model_and_parts(self, run: RunManifest | None = None) -> None:
         """Load model, tokenizer, env, optimizer; resuming `run` (its RunManifest), its recorded model."""
         from pnyx.config import resolve_device, resolve_env_kwargs, resolve_max_new_tokens
         from pnyx.envs import get_env
         from pnyx.models import load_model, load_tokenizer, render_prompt, resolve_run_model, tokenizer_digest
         from pnyx.train.distributed import init_distributed, prepare_model, resolve_compute_dtype
-        from pnyx.train.reference import Reference
         from pnyx.train.schedule import Schedule
         from pnyx.weights.publisher import Publisher
 
@@ -108,11 +114,11 @@ class TrainerSetup:
         self.schedule = Schedule(t.lr, t.lr_schedule, t.warmup_steps, self.steps, t.min_lr_ratio)
         self.publisher = Publisher(
             self.store, anchor_every=t.anchor_every, int8_plane=cfg.worker.int8,
-            chunk_bytes=t.publish_chunk_bytes, comm=self.dist, hook=crash_point,
+            chunk_bytes=t.publish_chunk_bytes, comm=self.dist, hook=hooks.point,
         )  # fmt: skip
         self.checkpointer = checkpointer.Checkpointer(
             self.store, self.dist, checkpointer.local_folder(t.checkpoint_dir, self.store.url), t.keep_checkpoints,
-            t.async_checkpoint, hook=crash_point,
+            t.async_checkpoint, hook=hooks.point,
         )  # fmt: skip
         self.supply = DemandPublisher(self.store, t.groups_per_step, cfg.algorithm.max_staleness)
         vocab = int(self.model.config.vocab_size)
@@ -139,8 +145,7 @@ class TrainerSetup:
             expected_digest=self._published_digest,
             require_signatures=True,  # every group signed by its worker's key (docs/security.md)
         )
-        if os.environ.get(INGEST_DELAY_ENV):
-            self.ingestor.decode = slow_decode(float(os.environ[INGEST_DELAY_ENV]))
+        self.ingestor.decode = hooks.decoder(self.ingestor.decode)
         self.prefetcher = Prefetcher(self.ingestor, cfg.trainer.groups_per_step)
 
     def _published_digest(self, version: int) -> frozenset[str] | None:
@@ -164,11 +169,11 @@ class TrainerSetup:
         keep = self.publisher.needs(self.publish_layout())
         return gather_published(self.model, getattr(torch, self.cfg.trainer.publish_dtype), keep)
 
-    def _publish(self, version: int, force_anchor: bool = False) -> Any:
+    def publish(self, version: int, force_anchor: bool = False) -> WeightManifest:
         """Publish the current weights as `version` (every rank takes part; rank 0 commits)."""
         return self.publisher.publish(version, self.publish_tensors(), force_anchor, self.publish_layout())
 
-    def _on_main(self, fn: Any) -> Any:
+    def on_main(self, fn: Callable[[], T]) -> T:
         """Run `fn()` on rank 0 only and hand its result (or its error) to every rank."""
         out: tuple[str, Any] = ("ok", None)
         if self.dist.is_main:
@@ -179,18 +184,14 @@ class TrainerSetup:
         out = self.dist.broadcast(out)
         if out[0] == "error":
             raise out[1]
-        return out[1]
+        return cast(T, out[1])
 
-    def start(self) -> None:
-        """Load the model and either create the run (publish v0) or resume it from the store."""
-        self.progress.phase("loading")
-        with self.progress.running(status=False):
-            self._start()
-
-    def _start(self) -> None:
+    def _start(self) -> int | None:
+        """Load the model and create the run (publish v0: returns 0) or join it to resume (returns its newest
+        published version, None when it has none; `loop.Trainer.start` then restores)."""
         from pnyx.weights.manifest import latest_version
 
-        existing = bootstrap.read_run(self.store)
+        existing = read_run(self.store)
         if self.resume:
             if existing is None:
                 raise ConfigError(
@@ -198,7 +199,7 @@ class TrainerSetup:
                 )
             self.cfg = merge_resume_config(existing.config, self.cfg)
             self.steps = self._steps_override if self._steps_override is not None else self.cfg.run.steps
-        self._load(existing if self.resume else None)
+        self.load_model_and_parts(existing if self.resume else None)
         config_json = self.cfg.model_dump(mode="json")
         config_json["store"]["url"] = None  # where the run lives is not part of what it is
         signer = trainer_signer() if self.dist.is_main else None  # rank 0 alone signs (and holds the key)
@@ -206,7 +207,7 @@ class TrainerSetup:
             bootstrap.check_compatible(existing, config_json, self.model_info, self.store.url)
             self.manifest = existing
         else:
-            self.manifest = self._on_main(
+            self.manifest = self.on_main(
                 lambda: bootstrap.init_run(
                     self.store,
                     config_json,
@@ -228,7 +229,7 @@ class TrainerSetup:
         self._ingest.run_id = self.manifest.run_id
         if not self.resume:
             try:
-                self._publish(0, force_anchor=True)
+                self.publish(0, force_anchor=True)
             except FencedError:
                 raise FencedError(
                     f"the run at {self.store.url} already has published weights: another trainer owns it. "
@@ -238,16 +239,8 @@ class TrainerSetup:
             log.info(
                 "trainer run=%s created: v0 published (%s)", self.manifest.run_id, self.model_info["name"]
             )
-            return
-        self._restore(
-            self.dist.broadcast(latest_version(self.store, self.trust) if self.dist.is_main else None)
-        )
-
-    def _restore(self, published: int | None) -> None:
-        """Load the newest checkpoint and roll forward through every version published after it."""
-        from pnyx.train.resume import restore
-
-        restore(self, published)
+            return 0
+        return self.dist.broadcast(latest_version(self.store, self.trust) if self.dist.is_main else None)
 
     @property
     def _ingest(self) -> Ingestor:

@@ -4,7 +4,7 @@ PULSE never does floating-point arithmetic on weights: every tensor is held as a
 its bits (`TensorBits`), so NaN payloads, infinities and negative zero survive every copy unchanged.
 Knows nothing about the store, versions or RL. torch is imported only inside the two conversion functions.
 
-Digests (DESIGN.md §4), all xxh3-128 as 32 hex characters:
+Digests (docs/pulse.md), all xxh3-128 as 32 hex characters:
     tensor digest  = H(raw little-endian bytes, C order)
     state digest   = H(for each tensor sorted by name: "name\\0dtype\\0d0,d1,..\\0tensor_digest\\n")
     chain digest   = H(parent_chain_digest || payload_digest || state_digest)   (the hex strings, ASCII)

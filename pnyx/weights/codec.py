@@ -133,12 +133,6 @@ def _encode_segment(
     return "diff", n, gw, bits, esc_n, esc_w, gframe, cframe
 
 
-def _segments(tb: TensorBits, segment_elems: int) -> Iterator[tuple[int, int]]:
-    size = tb.data.size
-    for start in range(0, max(size, 1), segment_elems):
-        yield start, min(segment_elems, size - start)
-
-
 def default_threads() -> int:
     """Worker threads for encoding/decoding segments (numpy and zstd release the GIL)."""
     return max(1, min(4, os.cpu_count() or 1))

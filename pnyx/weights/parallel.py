@@ -17,11 +17,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 from pnyx.weights import int8 as q8
 from pnyx.weights.bits import TensorBits, unsigned_dtype
 from pnyx.weights.codec import CHUNK_BYTES, SEGMENT_ELEMS, Layout, Segment, plan_windows
+
+T = TypeVar("T")
 
 
 class Collective(Protocol):
@@ -30,11 +32,11 @@ class Collective(Protocol):
     rank: int
     world: int
 
-    def gather(self, obj: Any) -> list[Any] | None:
+    def gather(self, obj: T) -> list[T] | None:
         """Every rank's `obj`, in rank order, on rank 0 (None elsewhere). Called by all ranks together."""
         ...
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: T) -> T:
         """Rank 0's `obj` on every rank. Called by all ranks together."""
         ...
 
@@ -45,10 +47,10 @@ class Solo:
     rank = 0
     world = 1
 
-    def gather(self, obj: Any) -> list[Any] | None:
+    def gather(self, obj: T) -> list[T] | None:
         return [obj]
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: T) -> T:
         return obj
 
 

@@ -1,6 +1,6 @@
 """The trainer side of PULSE: publish each version as an anchor or a delta, then its manifest, then HEAD.
 
-Order is the protocol (DESIGN.md §3): payload objects first (create-only, named with this publisher's
+Order is the protocol (docs/architecture.md, "Commit protocol"): payload objects first (create-only, named with this publisher's
 nonce), the manifest second (create-only: its existence means the payload is complete, and a second
 publisher of the same version fails here with FencedError), HEAD last (a hint; compare-and-swap where the
 store has it, so HEAD never moves backwards). Anchors also carry the delta from their parent, so a warm
@@ -25,7 +25,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pnyx.errors import (
     AlreadyExistsError,
@@ -255,7 +255,7 @@ class Publisher:
             raise FencedError(outcome[1])
         if outcome[0] == "failed":
             raise PeerFailedError(outcome[1])
-        m: WeightManifest = outcome[1]
+        m = cast(WeightManifest, outcome[1])
         anchor_version = version if anchor else self.anchor_version
         self.version, self.anchor_version, self._digest = version, anchor_version, m.weights.chain_digest
         self._state = {n: state[n] for n in plan.kept(rank)}
@@ -313,7 +313,7 @@ class Publisher:
         if decision[0] == "error":
             kind, msg = decision[1]
             raise {"FencedError": FencedError, "ValueError": ValueError}.get(kind, PeerFailedError)(msg)
-        parent, anchor, self.nonce, self._digest, self._int8_digest = decision[1]
+        parent, anchor, self.nonce, self._digest, self._int8_digest = cast(tuple[Any, ...], decision[1])
         return parent, anchor
 
     def _write_part(self, version: int, plan: PublishPlan, state: BitState, anchor: bool) -> _Part:

@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 from pnyx.errors import ConfigError
 from pnyx.protocol import layout
+from pnyx.protocol.records import RunManifest, TrainerKey
 from pnyx.security.keys import (
     default_keys_dir,
     default_trainer_key_path,
@@ -48,14 +48,12 @@ def trainer_signer(path: str | Path | None = None) -> Signer:
     return signer
 
 
-def trainer_key_record(signer: Signer) -> Any:
+def trainer_key_record(signer: Signer) -> TrainerKey:
     """The `TrainerKey` run.json records for `signer`."""
-    from pnyx.protocol.records import TrainerKey
-
     return TrainerKey(public=signer.public_hex, fingerprint=signer.fingerprint)
 
 
-def run_verifier(run: Any) -> Verifier:
+def run_verifier(run: RunManifest) -> Verifier:
     """The verifier of the key named in run manifest `run`, bound to its run id. ConfigError if run.json
     names no key (an unsigned run) or a malformed one."""
     key = getattr(run, "trainer_key", None)
@@ -78,7 +76,7 @@ def run_verifier(run: Any) -> Verifier:
     return verifier
 
 
-def check_trainer_key(run: Any, signer: Signer, where: str) -> None:
+def check_trainer_key(run: RunManifest, signer: Signer, where: str) -> None:
     """ConfigError unless `signer` holds the key run.json names (a resumed or second trainer)."""
     verifier = run_verifier(run)
     if verifier.fingerprint != signer.fingerprint:
@@ -89,7 +87,7 @@ def check_trainer_key(run: Any, signer: Signer, where: str) -> None:
         )
 
 
-def pin_trainer(run: Any, trust: str | None = None, keys_dir: str | Path | None = None) -> Verifier:
+def pin_trainer(run: RunManifest, trust: str | None = None, keys_dir: str | Path | None = None) -> Verifier:
     """The trainer key a worker follows (see the module docstring). ConfigError on a mismatch."""
     verifier = run_verifier(run)
     fp = verifier.fingerprint
@@ -128,7 +126,7 @@ def pin_trainer(run: Any, trust: str | None = None, keys_dir: str | Path | None 
     return verifier
 
 
-def run_trust(run: Any, trust: str | None = None) -> Verifier:
+def run_trust(run: RunManifest, trust: str | None = None) -> Verifier:
     """For tools an operator runs (`pnyx weights`, `pnyx export`): run.json's key, which must have the
     fingerprint `trust` when given. Pins nothing. ConfigError for an unsigned run or a mismatch."""
     verifier = run_verifier(run)

@@ -1,7 +1,7 @@
 """The trusted versions of a run: the one lookup every reader of a run's published weights goes through.
 
 `TrustedWeights.open(store, trust)` reads run.json and takes the trainer key it names
-(`pnyx.security.trust.run_trust`: with `trust`, the `--trust` fingerprint of a command, the key must have
+(`pnyx.weights.trust.run_trust`: with `trust`, the `--trust` fingerprint of a command, the key must have
 it); `for_run` does the same for a run.json already read. With that key only, it answers:
 
 - `latest()`: the newest version the trainer signed (HEAD read only when the trainer signed it);
@@ -21,7 +21,7 @@ pnyx) is refused by the readers that use the weights (`unsigned="refuse"`: eval,
 unchecked by the views (`unsigned="unchecked"`: status, the live view, `pnyx weights inspect|prune`; then
 `signed` is False and nothing is verified), so nobody mistakes unsigned weights for the trainer's.
 
-Knows nothing about RL or torch; run.json is read with `pnyx.train.bootstrap.read_run`.
+Knows nothing about RL or torch; run.json is read with `pnyx.protocol.runfile.read_run`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class TrustedWeights:
     def open(cls, store: Store, trust: str | None = None, *, unsigned: Unsigned = "refuse") -> TrustedWeights:
         """The run at `store`. ConfigError if it holds no run.json, if run.json's key does not have the
         fingerprint `trust`, or for an unsigned run unless `unsigned="unchecked"`."""
-        from pnyx.train.bootstrap import read_run
+        from pnyx.protocol.runfile import read_run
 
         run = read_run(store)
         if run is None:
@@ -68,7 +68,7 @@ class TrustedWeights:
         cls, store: Store, run: RunManifest, trust: str | None = None, *, unsigned: Unsigned = "refuse"
     ) -> TrustedWeights:
         """`open` for a run.json already read. With `trust` given, an unsigned run is always refused."""
-        from pnyx.security.trust import run_trust
+        from pnyx.weights.trust import run_trust
 
         if run.trainer_key is None and trust is None and unsigned == "unchecked":
             return cls(store, run, None)
@@ -152,7 +152,7 @@ class TrustedWeights:
 def trusted_latest(store: Store, trust: str | None = None) -> int | None:
     """The newest version the run's trainer key signed; None while the store holds no run.json yet or the
     trainer has signed no version (what `pnyx run` polls). ConfigError for an unsigned run."""
-    from pnyx.train.bootstrap import read_run
+    from pnyx.protocol.runfile import read_run
 
     run = read_run(store)
     return None if run is None else TrustedWeights.for_run(store, run, trust).latest()

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import importlib.util
 import platform
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from pnyx.errors import ConfigError
 from pnyx.rollout.engines.base import ENGINE_NAMES, EngineName, WeightsProof, WorkerEngine
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "ENGINE_NAMES",
@@ -76,8 +80,8 @@ def available_engines(device: str = "cpu") -> list[str]:
 
 def make_engine(
     name: str,
-    path: Any,
-    tokenizer: Any,
+    path: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     dtype: str = "float32",
     device: str = "cpu",

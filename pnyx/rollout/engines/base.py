@@ -33,14 +33,16 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pnyx.errors import IntegrityError
 from pnyx.weights.bits import BitState, TensorBits, chain_digest_of, state_digest_of
 
 if TYPE_CHECKING:
-    from pnyx.rollout.engine import Completion, SamplingParams
+    from transformers import PreTrainedTokenizerBase
+
     from pnyx.rollout.episodes import Episode, ToolFn
+    from pnyx.rollout.sampling import Completion, SamplingParams
     from pnyx.weights.manifest import PlaneManifest
 
 log = logging.getLogger("pnyx.engine")
@@ -114,7 +116,7 @@ class WorkerEngine(ABC):
 
     name: ClassVar[str] = ""
     proof_kind: ProofKind = "hashed"
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
 
     def __init__(self) -> None:
         self._loaded: dict[str, weakref.ref] | None = None  # the arrays of the last state applied (weakly)

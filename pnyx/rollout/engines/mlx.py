@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,11 +32,14 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from pnyx.errors import ConfigError, IntegrityError
-from pnyx.rollout.engine import Completion, SamplingParams
 from pnyx.rollout.engines.base import TensorDigest, WorkerEngine
 from pnyx.rollout.engines.mlx_decode import decode
+from pnyx.rollout.sampling import Completion, SamplingParams
 from pnyx.weights import int8 as q8
 from pnyx.weights.bits import BitState, TensorBits, make_bits
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 _VIEWS = {"bfloat16": mx.uint16, "float16": mx.uint16, "float32": mx.uint32}
@@ -88,8 +91,8 @@ class MLXEngine(WorkerEngine):
 
     def __init__(
         self,
-        path: Any,
-        tokenizer: Any,
+        path: str | Path,
+        tokenizer: PreTrainedTokenizerBase,
         dtype: str = "float32",
         plane: Literal["weights", "int8"] = "weights",
     ):
@@ -119,7 +122,7 @@ class MLXEngine(WorkerEngine):
         )
         self.eos_ids = eos_token_ids(tokenizer, types.SimpleNamespace(generation_config=gen))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.pad_id = int(pad) if pad is not None else 0
+        self.pad_id = int(pad) if isinstance(pad, int) else 0
         self._quantized = False
 
     # -- weights --

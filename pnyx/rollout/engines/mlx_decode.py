@@ -16,11 +16,14 @@ store or the trainer.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
-from pnyx.rollout.engine import COMPACT_FRACTION, Completion, FinishReason, SamplingParams, StopMatcher
+from pnyx.rollout.sampling import COMPACT_FRACTION, Completion, FinishReason, SamplingParams, StopMatcher
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 NEG_INF = float("-inf")
 
@@ -92,7 +95,7 @@ def prefill(model: Any, prompts: list[list[int]], pad_id: int) -> tuple[mx.array
 
 def decode(
     model: Any,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     prompts: list[list[int]],
     params: SamplingParams,
     eos_ids: list[int],
@@ -135,6 +138,6 @@ def decode(
             tok, batch = tok[index], [batch[k] for k in keep]
         logits = model(tok[:, None], cache=caches)[:, -1, :]
     return [
-        Completion(t, lp, r, tokenizer.decode(t, skip_special_tokens=True), s)
+        Completion(t, lp, r, str(tokenizer.decode(t, skip_special_tokens=True)), s)
         for t, lp, r, s in zip(tokens, logprobs, reasons, stop_of, strict=True)
     ]

@@ -17,17 +17,21 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from pnyx.errors import IntegrityError
-from pnyx.rollout.engine import Completion, Engine, SamplingParams
+from pnyx.rollout.engine import Engine
 from pnyx.rollout.engines.base import TensorDigest, WorkerEngine
+from pnyx.rollout.sampling import Completion, SamplingParams
 from pnyx.weights import int8 as q8
 from pnyx.weights.bits import BitState, from_torch, to_torch
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from pnyx.rollout.episodes import Episode, ToolFn
 
 
@@ -63,12 +67,12 @@ class TorchEngine(WorkerEngine):
 
     def __init__(
         self,
-        path: Any,
-        tokenizer: Any,
+        path: str | Path,
+        tokenizer: PreTrainedTokenizerBase,
         dtype: str = "float32",
         device: str = "cpu",
         plane: Literal["weights", "int8"] = "weights",
-        model: Any = None,
+        model: PreTrainedModel | None = None,
     ):
         from pnyx.models import load_model
 

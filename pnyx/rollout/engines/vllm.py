@@ -28,12 +28,16 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pnyx.errors import ConfigError
-from pnyx.rollout.engine import Completion, SamplingParams
 from pnyx.rollout.engines.base import TensorDigest, WorkerEngine
+from pnyx.rollout.sampling import Completion, SamplingParams
 from pnyx.weights.bits import BitState, to_torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("pnyx.engine")
 
@@ -48,8 +52,8 @@ class VLLMEngine(WorkerEngine):
 
     def __init__(
         self,
-        path: Any,
-        tokenizer: Any,
+        path: str | Path,
+        tokenizer: PreTrainedTokenizerBase,
         dtype: str = "float32",
         device: str = "cpu",
         *,
@@ -162,7 +166,9 @@ class VLLMEngine(WorkerEngine):
             stop = o.stop_reason if isinstance(o.stop_reason, str) else None
             reason = "stop" if o.finish_reason == "stop" else "length"
             result.append(
-                Completion(tokens, lps, reason, self.tokenizer.decode(tokens, skip_special_tokens=True), stop)
+                Completion(
+                    tokens, lps, reason, str(self.tokenizer.decode(tokens, skip_special_tokens=True)), stop
+                )
             )
         return result
 
