@@ -118,7 +118,7 @@ def evaluation(arena: Any, tasks: int) -> dict[str, Any]:
 
 def attacker(name: str, arena: Any) -> Any:
     """The hostile producer (or weight attacker) of arm `name`."""
-    from pnyx.security import attacks as A
+    from pnyx_harness import attacks as A
 
     return {
         "copier": lambda: A.CopierWorker("copier", source=name),
@@ -141,7 +141,7 @@ def attacker(name: str, arena: Any) -> Any:
 
 def hostile_round(name: str, atk: Any, arena: Any, step: int, n: int, log: dict[str, Any]) -> None:
     """What the attacker of arm `name` does before trainer step `step`."""
-    from pnyx.security import attacks as A
+    from pnyx_harness import attacks as A
 
     if name == "none":
         return

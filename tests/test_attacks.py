@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from pnyx.security import attacks as A
+from pnyx_harness import attacks as A
 from pnyx_harness.arena import BENIGN, TRAINED, Arena
 
 SYBIL_LIAR = (

@@ -360,3 +360,23 @@ def test_cli_refuses_reserved_node_name_before_loading_a_model(tmp_path):
         timeout=60,
     )
     assert out.returncode == 2 and "reserved" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value"),
+    [
+        ("algorithm", "kl_coef", 0.1),
+        ("trainer", "lr_schedule", "cosine"),
+        ("trainer", "warmup_steps", 5),
+        ("trainer", "compute_dtype", "bfloat16"),
+        ("trainer", "activation_checkpointing", True),
+    ],
+)
+def test_a_swarm_node_refuses_trainer_settings_it_would_ignore(tmp_path, section, field, value):
+    from pnyx.swarm.node import check_swarm_config
+
+    cfg = _cfg()
+    check_swarm_config(cfg)  # the defaults pass
+    setattr(getattr(cfg, section), field, value)
+    with pytest.raises(ConfigError, match=rf"swarm mode does not support {section}\.{field}"):
+        _node(open_store(str(tmp_path / "s")), "n1", cfg, None)

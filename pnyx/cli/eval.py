@@ -118,7 +118,6 @@ def eval_main(
     the run's run.json (`--store`), dotted overrides, then the flags (`--env`, `--max-new-tokens`, ...). An
     unset budget is the environment's own.
     """
-    import torch
 
     from pnyx.cli.common import fail
     from pnyx.config import load_config, resolve_env_kwargs
@@ -152,7 +151,6 @@ def eval_main(
                     f"{run_store.url} has no published weights signed by the trainer key "
                     f"{weights.fingerprint} yet"
                 )
-            torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
             quiet_transformers()
             info = weights.run.model or {}  # the run's own model (a hub id at the trainer's commit)
             source = resolve_run_model(info, cfg.model.path, cfg.model.revision, check="tokenizer")
@@ -179,7 +177,6 @@ def eval_main(
             _switch_env(cfg, env)
             path = resolve_model_path(cfg)
             environment = get_env(cfg.env.name, **resolve_env_kwargs(cfg))
-            torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
             quiet_transformers()
             report = evaluate_model(
                 load_model(path, dtype=cfg.model.dtype, device=cfg.model.device),

@@ -429,6 +429,30 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
+SWARM_UNSUPPORTED = {
+    "algorithm.kl_coef": (lambda c: c.algorithm.kl_coef > 0, "a swarm node keeps no reference model"),
+    "trainer.lr_schedule": (lambda c: c.trainer.lr_schedule != "constant", "a node's rate is constant"),
+    "trainer.warmup_steps": (lambda c: c.trainer.warmup_steps > 0, "a node's rate is constant"),
+    "trainer.compute_dtype": (lambda c: c.trainer.compute_dtype != "auto", "a node steps in fp32"),
+    "trainer.activation_checkpointing": (
+        lambda c: c.trainer.activation_checkpointing,
+        "a node runs one process without FSDP",
+    ),
+}
+"""Settings of the central trainer a swarm node would silently ignore (or fail on): refused up front."""
+
+
+def check_swarm_config(cfg: PnyxConfig) -> None:
+    """ConfigError naming every setting the swarm mode does not honour (`SWARM_UNSUPPORTED`)."""
+    bad = [f"{name} ({why})" for name, (used, why) in SWARM_UNSUPPORTED.items() if used(cfg)]
+    if bad:
+        raise ConfigError(
+            "swarm mode does not support "
+            + "; ".join(bad)
+            + ": leave these at their defaults for `pnyx swarm`"
+        )
+
+
 def open_node(
     store: Store, name: str, cfg: PnyxConfig, model_dir: str | Path | None = None, **kwargs: Any
 ) -> SwarmNode:
@@ -438,6 +462,7 @@ def open_node(
     from pnyx.models.source import resolve_model_path
 
     check_node_name(name)
+    check_swarm_config(cfg)
     path = model_folder(model_dir) if model_dir is not None else resolve_model_path(cfg)
     model = load_model(path, dtype="float32", device=cfg.trainer.device)
     tokenizer = load_tokenizer(path)
