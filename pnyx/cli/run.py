@@ -50,7 +50,7 @@ def _make_evaluator(plan: RunPlan) -> VersionEvaluator:
     import torch
 
     from pnyx.config import config_from_dict, resolve_env_kwargs
-    from pnyx.eval.runner import quiet_transformers
+    from pnyx.eval.runner import VersionEvaluator, quiet_transformers
     from pnyx.protocol.runfile import read_run
     from pnyx.store import open_store
 
