@@ -68,7 +68,6 @@ def main() -> None:
         QuarantineSettings,
         add_evidence,
         judge,
-        lp_gap_bound,
         quarantine_reason,
     )
     from pnyx.train.rescore import rescore
@@ -154,7 +153,7 @@ def main() -> None:
         rej = sum(judge(e, checks) is not None for e in evs)
         print(
             f"{s:9d}  {len(evs):6d}  {sum(gaps) / len(gaps):8.4f}  {_pct(gaps, 0.999):9.4f}  {max(gaps):7.4f}"
-            f"  {lp_gap_bound(s, checks):5.3f}  {mean_z:+6.3f}  {sd_z:5.3f}  {_pct(zs, 0.001):+6.2f}"
+            f"  {checks.gap_bound(s):5.3f}  {mean_z:+6.3f}  {sd_z:5.3f}  {_pct(zs, 0.001):+6.2f}"
             f"  {_pct(zs, 0.999):+7.2f}  {max(abs(z) for z in zs):6.2f}  {rej}/{len(evs)} ({100 * rej / len(evs):.2f}%)"
         )
     for lim in (3.0, 3.5, 4.0, 4.5, 5.0):

@@ -21,7 +21,6 @@ from pnyx.security.checks import (
     KeyEvidence,
     QuarantineSettings,
     judge,
-    lp_gap_bound,
     quarantine_reason,
 )
 from pnyx.security.signing import Signer
@@ -54,7 +53,7 @@ _ingestor, _put = signed_ingestor, put_signed
 
 def test_judge_uses_a_bound_that_grows_with_staleness():
     s = CheckSettings(lp_gap_base=0.05, lp_gap_per_version=0.05, z_limit=4.0)
-    assert lp_gap_bound(0, s) == pytest.approx(0.05) and lp_gap_bound(2, s) == pytest.approx(0.15)
+    assert s.gap_bound(0) == pytest.approx(0.05) and s.gap_bound(2) == pytest.approx(0.15)
     gap = GroupEvidence(staleness=0, tokens=100, gap_sum=8.0, dev_sum=0.0, var_sum=100.0)  # gap 0.08
     assert judge(gap, s) == "logprob_gap"
     assert judge(GroupEvidence(1, 100, 8.0, 0.0, 100.0), s) is None  # allowed one version behind

@@ -185,18 +185,14 @@ def render(snap: Snapshot, title: str = "pnyx") -> RenderableType:
     summary.add_row("gate-masked", "-" if masked is None else f"{100 * masked:.2f}%")
     summary.add_row("groups", rates_text(snap))
     summary.add_row("backlog", backlog_text(snap))
-    quarantined = quarantine_text(snap)
-    if quarantined:
-        summary.add_row("quarantined", quarantined)
-    ignored = ignored_text(snap)
-    if ignored:
-        summary.add_row("ignored weights", ignored)
-    doing = trainer_text(snap)
-    if doing:
-        summary.add_row("trainer", doing)
-    zero_variance = zero_variance_text(snap)
-    if zero_variance:
-        summary.add_row("warning", zero_variance)
+    for label, text in (
+        ("quarantined", quarantine_text(snap)),
+        ("ignored weights", ignored_text(snap)),
+        ("trainer", trainer_text(snap)),
+        ("warning", zero_variance_text(snap)),
+    ):
+        if text:
+            summary.add_row(label, text)
     starving = snap.trainer.get("starving")
     if starving and trainer_fresh(snap):
         summary.add_row("starving", str(starving))

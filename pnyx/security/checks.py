@@ -7,7 +7,7 @@ settings) for every token it trains on. From that same forward, per group (`Grou
   It is not 0 at the current version in pnyx: workers generate from the published bf16 cast while the
   trainer's forward uses its fp32 master weights, and a group `s` versions behind was sampled from a policy
   `s` optimizer steps away. A group is dropped as `logprob_gap` when its gap exceeds
-  `lp_gap_base + lp_gap_per_version · s` (`lp_gap_bound`).
+  `lp_gap_base + lp_gap_per_version · s` (`CheckSettings.gap_bound`).
 - **token plausibility** (GRAIL-style, identity-free): with q_t the trainer's sampling distribution at
   position t (temperature, top-k, top-p of the run), H_t its entropy and V_t the variance of log q(X) for
   X ~ q_t, `z = Σ_t (log q_t(x_t) + H_t) / sqrt(Σ_t V_t)`. Under honest sampling at the claimed settings
@@ -236,12 +236,6 @@ class GroupEvidence:
         if self.var_sum <= 1e-12:  # a deterministic distribution: honest tokens deviate by ~0
             return 0.0 if abs(self.dev_sum) < 1e-6 else math.copysign(math.inf, self.dev_sum)
         return self.dev_sum / math.sqrt(self.var_sum)
-
-
-def lp_gap_bound(staleness: int, s: Limits, engine: str = "") -> float:
-    """The largest honest logprob gap of a group `staleness` versions behind (inf when the check is off):
-    the fixed floor for `CheckSettings`, the run's derived bound for `Allowances`."""
-    return s.gap_bound(staleness, engine)
 
 
 def judge(ev: GroupEvidence, a: Limits) -> str | None:
