@@ -20,7 +20,6 @@ the thread and is re-raised in the owner's thread by `check()`.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from pnyx.errors import NotFoundError, RecordRejected, StoreUnavailableError
 from pnyx.protocol import layout
 from pnyx.rollout.spool import Spool
 from pnyx.store import Store
+from pnyx.store.retry import Backoff
 
 log = logging.getLogger("pnyx.worker")
 
@@ -76,7 +76,7 @@ class Courier:
         self._wake = threading.Event()
         self._finish = threading.Event()
         self._finish_deadline_s = flush_deadline_s
-        self._fails = 0
+        self._pause = Backoff(0.5, max_backoff_s, jitter=True)
         self._retry_at = 0.0
         self._warned: dict[str, float] = {}
         self._thread: threading.Thread | None = None
@@ -142,11 +142,9 @@ class Courier:
         before = self.spool.stats.failed_flushes
         uploaded = self.spool.flush(self.store, deadline_s, expired=self.expired, stop=stop)
         if self.spool.stats.failed_flushes > before:
-            self._fails += 1
-            delay = min(self.max_backoff_s, 0.25 * 2 ** min(self._fails, 10)) * (0.5 + random.random() / 2)
-            self._retry_at = time.monotonic() + delay
+            self._retry_at = time.monotonic() + self._pause.next()
         else:
-            self._fails = 0
+            self._pause.reset()
             self._retry_at = 0.0
         if uploaded:
             self.on_progress()

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import re
 import socket
 import threading
-import time
 from typing import Any
 
 from pnyx.errors import ConfigError, IntegrityError, NotFoundError, StoreUnavailableError
 from pnyx.protocol import layout
 from pnyx.protocol.records import RunManifest
 from pnyx.store import Store
+from pnyx.store.retry import Backoff, wait_for
 from pnyx.weights.syncer import Syncer
 
 log = logging.getLogger("pnyx.worker")
@@ -54,21 +53,23 @@ def read_run_manifest(store: Store, deadline_s: float, stop: threading.Event) ->
     """The run's RunManifest, waiting (with backoff) for a trainer that has not created the run yet."""
     from pnyx.protocol import decode_json
 
-    end = time.monotonic() + deadline_s
-    delay = 0.2
-    while True:
+    last: list[BaseException] = []
+
+    def attempt() -> RunManifest | None:
         try:
             return decode_json(store.get(layout.RUN_MANIFEST), RunManifest)
         except (NotFoundError, StoreUnavailableError) as e:
-            if time.monotonic() + delay > end:
-                raise ConfigError(
-                    f"{store.url} has no readable {layout.RUN_MANIFEST} after {deadline_s:g}s ({e}). Start the "
-                    "trainer on this store first (`pnyx trainer --store ...`) or check the URL."
-                ) from e
+            last[:] = [e]
             log.info("waiting for %s in %s", layout.RUN_MANIFEST, store.url)
-        if stop.wait(delay):
-            raise InterruptedError("stopped while waiting for run.json")
-        delay = min(5.0, delay * 1.5)
+            return None
+
+    run = wait_for(attempt, deadline_s, Backoff.polling(cap_s=5.0), stop, what="run.json")
+    if run is None:
+        raise ConfigError(
+            f"{store.url} has no readable {layout.RUN_MANIFEST} after {deadline_s:g}s ({last[0]}). Start the "
+            "trainer on this store first (`pnyx trainer --store ...`) or check the URL."
+        ) from last[0]
+    return run
 
 
 def cold_join(
@@ -79,20 +80,21 @@ def cold_join(
     Fail-closed: a version that does not verify is never returned; after `deadline_s` without one this
     raises StoreUnavailableError (the trainer is not publishing, or the store is unreachable).
     """
-    end = time.monotonic() + deadline_s
-    delay = min(poll_s, 0.5)
-    last: BaseException | None = None
-    while True:
+    last: list[BaseException] = []
+
+    def attempt() -> tuple[int, dict[str, Any]] | None:
         try:
             return syncer.sync()
         except (NotFoundError, IntegrityError, StoreUnavailableError) as e:
-            last = e
+            last[:] = [e]
             log.info("cold join: %s; retrying", e)
-        if time.monotonic() + delay > end:
-            raise StoreUnavailableError(
-                f"no verified weights within {deadline_s:g}s (last error: {last}). Is the trainer running and "
-                "publishing to this store URL?"
-            )
-        if stop.wait(delay * (0.5 + random.random() / 2)):
-            raise InterruptedError("stopped while waiting for the first weights")
-        delay = min(10.0, delay * 1.5)
+            return None
+
+    pause = Backoff.polling(cap_s=10.0, base_s=min(poll_s, 0.5), jitter=True)
+    got = wait_for(attempt, deadline_s, pause, stop, what="the first weights")
+    if got is None:
+        raise StoreUnavailableError(
+            f"no verified weights within {deadline_s:g}s (last error: {last[0] if last else None}). Is the "
+            "trainer running and publishing to this store URL?"
+        )
+    return got

@@ -1,19 +1,25 @@
-"""Bounded retries for transient store errors: full-jitter exponential backoff under a deadline.
+"""Every retry and wait loop's pauses, in one place.
 
-Knows nothing about obstore or keys: it runs a callable, asks a classifier whether a failure is
-transient, and either sleeps and tries again or gives up with `StoreUnavailableError`. The clock,
-the sleep and the random source are injectable so tests drive it without waiting for real.
+- `RetryPolicy` + `call_with_retry`: one store call retried on transient errors with full-jitter
+  exponential backoff under a deadline, then `StoreUnavailableError`. Invariant: a call never runs past
+  `deadline_s` (measured from its first attempt) because of retrying, and anything the classifier does not
+  call transient propagates after exactly one attempt.
+- `Backoff`: the growing pause of a loop that outlives single calls (a courier re-flushing its spool, a
+  syncer re-polling, a prefetcher behind an outage); `Backoff.polling` for loops that wait on someone else
+  (a trainer's first run.json, peers, ranks' checkpoint records).
+- `wait_for`: try until something is there or a deadline passes, pausing by a `Backoff`, stoppable.
 
-Invariant: a call never runs past `deadline_s` (measured from its first attempt) because of
-retrying, and anything the classifier does not call transient propagates after exactly one attempt.
+Knows nothing about obstore or keys. The clock, the sleep and the random source are injectable so tests
+drive them without waiting for real.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pnyx.errors import ConfigError, StoreUnavailableError
@@ -86,6 +92,75 @@ def call_with_retry(
                 on_retry(attempt, exc)
             sleep(delay)
             attempt += 1
+
+
+RETRY_FACTOR = 2.0
+"""A pause after a failure doubles: the thing that failed (the store, a payload) may need a while."""
+POLL_BASE_S = 0.2
+POLL_FACTOR = 1.5
+"""A wait on someone else (a trainer, peers, ranks) starts at 0.2 s and grows by half each look."""
+
+
+@dataclass
+class Backoff:
+    """The pauses of one loop: `base_s`, then times `factor` after each `next()`, at most `cap_s`; with
+    `jitter`, each pause is drawn uniformly from its upper half (a fleet retrying a throttled store spreads
+    out). `reset()` after a success starts over."""
+
+    base_s: float
+    cap_s: float
+    factor: float = RETRY_FACTOR
+    jitter: bool = False
+    rand: Callable[[], float] = random.random
+    _pause: float = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.base_s < 0 or self.cap_s < 0 or self.factor < 1:
+            raise ConfigError(f"Backoff needs times >= 0 and a factor >= 1, got {self}")
+        self._pause = min(self.base_s, self.cap_s)
+
+    @classmethod
+    def polling(cls, cap_s: float, base_s: float = POLL_BASE_S, jitter: bool = False) -> Backoff:
+        """The pauses of a wait on someone else: from `base_s`, growing by `POLL_FACTOR`, up to `cap_s`."""
+        return cls(base_s, cap_s, POLL_FACTOR, jitter)
+
+    def next(self) -> float:
+        """The pause to take now; the one after it grows."""
+        pause = self._pause
+        self._pause = min(self.cap_s, self._pause * self.factor)
+        return pause * (0.5 + self.rand() / 2) if self.jitter else pause
+
+    def peek(self) -> float:
+        """The next pause without jitter, not taken."""
+        return self._pause
+
+    def reset(self) -> None:
+        self._pause = min(self.base_s, self.cap_s)
+
+
+def wait_for(
+    attempt: Callable[[], T | None],
+    deadline_s: float,
+    pause: Backoff,
+    stop: threading.Event | None = None,
+    what: str = "",
+) -> T | None:
+    """Call `attempt` until it returns something other than None, pausing by `pause` between tries (the
+    last pause shortened so that the last try falls at `deadline_s`, measured from the first); None when
+    that try found nothing either. A set `stop` ends the wait with InterruptedError naming `what`."""
+    end = time.monotonic() + deadline_s
+    while True:
+        got = attempt()
+        if got is not None:
+            return got
+        left = end - time.monotonic()
+        if left <= 0:
+            return None
+        delay = min(pause.next(), left)
+        if stop is None:
+            time.sleep(delay)
+        elif stop.wait(delay):
+            raise InterruptedError(f"stopped while waiting for {what or 'the store'}")
 
 
 def _first_line(exc: BaseException) -> str:

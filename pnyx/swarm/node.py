@@ -33,6 +33,7 @@ from pnyx.protocol import layout
 from pnyx.protocol.records import RolloutGroup
 from pnyx.protocol.rules import is_zero_variance
 from pnyx.store import Store
+from pnyx.store.retry import Backoff, wait_for
 from pnyx.swarm import foreign
 from pnyx.swarm.checkpoint import capture, load_node_checkpoint, restore, save_node_checkpoint
 from pnyx.swarm.foreign import Candidate, EnvCache, ForeignRows
@@ -341,20 +342,22 @@ class SwarmNode:
         """Refresh (backoff 0.2 s to 2 s) until the pool holds candidates from `n` peers or `deadline_s`
         passes; returns how many peers it holds candidates from. Called after this node shared its own
         groups, so nodes waiting on each other never deadlock."""
-        end = time.monotonic() + deadline_s
-        delay = 0.2
-        while True:
+        have, looks = 0, 0
+
+        def attempt() -> int | None:
+            nonlocal have, looks
+            if looks:
+                self.refresh()
+            looks += 1
             have = len({c.peer for c in self.pool.candidates()})
-            if have >= n or time.monotonic() >= end:
-                if have < n:
-                    log.warning(
-                        "%s: %d of %d peers shared groups (waited %.0fs)", self.name, have, n, deadline_s
-                    )
+            if have >= n:
                 return have
             self.heartbeat("waiting")
-            time.sleep(min(delay, max(0.0, end - time.monotonic())))
-            delay = min(2.0, delay * 1.5)
-            self.refresh()
+            return None
+
+        if wait_for(attempt, deadline_s, Backoff.polling(cap_s=2.0)) is None:
+            log.warning("%s: %d of %d peers shared groups (waited %.0fs)", self.name, have, n, deadline_s)
+        return have
 
     def run(self, total_rounds: int, time_budget_s: float | None = None) -> list[RoundStats]:
         """Run rounds until the node has completed `total_rounds` (rounds restored from a checkpoint count)

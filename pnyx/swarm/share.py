@@ -25,6 +25,7 @@ from pnyx.protocol import layout
 from pnyx.protocol.codec import decode_json, encode_json
 from pnyx.protocol.records import RolloutGroup
 from pnyx.store import Store
+from pnyx.store.retry import Backoff, wait_for
 from pnyx.swarm.align import char_ends
 from pnyx.swarm.records import NodeHeartbeat, SwarmGroup, SwarmSample, decode_swarm_group, encode_swarm_group
 
@@ -178,22 +179,20 @@ class PeerFeed:
 
         `beat()` rewrites our own heartbeat before each look: peers see us, and liveness uses the store's clock.
         """
-        end = time.monotonic() + deadline_s
-        delay, live = 0.2, 0
-        while True:
+        live = 0
+
+        def attempt() -> int | None:
+            nonlocal live
             beat()
             try:
                 live = len(self.live_peers())
             except StoreError as exc:
                 log.warning("listing peers failed (%s); retrying", exc)
-            if live >= n or time.monotonic() >= end:
-                if live < n:
-                    log.warning(
-                        "%s starts with %d of %d peers live (waited %.0fs)", self.me, live, n, deadline_s
-                    )
-                return live
-            time.sleep(min(delay, max(0.0, end - time.monotonic())))
-            delay = min(2.0, delay * 1.5)
+            return live if live >= n else None
+
+        if wait_for(attempt, deadline_s, Backoff.polling(cap_s=2.0)) is None:
+            log.warning("%s starts with %d of %d peers live (waited %.0fs)", self.me, live, n, deadline_s)
+        return live
 
     def refresh(self) -> list[Any]:
         """Fetch, validate and `accept` the new recent uploads of every live peer; return what was accepted."""

@@ -39,6 +39,7 @@ import xxhash
 from pnyx.errors import IntegrityError, NotFoundError, PeerFailedError
 from pnyx.protocol import layout
 from pnyx.store import Store
+from pnyx.store.retry import Backoff, wait_for
 
 if TYPE_CHECKING:
     import torch
@@ -310,10 +311,9 @@ class Checkpointer:
 
     def _collect(self, version: int) -> list[FileEntry]:
         """Rank 0: every rank's file list, waiting (with backoff, under a deadline) for their records."""
-        deadline = time.monotonic() + COMMIT_WAIT_S
-        delay = 0.1
         records: dict[int, RankRecord] = {}
-        while len(records) < self.d.world:
+
+        def attempt() -> dict[int, RankRecord] | None:
             for r in range(self.d.world):
                 if r not in records:
                     try:
@@ -322,13 +322,11 @@ class Checkpointer:
                         )
                     except NotFoundError:
                         continue
-            if len(records) == self.d.world:
-                break
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.d.world)) - set(records))
-                raise PeerFailedError(f"checkpoint v{version}: ranks {missing} never uploaded their shards")
-            time.sleep(delay)
-            delay = min(delay * 1.5, 2.0)
+            return records if len(records) == self.d.world else None
+
+        if wait_for(attempt, COMMIT_WAIT_S, Backoff.polling(cap_s=2.0, base_s=0.1)) is None:
+            missing = sorted(set(range(self.d.world)) - set(records))
+            raise PeerFailedError(f"checkpoint v{version}: ranks {missing} never uploaded their shards")
         return [f for r in range(self.d.world) for f in records[r].files]
 
     # --- loading -----------------------------------------------------------------------------------------

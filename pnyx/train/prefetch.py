@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from pnyx.errors import StoreUnavailableError
+from pnyx.store.retry import Backoff
 from pnyx.train.ingest import Ingestor, ScoredGroup
 
 log = logging.getLogger("pnyx.train.prefetch")
@@ -128,7 +129,7 @@ class Prefetcher:
         after `deadline_s` without a full batch; `on_short(have)` is told each time it has to wait. A store
         that stays unavailable is retried until the deadline; errors of the thread re-raise here."""
         deadline = time.monotonic() + deadline_s
-        delay = 0.2
+        pokes = Backoff.polling(cap_s=POKE_MAX_S)
         next_poke = 0.0
         while not stop():
             self.check()
@@ -146,12 +147,11 @@ class Prefetcher:
             now = time.monotonic()
             if now > deadline:
                 return None
-            if now >= next_poke:  # ask for a listing at most once per `delay` (0.2 s, backing off to 1 s)
+            if now >= next_poke:  # ask for a listing at most once per pause (0.2 s, backing off to 1 s)
                 if self._thread is None:  # no background thread (a caller stepping by hand): list here
                     self.ingestor.refresh(version)
                 self.poke()
-                next_poke = now + delay
-                delay = min(delay * 1.5, POKE_MAX_S)
+                next_poke = now + pokes.next()
             end = min(next_poke, deadline)
             while not stop() and time.monotonic() < end:  # wakes at once on stop, on a listing soon after
                 if self.wait_listing(min(0.1, max(0.0, end - time.monotonic()))):
@@ -171,7 +171,7 @@ class Prefetcher:
         return max(0.0, due - time.monotonic())
 
     def _run(self) -> None:
-        backoff = 0.2
+        backoff = Backoff(0.2, 5.0)
         while not self._stop.is_set():
             self._wake.wait(self._listing_due())
             self._wake.clear()
@@ -181,11 +181,11 @@ class Prefetcher:
             t0 = time.perf_counter()
             try:
                 self._work(*target)
-                backoff = 0.2
+                backoff.reset()
             except StoreUnavailableError as e:
-                log.warning("trainer prefetch: store unavailable (%s); retrying in %.1fs", e, backoff)
-                self._stop.wait(backoff)
-                backoff = min(5.0, backoff * 2)
+                pause = backoff.next()
+                log.warning("trainer prefetch: store unavailable (%s); retrying in %.1fs", e, pause)
+                self._stop.wait(pause)
                 self._wake.set()
             except BaseException as e:  # noqa: BLE001 - re-raised in the main loop by check()
                 self.error = e

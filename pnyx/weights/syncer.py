@@ -28,6 +28,7 @@ import numpy as np
 
 from pnyx.errors import IntegrityError, NotFoundError, PnyxError
 from pnyx.store import Store
+from pnyx.store.retry import RETRY_FACTOR, Backoff
 from pnyx.weights import int8 as q8
 from pnyx.weights.bits import BitState, to_torch
 from pnyx.weights.manifest import PlaneManifest, WeightManifest, latest_version, read_manifest, verify_plane
@@ -166,7 +167,7 @@ class Syncer:
     def _build(self, base: Verified | None, target: int) -> Verified:
         """A verified state at `target`, or IntegrityError. Never touches the served state."""
         reasons: list[str] = []
-        pause = self.backoff_s
+        pause = Backoff(self.backoff_s, self.max_backoff_s)
         # `retries` + 1 attempts of the best route from `base`, then (if we had a base) one re-anchor.
         attempts = [base] * (self.retries + 1) + ([None] if base is not None else [])
         for i, start in enumerate(attempts):
@@ -181,9 +182,8 @@ class Syncer:
                 reason = f"v{target} attempt {i + 1} ({how}): {e}"
                 reasons.append(reason)
                 self._fail(reason)
-                if i + 1 < len(attempts) and pause > 0:
-                    self._sleep(min(pause, self.max_backoff_s))
-                    pause *= 2
+                if i + 1 < len(attempts) and pause.peek() > 0:
+                    self._sleep(pause.next())
         raise IntegrityError(
             f"could not sync weights v{target} from {self.store.url}; kept v{self.version}. Reasons: "
             + " | ".join(reasons)
@@ -274,13 +274,15 @@ class Syncer:
 
     def _loop(self, interval: float) -> None:
         delay = 0.0
+        failing = Backoff(max(interval, 0.01) * RETRY_FACTOR, self.max_backoff_s)
         while not self._stop.wait(delay):
             try:
                 self.prefetch_once()
                 delay = interval
+                failing.reset()
             except PnyxError as e:  # fail-closed: keep serving, back off, try again
                 self._fail(f"prefetch: {e}")
-                delay = min(max(delay, interval, 0.01) * 2, self.max_backoff_s)
+                delay = failing.next()
             except BaseException as e:  # a bug: stop and re-raise in the caller's thread on swap()
                 self._fatal = e
                 return
