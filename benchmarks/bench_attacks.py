@@ -203,9 +203,12 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
                     sum(1 for g in r.groups if not g.worker_id.startswith("honest-"))
                 )
                 log.setdefault("batch_groups", []).append(len(r.groups))
-                served_trainer &= arena.served[-1] == (arena.trainer.version, arena.trainer.publisher._digest)
+                served_trainer &= arena.served[-1] == (
+                    arena.trainer.version,
+                    arena.trainer.parts.publishing.publisher._digest,
+                )
             after = evaluation(arena, args.eval_tasks)
-            ing = arena.trainer.ingestor
+            ing = arena.trainer.parts.ingestor
             assert ing is not None
             hostile = [u for u in arena.uploads if u.source == name]
             honest_ups = [u for u in arena.uploads if u.source == "honest"]

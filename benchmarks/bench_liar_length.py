@@ -77,7 +77,7 @@ def main() -> None:
     import msgspec
     import torch
 
-    from pnyx.config import PnyxConfig, shipped_model_path
+    from pnyx.config import PnyxConfig, shipped_model_path, with_fields
     from pnyx.envs import get_env
     from pnyx.models import load_model, load_tokenizer
     from pnyx.models.logprobs import completion_logprobs
@@ -103,7 +103,7 @@ def main() -> None:
     cfg = PnyxConfig()
     w = cfg.worker
     env = get_env(args.env)
-    cfg.worker.max_new_tokens = args.budget
+    cfg = with_fields(cfg, {"worker.max_new_tokens": args.budget})
     tok = load_tokenizer(path)
     t0 = time.perf_counter()
     evaluator = load_model(path, dtype="float32")  # the trainer's fp32 masters

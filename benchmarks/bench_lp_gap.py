@@ -53,7 +53,7 @@ def main() -> None:
 
     import torch
 
-    from pnyx.config import PnyxConfig, shipped_model_path
+    from pnyx.config import PnyxConfig, shipped_model_path, with_fields
     from pnyx.envs import get_env
     from pnyx.models import load_model, load_tokenizer
     from pnyx.models.logprobs import completion_logprobs
@@ -81,7 +81,7 @@ def main() -> None:
     tok = load_tokenizer(path)
     env = get_env("arith")
     budget = int(env.max_new_tokens)
-    cfg.worker.max_new_tokens = budget
+    cfg = with_fields(cfg, {"worker.max_new_tokens": budget})
     trainer = load_model(path, dtype="float32")
     worker = load_model(path, dtype="float32")
     engine = Engine(worker, tok)

@@ -148,6 +148,20 @@ def given_fields(cfg: BaseModel) -> dict[str, Any]:
     return out
 
 
+def with_fields(cfg: PnyxConfig, values: dict[str, Any]) -> PnyxConfig:
+    """A copy of `cfg` with the dotted fields of `values` set (`{"store.url": ...}`), validated; they count
+    as given (`given_fields`), as do the fields `cfg` was given. The loaded config is immutable: this is how
+    a command fills in what it decides (a store URL, a run name)."""
+    over: dict[str, Any] = {}
+    for dotted, value in values.items():
+        node = over
+        *path, name = dotted.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[name] = value
+    return config_from_dict(merge_dicts(given_fields(cfg), over), source=f"setting {', '.join(values)}")
+
+
 def overlay_changed(base: PnyxConfig | dict[str, Any], given: PnyxConfig) -> PnyxConfig:
     """`base` (a stored run's config) with every field that `given` sets laid on top.
 

@@ -95,7 +95,6 @@ class Arena:
         from pnyx.store import open_store
         from pnyx.train.loop import Trainer
         from pnyx.weights.syncer import Syncer
-        from pnyx.weights.trust import run_verifier
 
         torch.set_num_threads(int(os.environ.get("PNYX_ARENA_THREADS", "1")))
         self.root = Path(self.root)
@@ -105,12 +104,12 @@ class Arena:
         self.trainer.start()
         self.cfg = self.trainer.cfg
         self.store = self.trainer.store
-        self.run_id: str = self.trainer.manifest.run_id
-        self.env = self.trainer.env
-        self.tokenizer = self.trainer.tokenizer
-        self.trust = run_verifier(self.trainer.manifest)
+        self.run_id: str = self.trainer.run_id
+        self.env = self.trainer.parts.env
+        self.tokenizer = self.trainer.parts.tokenizer
+        self.trust = self.trainer.trust
         self.syncer = Syncer(self.store, trust=self.trust, backoff_s=0)
-        path = self.trainer.model_info["path"]
+        path = self.trainer.parts.model_info["path"]
         self.tokenizer = load_tokenizer(path)
         self.engine = make_engine("torch", path, self.tokenizer, dtype=self.cfg.model.dtype, device="cpu")
         self.version = -1
@@ -179,19 +178,19 @@ class Arena:
         if result is not None:  # groups the step's checks removed from its update (consumed, not trained)
             for key, reason in result.stats.rejected.items():
                 self.verdicts.setdefault(key, reason)
-        self.trainer.ingestor.poll(self.trainer.version)  # type: ignore[union-attr]
+        self.trainer.parts.ingestor.poll(self.trainer.version)
         self.judge()
         self.follow()
         return result
 
     def poll(self) -> None:
         """Ingestion only (no step): list and fetch every waiting key, then record verdicts."""
-        self.trainer.ingestor.poll(self.trainer.version)  # type: ignore[union-attr]
+        self.trainer.parts.ingestor.poll(self.trainer.version)
         self.judge()
 
     def judge(self) -> None:
         """Freeze the verdict of every upload the trainer has reached a decision on."""
-        ing = self.trainer.ingestor
+        ing = self.trainer.parts.ingestor
         assert ing is not None  # the trainer started
         with ing._lock:
             rejected = dict(ing.cursor.rejected)
@@ -223,7 +222,7 @@ class Arena:
         the run's temperature): `pnyx.eval.runner.evaluate_model` on the trainer's own model."""
         from pnyx.eval.runner import evaluate_model, heldout_tasks
 
-        model = self.trainer.model
+        model = self.trainer.parts.model
         model.eval()
         try:
             return evaluate_model(
@@ -237,8 +236,7 @@ class Arena:
 
     def close(self) -> None:
         """Stop the trainer's background threads (no checkpoint: the arena is thrown away)."""
-        self.trainer.prefetcher.close()
-        if self.trainer.ingestor is not None:
-            self.trainer.ingestor.close()
+        self.trainer.parts.prefetcher.close()
+        self.trainer.parts.ingestor.close()
         self.syncer.stop(timeout_s=1.0)
         self.engine.close()

@@ -394,7 +394,7 @@ class WeightForger:
 
         from pnyx.weights.publisher import Publisher
 
-        trainer_pub = arena.trainer.publisher
+        trainer_pub = arena.trainer.parts.publishing.publisher
         forger = Publisher(arena.store, signer=self.signer.for_run(arena.run_id))
         # everything a forger needs is public (the trainer's manifests and payloads name it): continue the
         # trainer's chain from its newest version
@@ -403,7 +403,7 @@ class WeightForger:
         forger._check_fence = lambda version: trainer_pub.version  # its own fence sees none of its versions
         tensors = {
             k: (v.float() + self.noise * torch.randn_like(v.float())).to(v.dtype)
-            for k, v in arena.trainer.publish_tensors().items()
+            for k, v in arena.trainer.parts.publishing.tensors().items()
         }
         m = forger.publish(arena.trainer.version + 1, tensors)
         tag = self.signer.for_run(arena.run_id).manifest_tag(m.version)
@@ -422,7 +422,7 @@ class ForkSquatter:
         from pnyx.weights.manifest import Head
 
         v = arena.trainer.version
-        nonce = arena.trainer.publisher.nonce
+        nonce = arena.trainer.parts.publishing.publisher.nonce
         junk = b'{"schema": 1, "version": 0}'
         keys = []
         for ahead in range(1, self.ahead + 1):

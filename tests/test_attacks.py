@@ -79,7 +79,7 @@ def test_weight_forger_is_never_served_by_a_pinned_follower(arena):
     assert arena.step() is not None
     version, digest = arena.served[-1]
     assert version == before + 1 == arena.trainer.version
-    assert digest == arena.trainer.publisher._digest  # the trainer's v+1, not the forger's
+    assert digest == arena.trainer.parts.publishing.publisher._digest  # the trainer's v+1, not the forger's
     assert all(d != "" for _, d in arena.served)
 
 
@@ -92,7 +92,7 @@ def test_fork_squatter_cannot_block_the_trainer_or_feed_the_follower(arena):
     for _ in range(2):
         honest_round(arena, 4)
         assert arena.step() is not None
-        assert arena.served[-1] == (arena.trainer.version, arena.trainer.publisher._digest)
+        assert arena.served[-1] == (arena.trainer.version, arena.trainer.parts.publishing.publisher._digest)
     assert arena.trainer.version == start + 2
 
 
@@ -104,7 +104,7 @@ def test_reward_liars_claims_never_reach_the_loss(arena):
     arena.upload(ups)
     honest_round(arena)
     arena.step()
-    ing = arena.trainer.ingestor
+    ing = arena.trainer.parts.ingestor
     assert ing is not None
     samples = 2 * arena.cfg.worker.group_size
     assert ing.cursor.by_key[liar.signer.fingerprint].get("disagreements", 0) == samples
@@ -173,7 +173,7 @@ def test_an_eager_key_under_the_flood_limit_takes_at_most_a_fair_share(arena):
         r = arena.step()
         assert r is not None
         assert sum(g.signer == eager.signer.fingerprint for g in r.groups) <= 3
-    assert eager.signer.fingerprint not in arena.trainer.ingestor.cursor.quarantined
+    assert eager.signer.fingerprint not in arena.trainer.parts.ingestor.cursor.quarantined
 
 
 def test_flooder_over_the_flood_limit_is_quarantined_from_the_listing(arena):
@@ -182,7 +182,7 @@ def test_flooder_over_the_flood_limit_is_quarantined_from_the_listing(arena):
     flooder = A.Flooder("flood", source="flooder", names=8)
     arena.upload(flooder.produce(arena, 80))
     arena.poll()
-    assert flooder.signer.fingerprint in arena.trainer.ingestor.cursor.quarantined
+    assert flooder.signer.fingerprint in arena.trainer.parts.ingestor.cursor.quarantined
     assert_all_rejected(arena, "flooder", {"quarantined"})
 
 

@@ -21,7 +21,7 @@ import torch
 from worker_support import child_env, start, wait_for, worker_command
 
 from pnyx.cli.export import export_run
-from pnyx.config import load_config
+from pnyx.config import load_config, with_fields
 from pnyx.errors import ConfigError, IntegrityError
 from pnyx.models.tokenizer import TOKENIZER_FILES
 from pnyx.protocol import layout
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def make_run(url: str, model: Path) -> None:
     cfg = load_config(None, {"model": {"path": str(model)}, "env": {"name": "arith"}})
-    cfg.store.url = url
+    cfg = with_fields(cfg, {"store.url": url})
     Trainer(cfg, open_store(url)).start()  # run.json + version 0, published in bf16
 
 

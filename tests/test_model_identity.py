@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pnyx.config import load_config
+from pnyx.config import load_config, with_fields
 from pnyx.errors import ConfigError
 from pnyx.protocol.runfile import read_run
 from pnyx.rollout.worker import Worker, WorkerOptions
@@ -54,7 +54,7 @@ def start_run(url: str, model: str, **model_fields) -> Trainer:
             },
         },
     )
-    cfg.store.url = url
+    cfg = with_fields(cfg, {"store.url": url})
     trainer = Trainer(cfg, open_store(url))
     trainer.start()
     return trainer

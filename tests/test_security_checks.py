@@ -489,7 +489,7 @@ def test_trainer_drops_a_logprob_liar_quarantines_its_key_and_keeps_it_across_a_
             s.logprobs = [x - 5.0 for x in s.logprobs]
         t.store.put(key, encode_group(g, signer=LIAR))  # same key, its own signature
     assert t.run() == 4
-    cursor = t.ingestor.cursor
+    cursor = t.parts.ingestor.cursor
     counts = cursor.by_key[LIAR.fingerprint]
     honest = cursor.by_key[WORKER_SIGNER.fingerprint]
     assert counts.get("logprob_gap", 0) >= 5 and counts.get("groups", 0) == 0
@@ -499,14 +499,14 @@ def test_trainer_drops_a_logprob_liar_quarantines_its_key_and_keeps_it_across_a_
     assert sum(r.get("logprob_gap", 0) for r in rejected) == counts["logprob_gap"]
     again = make_trainer(url, model_dir, resume=True, run__steps=5, trainer__groups_per_step=4, **off)
     again.start()
-    assert LIAR.fingerprint in again.ingestor.cursor.quarantined
+    assert LIAR.fingerprint in again.parts.ingestor.cursor.quarantined
     counting = CountingStore(again.store)
-    again.ingestor.store = counting
+    again.parts.ingestor.store = counting
     later = write_groups(again.store, model_dir, 4, 3, worker="liar")  # signed by the honest test key...
     for key in later:  # ...re-signed by the quarantined one
         t.store.put(key, encode_group(decode_group(t.store.get(key)), signer=LIAR))
-    again.ingestor.poll(4)
-    assert all(again.ingestor.cursor.rejected.get(k) == "quarantined" for k in later)
+    again.parts.ingestor.poll(4)
+    assert all(again.parts.ingestor.cursor.rejected.get(k) == "quarantined" for k in later)
     assert not set(later) & set(counting.gets)
 
 

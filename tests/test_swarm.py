@@ -13,6 +13,7 @@ import torch
 from swarm_support import open_test_node as _node
 from swarm_support import swarm_cfg as _cfg
 
+from pnyx.config import with_fields
 from pnyx.errors import ConfigError
 from pnyx.protocol import layout
 from pnyx.store import open_store
@@ -377,6 +378,6 @@ def test_a_swarm_node_refuses_trainer_settings_it_would_ignore(tmp_path, section
 
     cfg = _cfg()
     check_swarm_config(cfg)  # the defaults pass
-    setattr(getattr(cfg, section), field, value)
+    cfg = with_fields(cfg, {f"{section}.{field}": value})
     with pytest.raises(ConfigError, match=rf"swarm mode does not support {section}\.{field}"):
         _node(open_store(str(tmp_path / "s")), "n1", cfg, None)

@@ -91,9 +91,9 @@ def test_torchrun_trains_with_a_worker_and_one_process_replays_it_within_toleran
     assert len(used) == len(set(used)) == 6
 
     one = make_trainer(url, model_dir, resume=True, **fleet)
-    one.load_model_and_parts()
-    one.manifest = read_run(store)
-    one.ingestor.run_id = one.manifest.run_id
+    run = read_run(store)
+    assert run is not None
+    one.load(run)
     for v in (1, 2, 3):
         rec = checkpoint.read_batch_record(store, v)
         batch = one.make_batch(rec, one.load_recorded(rec))
@@ -102,7 +102,7 @@ def test_torchrun_trains_with_a_worker_and_one_process_replays_it_within_toleran
         assert stats.loss == pytest.approx(metrics[v - 1]["loss"], rel=1e-4, abs=1e-7)
         assert stats.tokens == metrics[v - 1]["tokens"]
         _, published = Syncer(store).sync(to_version=v)
-        assert_within_tolerance(one.publish_tensors(), published)
+        assert_within_tolerance(one.parts.publishing.tensors(), published)
 
 
 @pytest.fixture(scope="module")

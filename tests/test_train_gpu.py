@@ -31,15 +31,15 @@ def test_a_cuda_trainer_step_publishes_a_verifiable_bf16_state(tmp_path, model_d
     t = make_trainer(str(tmp_path / "run"), model_dir, trainer__device="cuda", run__steps=1)
     t.start()
     write_groups(t.store, model_dir, 0, 2)
-    before = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+    before = {k: v.detach().clone() for k, v in t.parts.model.state_dict().items()}
     assert t.run() == 1
     (m,) = checkpoint.read_metrics(t.store)
     assert torch.isfinite(torch.tensor(m["loss"])) and m["grad_norm"] > 0
-    assert all(p.dtype == torch.float32 and p.is_cuda for p in t.model.parameters())
-    assert any(not torch.equal(before[k], v) for k, v in t.model.state_dict().items())
+    assert all(p.dtype == torch.float32 and p.is_cuda for p in t.parts.model.parameters())
+    assert any(not torch.equal(before[k], v) for k, v in t.parts.model.state_dict().items())
     version, published = Syncer(t.store).sync()
     assert version == 1 and verify_chain(t.store).ok
-    for k, v in t.publish_tensors().items():
+    for k, v in t.parts.publishing.tensors().items():
         assert torch.equal(published[k], v), k
 
 
@@ -61,16 +61,16 @@ def test_fsdp2_on_two_gpus_matches_one_gpu_replaying_the_same_batches(tmp_path, 
     assert len({k for b in batches(store, 3) for k in b}) == 6
 
     one = make_trainer(url, model_dir, resume=True, trainer__device="cuda")
-    one.load_model_and_parts()
-    one.manifest = read_run(store)
-    one.ingestor.run_id = one.manifest.run_id
+    run = read_run(store)
+    assert run is not None
+    one.load(run)
     for v in (1, 2, 3):
         rec = checkpoint.read_batch_record(store, v)
         one.version = v - 1
         stats = one.train_batch(one.make_batch(rec, one.load_recorded(rec)))
         assert stats.loss == pytest.approx(metrics[v - 1]["loss"], rel=2e-2, abs=1e-4)
         _, published = Syncer(store).sync(to_version=v)
-        mine = one.publish_tensors()
+        mine = one.parts.publishing.tensors()
         differ = total = 0
         for k, x in mine.items():
             x, y = x.float(), published[k].float()

@@ -18,7 +18,7 @@ import pytest
 import torch
 from train_support import batches, make_trainer, prepared_run, run_toml, write_groups
 
-from pnyx.config import load_config
+from pnyx.config import load_config, with_fields
 from pnyx.errors import ConfigError, FencedError
 from pnyx.store import open_store
 from pnyx.train import checkpoint
@@ -45,7 +45,7 @@ def test_start_writes_run_json_and_publishes_v0_anchor(tmp_path, model_dir):
     from pnyx.protocol.runfile import read_run
 
     run = read_run(t.store)
-    assert run.model["vocab_size"] == t.model.config.vocab_size and run.model["tokenizer_digest"]
+    assert run.model["vocab_size"] == t.parts.model.config.vocab_size and run.model["tokenizer_digest"]
     assert run.config["env"]["name"] == "arith"
     assert read_manifest(t.store, 0).kind == "anchor"
 
@@ -68,7 +68,7 @@ def test_steps_publish_versions_metrics_and_disjoint_batches_on_every_backend(st
     t = make_trainer(store_url, model_dir)
     t.start()
     keys = write_groups(t.store, model_dir, 0, 6)
-    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    before = {k: v.clone() for k, v in t.parts.model.state_dict().items()}
     assert t.run() == 3
     used = [k for b in batches(t.store, 3) for k in b]
     assert sorted(used) == sorted(keys)  # each group once, none lost
@@ -76,7 +76,7 @@ def test_steps_publish_versions_metrics_and_disjoint_batches_on_every_backend(st
     assert [m["version"] for m in checkpoint.read_metrics(t.store, since_version=2)] == [3]
     assert checkpoint.checkpoint_versions(t.store)[-1] == 3
     assert verify_chain(t.store).ok
-    assert any(not torch.equal(before[k], v) for k, v in t.model.state_dict().items())
+    assert any(not torch.equal(before[k], v) for k, v in t.parts.model.state_dict().items())
 
 
 def test_resume_restores_version_and_cursor_from_the_checkpoint(tmp_path, model_dir):
@@ -87,9 +87,9 @@ def test_resume_restores_version_and_cursor_from_the_checkpoint(tmp_path, model_
     t.run()
     again = make_trainer(url, model_dir, resume=True, run__steps=3)
     again.start()
-    assert again.version == 2 and again.ingestor.cursor.uses == t.ingestor.cursor.uses
-    for k, v in t.model.state_dict().items():
-        assert torch.equal(again.model.state_dict()[k], v)
+    assert again.version == 2 and again.parts.ingestor.cursor.uses == t.parts.ingestor.cursor.uses
+    for k, v in t.parts.model.state_dict().items():
+        assert torch.equal(again.parts.model.state_dict()[k], v)
     assert again.run() == 3
     assert len({k for b in batches(again.store, 3) for k in b}) == 6
 
@@ -104,9 +104,9 @@ def test_resume_rolls_forward_through_published_versions_without_a_checkpoint(tm
     assert checkpoint.checkpoint_versions(t.store) == []
     again = make_trainer(url, model_dir, resume=True)
     again.start()
-    assert again.version == 2 and again.ingestor.cursor.uses == t.ingestor.cursor.uses
-    for k, v in t.model.state_dict().items():
-        assert torch.equal(again.model.state_dict()[k], v), k
+    assert again.version == 2 and again.parts.ingestor.cursor.uses == t.parts.ingestor.cursor.uses
+    for k, v in t.parts.model.state_dict().items():
+        assert torch.equal(again.parts.model.state_dict()[k], v), k
     assert again.run() == 3
     used = [k for b in batches(again.store, 3) for k in b]
     assert len(used) == len(set(used)) == 6
@@ -123,7 +123,7 @@ def test_replay_that_does_not_reproduce_the_published_bits_adopts_them(tmp_path,
     again = make_trainer(url, model_dir, resume=True, trainer__lr=0.05)  # a replay that cannot match
     again.start()
     _, published = Syncer(again.store).sync(to_version=1)
-    for k, v in again.publish_tensors().items():
+    for k, v in again.parts.publishing.tensors().items():
         assert torch.equal(v, published[k]), k
 
 
@@ -137,13 +137,15 @@ def test_adoption_moves_only_the_values_whose_cast_differs(tmp_path, model_dir):
     t.start()
     write_groups(t.store, model_dir, 0, 2)
     t.step()
-    masters = {k: p.detach().clone() for k, p in t.model.named_parameters()}
+    masters = {k: p.detach().clone() for k, p in t.parts.model.named_parameters()}
     name = next(k for k, p in masters.items() if p.dim() == 2)
     with torch.no_grad():
-        dict(t.model.named_parameters())[name][0, 0] += 0.5  # its cast now differs from the published v1
+        dict(t.parts.model.named_parameters())[name][0, 0] += (
+            0.5  # its cast now differs from the published v1
+        )
     resume.verify_or_adopt(t, 1)
     _, published = Syncer(t.store).sync(to_version=1)
-    after = dict(t.model.named_parameters())
+    after = dict(t.parts.model.named_parameters())
     assert after[name][0, 0].item() == published[name][0, 0].float().item()
     off_bf16 = 0
     for k, m in masters.items():
@@ -153,7 +155,7 @@ def test_adoption_moves_only_the_values_whose_cast_differs(tmp_path, model_dir):
         assert torch.equal(got, m), k  # every other master kept, to the bit
         off_bf16 += int((m != m.to(torch.bfloat16).float()).sum())
     assert off_bf16 > 0  # the masters kept are finer than the published cast: nothing was rounded
-    for k, v in t.publish_tensors().items():
+    for k, v in t.parts.publishing.tensors().items():
         assert torch.equal(v, published[k]), k
 
 
@@ -202,7 +204,7 @@ def test_plain_resume_takes_the_runs_own_config(tmp_path, model_dir):
     url = str(tmp_path / "run")
     make_trainer(url, model_dir, run__steps=5, trainer__lr=3e-3).start()
     cfg = load_config(None, {})  # `pnyx trainer --store URL --resume` with no config at all
-    cfg.store.url = url
+    cfg = with_fields(cfg, {"store.url": url})
     again = Trainer(cfg, open_store(url), resume=True)
     again.start()
     assert again.steps == 5 and again.cfg.trainer.lr == 3e-3
@@ -253,8 +255,11 @@ def test_replay_uses_the_recorded_rate_even_when_the_step_budget_changes(tmp_pat
     t.step()  # v1, v2 published under a 3-step decay; no checkpoint
     again = make_trainer(url, model_dir, resume=True, run__steps=50)  # a 50-step decay from now on
     again.start()
-    for k, v in t.model.state_dict().items():  # replayed with the recorded rates: exact, nothing adopted
-        assert torch.equal(again.model.state_dict()[k], v), k
+    for (
+        k,
+        v,
+    ) in t.parts.model.state_dict().items():  # replayed with the recorded rates: exact, nothing adopted
+        assert torch.equal(again.parts.model.state_dict()[k], v), k
 
 
 def test_an_old_single_object_checkpoint_is_ignored_and_the_run_resumes_from_its_batch_records(
@@ -274,10 +279,10 @@ def test_an_old_single_object_checkpoint_is_ignored_and_the_run_resumes_from_its
     again = make_trainer(url, model_dir, resume=True)
     again.start()
     assert again.version == 2 and again.last_checkpoint is None
-    assert again.ingestor is not None and t.ingestor is not None
-    assert again.ingestor.cursor.uses == t.ingestor.cursor.uses
-    for k, v in t.model.state_dict().items():
-        assert torch.equal(again.model.state_dict()[k], v), k
+    assert again.parts.ingestor is not None and t.parts.ingestor is not None
+    assert again.parts.ingestor.cursor.uses == t.parts.ingestor.cursor.uses
+    for k, v in t.parts.model.state_dict().items():
+        assert torch.equal(again.parts.model.state_dict()[k], v), k
 
 
 def test_kl_to_the_reference_is_reported_and_its_logprobs_are_prefetched(tmp_path, model_dir):
@@ -288,7 +293,7 @@ def test_kl_to_the_reference_is_reported_and_its_logprobs_are_prefetched(tmp_pat
     first, second = checkpoint.read_metrics(t.store)
     assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # v0 is the reference
     assert second["kl"] > 0
-    assert set(keys) <= set(t.reference._cache)
+    assert set(keys) <= set(t.parts.reference._cache)
 
 
 # --- real processes, SIGKILL ---------------------------------------------------------------------------

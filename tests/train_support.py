@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pnyx.config import load_config
+from pnyx.config import load_config, with_fields
 from pnyx.protocol import layout
 from pnyx.protocol.codec import encode_group
 from pnyx.protocol.records import RolloutGroup, Sample
@@ -43,7 +43,7 @@ def overrides(model_dir: Path, **extra) -> dict:
 
 def make_trainer(url: str, model_dir: Path, resume: bool = False, **extra) -> Trainer:
     cfg = load_config(None, overrides(model_dir, **extra))
-    cfg.store.url = url
+    cfg = with_fields(cfg, {"store.url": url})
     return Trainer(cfg, open_store(url), resume=resume)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from pnyx.config import PnyxConfig, load_config, to_toml
+from pnyx.config import PnyxConfig, load_config, to_toml, with_fields
 from pnyx.errors import ConfigError
 
 EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -33,7 +33,7 @@ def config_command(
     except ConfigError as e:
         raise fail(str(e)) from None
     if store is not None:
-        cfg.store.url = store
+        cfg = with_fields(cfg, {"store.url": store})
     if dry_run:
         typer.echo(to_toml(cfg), nl=False)
         raise typer.Exit(0)

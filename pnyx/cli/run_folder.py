@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pnyx.config import PnyxConfig, load_config, overlay_changed, to_toml
+from pnyx.config import PnyxConfig, load_config, overlay_changed, to_toml, with_fields
 from pnyx.errors import ConfigError
 
 RUNS_ROOT = Path("runs")
@@ -48,7 +48,6 @@ def newest_run(root: Path) -> str | None:
 
 def plan_run(cfg: PnyxConfig, resume: bool, root: Path = RUNS_ROOT) -> RunPlan:
     """Resolve the run's name, folder, store URL and config; write `config.toml` for the trainer."""
-    cfg = cfg.model_copy(deep=True)
     if resume:
         name = cfg.run.name or newest_run(root)
         if name is None:
@@ -64,28 +63,29 @@ def plan_run(cfg: PnyxConfig, resume: bool, root: Path = RUNS_ROOT) -> RunPlan:
                 f"run {name!r} already exists in {root}/: continue it with `pnyx run --resume --run.name={name}` "
                 "or pick another --run.name"
             )
-    cfg.run.name = name
-    trust_local_workers(cfg)
     folder = (root / name).resolve()
-    if cfg.store.url is None:
-        cfg.store.url = str(folder)
+    store_url = cfg.store.url if cfg.store.url is not None else str(folder)
+    cfg = with_fields(
+        cfg, {"run.name": name, "trainer.trusted_keys": trusted_with_local_workers(cfg), "store.url": store_url}
+    )
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "logs").mkdir(exist_ok=True)
     (folder / CONFIG_FILE).write_text(to_toml(cfg))
-    return RunPlan(name=name, folder=folder, store_url=cfg.store.url, cfg=cfg, resumed=resume)
+    return RunPlan(name=name, folder=folder, store_url=store_url, cfg=cfg, resumed=resume)
 
 
-def trust_local_workers(cfg: PnyxConfig) -> str:
-    """Add this machine's worker key (the one `pnyx run`'s local workers sign with; created if missing) to
-    `trainer.trusted_keys`: the user's own processes are never quarantined, and their groups calibrate
-    the sampling checks. Returns its fingerprint."""
+def trusted_with_local_workers(cfg: PnyxConfig) -> list[str]:
+    """`trainer.trusted_keys` with this machine's worker key added (the one `pnyx run`'s local workers sign
+    with; created if missing): the user's own processes are never quarantined, and their groups calibrate
+    the sampling checks."""
     from pnyx.security.keys import fingerprint, load_or_create_key, normalize_fingerprint, worker_key_path
 
     key, _ = load_or_create_key(worker_key_path())
     fp = fingerprint(key)
-    if fp not in {normalize_fingerprint(k) for k in cfg.trainer.trusted_keys}:
-        cfg.trainer.trusted_keys.append(fp)
-    return fp
+    keys = list(cfg.trainer.trusted_keys)
+    if fp not in {normalize_fingerprint(k) for k in keys}:
+        keys.append(fp)
+    return keys
 
 
 def _names(root: Path) -> str:

@@ -49,8 +49,8 @@ def trainer_main(cfg: PnyxConfig, resume: bool = False, steps: int | None = None
                 sinks = open_sinks(
                     trainer.cfg.trainer.tensorboard,
                     trainer.cfg.trainer.wandb_project,
-                    Path("tensorboard") / trainer.manifest.run_id,
-                    trainer.manifest.run_id,
+                    Path("tensorboard") / trainer.run_id,
+                    trainer.run_id,
                     trainer.cfg.model_dump(mode="json"),
                 )
             version = trainer.run(sinks)
@@ -58,7 +58,7 @@ def trainer_main(cfg: PnyxConfig, resume: bool = False, steps: int | None = None
             for s, h in previous.items():
                 signal.signal(s, h)
             if getattr(trainer, "dist", None) is not None:
-                trainer.dist.close()
+                trainer.parts.dist.close()
     except (ConfigError, ModelNotFoundError) as e:
         raise fail(str(e), 2) from None
     except FencedError as e:
@@ -77,11 +77,11 @@ def trainer(
     overrides: list[str] | None = None,
 ) -> int:
     """Resolve the config (defaults → TOML → dotted overrides) and run `trainer_main`."""
-    from pnyx.config import load_config
+    from pnyx.config import load_config, with_fields
 
     try:
         cfg = load_config(config, overrides or [])
     except ConfigError as e:
         raise fail(str(e)) from None
-    cfg.store.url = store
+    cfg = with_fields(cfg, {"store.url": store})
     return trainer_main(cfg, resume=resume, steps=steps)

@@ -18,14 +18,14 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, TypeVar, cast
 
 import torch
 
-from pnyx.errors import ConfigError
+from pnyx.errors import ConfigError, PnyxError
 
 M = TypeVar("M", bound=torch.nn.Module)
 T = TypeVar("T")
@@ -94,6 +94,20 @@ class Dist:
         out: list[object] = [None for _ in range(self.world)]
         dist.all_gather_object(out, obj, group=self.objects)
         return cast(list[T], out)
+
+    def on_main(self, fn: Callable[[], T]) -> T:
+        """Run `fn()` on rank 0 only and hand its result (or its PnyxError) to every rank, so that every rank
+        goes on, or fails, the same way."""
+        out: tuple[str, object] = ("ok", None)
+        if self.is_main:
+            try:
+                out = ("ok", fn())
+            except PnyxError as e:
+                out = ("error", e)
+        out = self.broadcast(out)
+        if out[0] == "error":
+            raise cast(PnyxError, out[1])
+        return cast(T, out[1])
 
     def barrier(self) -> None:
         if self.sharded:

@@ -25,8 +25,9 @@ batch (ingestion runs on rank 0 only), commits the manifest, writes metrics and 
 rank receives the batch, trains on its share, publishes its share of the payload and writes its
 checkpoint shards.
 
-Layout: `trainer_setup.py` (`TrainerSetup`, the base class `Trainer` builds on) loads the model and what a
-step needs and creates or joins the run; `resume.py` replays the steps published after a checkpoint;
+Layout: the `Trainer` is composed of the `TrainerParts` that `trainer_setup.py` loads (model, optimizer,
+publishing, checkpointer, ingestor and prefetcher, ...) when it creates or joins the run (`open_run`);
+`resume.py` replays the steps published after a checkpoint;
 `hooks.py` names the points of a step where a harness may act (`pnyx_harness.trainer` kills the process
 there, or slows every group fetch). This module is the step loop: choose and record the
 batch, train, publish, commit, metrics, checkpoint. Knows nothing about generation internals.
@@ -38,21 +39,25 @@ import logging
 import os
 import time
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pnyx.config import PnyxConfig
 from pnyx.errors import IntegrityError, NotFoundError, RecordRejected
+from pnyx.protocol.records import RunManifest
 from pnyx.security.signing import Verifier
 from pnyx.store import Store
 from pnyx.train import checkpoint, hooks
 from pnyx.train.batch import Batch, StepResult
-from pnyx.train.ingest import Ingestor, ScoredGroup
+from pnyx.train.ingest import ScoredGroup
 from pnyx.train.progress import Progress, format_line, reward_parts
-from pnyx.train.reference import Reference
 from pnyx.train.resume import restore
 from pnyx.train.settings import check_settings, loss_settings
 from pnyx.train.step import StepStats, train_step
-from pnyx.train.trainer_setup import TrainerSetup, manifest_digests
+from pnyx.train.trainer_setup import TrainerParts, load_parts, open_run
+from pnyx.weights.manifest import WeightManifest
+
+T = TypeVar("T")
 
 log = logging.getLogger("pnyx.train")
 
@@ -60,11 +65,16 @@ STATUS_KEYS = 32
 """`trainer/status.json` reports at most this many worker keys (quarantined first, then by faults)."""
 
 
-class Trainer(TrainerSetup):
-    """One run's trainer process. `start()` bootstraps or resumes; `run()` steps until a stop condition."""
+class Trainer:
+    """One run's trainer process. `start()` bootstraps or resumes; `run()` steps until a stop condition.
+
+    Composed of the run's `TrainerParts` (`self.parts`, from `start()` on): a step reads its batch through
+    `parts.prefetcher` and `parts.ingestor`, trains `parts.model` with `parts.optimizer`, publishes through
+    `parts.publishing` and checkpoints through `parts.checkpointer`."""
 
     def __init__(self, cfg: PnyxConfig, store: Store, *, resume: bool = False, steps: int | None = None):
         self.cfg = cfg
+        """The config as given; from `start()` on, the run's resolved config (`parts.cfg`)."""
         self.store = store
         self.resume = resume
         self._steps_override = steps
@@ -73,13 +83,26 @@ class Trainer(TrainerSetup):
         self.last_checkpoint: int | None = None
         self._stop = False  # set by the signal handler: a plain flag, no locks inside a handler
         self.trainer_id = f"trainer-{os.getpid()}"
-        self.ingestor: Ingestor | None = None
+        self._parts: TrainerParts | None = None
         self._check_pending = True  # read a pending batch record before the first step of this process
         self._ingest_wait_s = 0.0
         self.progress = Progress(store, self._describe)
-        self.reference: Reference | None = None
+        self.manifest: RunManifest | None = None
         self.trust: Verifier | None = None
         """The verifier of the run's trainer key (from run.json), once the run is created or joined."""
+
+    @property
+    def parts(self) -> TrainerParts:
+        """What a step needs, loaded by `start()`."""
+        if self._parts is None:
+            raise RuntimeError("the trainer has no model or ingestor before start()")
+        return self._parts
+
+    @property
+    def run_id(self) -> str:
+        if self.manifest is None:
+            raise RuntimeError("the trainer has no run before start()")
+        return self.manifest.run_id
 
     # --- one step ------------------------------------------------------------------------------------
 
@@ -88,27 +111,47 @@ class Trainer(TrainerSetup):
         checkpoint, then every version published after it replayed (`resume.restore`)."""
         self.progress.phase("loading")
         with self.progress.running(status=False):
-            published = self._start()
+            opened = open_run(self.cfg, self.store, self.resume, self._steps_override)
+            self._parts, self.cfg, self.steps = opened.parts, opened.parts.cfg, opened.steps
+            self.manifest, self.trust = opened.manifest, opened.trust
             if self.resume:
-                restore(self, published)
+                restore(self, opened.published)
+
+    def load(self, run: RunManifest) -> None:
+        """Load the parts for the existing `run` without joining it or restoring a checkpoint: the weights
+        are the base model's. For replaying recorded steps by hand (the distributed replay tests)."""
+        from pnyx.weights.trust import run_verifier
+
+        self._parts = load_parts(self.cfg, self.store, self.steps, run)
+        self.cfg, self.manifest, self.trust = self._parts.cfg, run, run_verifier(run)
+        self._parts.digests.trust = self.trust
+        self._parts.ingestor.run_id = run.run_id
+
+    def publish(self, version: int, force_anchor: bool = False) -> WeightManifest:
+        """Publish the current weights as `version` (every rank takes part; rank 0 commits)."""
+        return self.parts.publishing.publish(version, force_anchor)
+
+    def on_main(self, fn: Callable[[], T]) -> T:
+        """`fn()` on rank 0 alone, its result (or error) on every rank."""
+        return self.parts.dist.on_main(fn)
 
     def make_batch(self, rec: checkpoint.BatchRecord, groups: list[ScoredGroup]) -> Batch:
         """Rank 0: what every rank needs for the step of `rec` (its rate, the reference logprobs)."""
         lr = rec.lr if rec.lr is not None else self.cfg.trainer.lr
-        ref = self.reference.logprobs(groups) if self.reference is not None else None
+        ref = self.parts.reference.logprobs(groups) if self.parts.reference is not None else None
         from pnyx.train.microbatch import Row
 
-        checks = self._ingest.allowances(rec.version - 1)
+        checks = self.parts.ingestor.allowances(rec.version - 1)
         probe = [
             Row(p.prompt, p.completion, [0.0] * len(p.completion), p.mask, 0.0, p.sampling)
-            for p in self._ingest.probe()
+            for p in self.parts.ingestor.probe()
         ]
         return Batch(list(rec.keys), groups, lr, ref, checks, probe)
 
     def train_batch(self, batch: Batch) -> StepStats:
         return train_step(
-            self.model,
-            self.optimizer,
+            self.parts.model,
+            self.parts.optimizer,
             batch.groups,
             loss_settings(self.cfg),
             micro_batch_tokens=self.cfg.trainer.micro_batch_tokens,
@@ -117,8 +160,8 @@ class Trainer(TrainerSetup):
             ref_logprobs=batch.ref,
             policy_version=self.version,
             lr=batch.lr,
-            dist=self.dist,
-            compute_dtype=self.compute_dtype,
+            dist=self.parts.dist,
+            compute_dtype=self.parts.compute_dtype,
             checks=batch.checks if batch.checks is not None else check_settings(self.cfg),
             probe=batch.probe,
         )
@@ -127,7 +170,7 @@ class Trainer(TrainerSetup):
         """The top `groups_per_step` groups of the ranking (None: stop requested, or no full batch for
         `trainer.max_wait_s`); see `Prefetcher.next_batch`."""
         self.progress.phase("ingesting", have=0)
-        chosen = self.prefetcher.next_batch(
+        chosen = self.parts.prefetcher.next_batch(
             self.version,
             self.cfg.trainer.groups_per_step,
             stop=lambda: self._stop,
@@ -143,7 +186,7 @@ class Trainer(TrainerSetup):
     def load_recorded(self, rec: checkpoint.BatchRecord) -> list[ScoredGroup]:
         """The groups a batch record names, validated and re-scored again (they are immutable)."""
         try:
-            return self._ingest.load_many(rec.keys)
+            return self.parts.ingestor.load_many(rec.keys)
         except (RecordRejected, NotFoundError) as e:
             raise IntegrityError(
                 f"{checkpoint.batch_key(rec.version)} names a group that is missing or no longer validates ({e}); "
@@ -169,14 +212,14 @@ class Trainer(TrainerSetup):
         t0 = time.perf_counter()
         m = self.publish(target)
         publish_s = time.perf_counter() - t0
-        if self.dist.is_main:
-            self._digests[target] = manifest_digests(m)
-            self._ingest.note_published(target)
-            self._ingest.commit(
+        if self.parts.dist.is_main:
+            self.parts.digests.note(target, m)
+            self.parts.ingestor.note_published(target)
+            self.parts.ingestor.commit(
                 batch.keys, batch.groups, stats.rejected, stats.evidence, batch.checks, stats.drift,
                 self.version,
             )  # fmt: skip
-            self.prefetcher.ahead(target)
+            self.parts.prefetcher.ahead(target)
         self.version = target
         hooks.point("after_publish", target)
         return StepResult(target, stats, batch.groups, publish_s, m.kind, batch.lr, batch.checks)
@@ -193,7 +236,7 @@ class Trainer(TrainerSetup):
                 return None
             self._ingest_wait_s = time.perf_counter() - t0
             rec = checkpoint.write_batch_record(
-                self.store, target, [g.key for g in chosen], self.trainer_id, self.schedule.at(target)
+                self.store, target, [g.key for g in chosen], self.trainer_id, self.parts.schedule.at(target)
             )
             by_key = {g.key: g for g in chosen}
             groups = (
@@ -209,7 +252,7 @@ class Trainer(TrainerSetup):
             self.progress.phase("ingesting", have=0)
             groups = self.load_recorded(rec)
             self._ingest_wait_s = 0.0
-        self.prefetcher.ahead(target, rec.keys)  # the next step's groups, fetched while this one runs
+        self.parts.prefetcher.ahead(target, rec.keys)  # the next step's groups, fetched while this one runs
         return self.make_batch(rec, groups)
 
     def checkpoint(self) -> None:
@@ -217,12 +260,12 @@ class Trainer(TrainerSetup):
         in the background. Then weights retention (rank 0)."""
         if self.last_checkpoint == self.version:
             return  # (v0 too is checkpointed once stopped: its cursor holds what ingestion already judged)
-        cursor = self._ingest.cursor_json().decode()
-        blocked = self.checkpointer.save(
-            self.version, self.model, self.optimizer, cursor, self.manifest.run_id
+        cursor = self.parts.ingestor.cursor_json().decode()
+        blocked = self.parts.checkpointer.save(
+            self.version, self.parts.model, self.parts.optimizer, cursor, self.run_id
         )
         self.last_checkpoint = self.version
-        if not self.dist.is_main:
+        if not self.parts.dist.is_main:
             return
         mode = "async: shards upload in the background" if self.cfg.trainer.async_checkpoint else "sync"
         log.info("trainer checkpoint v=%d started: the loop waited %.2fs (%s)", self.version, blocked, mode)
@@ -268,20 +311,20 @@ class Trainer(TrainerSetup):
             "publish_s": r.publish_s,
             "publish_kind": r.publish_kind,
             "lr": r.lr,
-            "ranks": self.dist.world,
+            "ranks": self.parts.dist.world,
             "micro_batches": s.micro_batches,
             "lp_gap": s.lp_gap,
             "reward_parts": reward_parts(r.groups),
-            "backlog": self._ingest.backlog(self.version),
-            "zero_variance": self._ingest.zero_variance(),
+            "backlog": self.parts.ingestor.backlog(self.version),
+            "zero_variance": self.parts.ingestor.zero_variance(),
             "ingest_wait_s": self._ingest_wait_s,
-            "prefetch_busy_s": round(self.prefetcher.busy_s, 3),
+            "prefetch_busy_s": round(self.parts.prefetcher.busy_s, 3),
             "lp_gap_engine": s.lp_gap_engine,
             "rejected": dict(Counter(s.rejected.values())),
             "undo_s": round(s.undo_s, 4),
             "probe_s": round(s.probe_s, 4),
             "calibration": self._calibration(r),
-            **self._ingest.stats(),
+            **self.parts.ingestor.stats(),
         }
 
     def _calibration(self, r: StepResult) -> dict[str, Any] | None:
@@ -301,8 +344,8 @@ class Trainer(TrainerSetup):
     def _describe(self) -> dict[str, Any]:
         """What the progress line and `trainer/status.json` report (callable from the progress thread)."""
         d: dict[str, Any] = {"version": self.version, "need": self.cfg.trainer.groups_per_step, "have": 0}
-        ingestor = self.ingestor
-        if ingestor is not None:
+        if self._parts is not None:
+            ingestor = self._parts.ingestor
             d["backlog"] = ingestor.backlog(self.version)
             d["zero_variance"] = ingestor.zero_variance()
             d.update(ingestor.stats())
@@ -320,23 +363,23 @@ class Trainer(TrainerSetup):
     def run(self, sinks: list[Any] | None = None) -> int:
         """Step until `steps` versions exist, a stop is requested, or data stops arriving. Returns V."""
         sinks = sinks or []
-        if self.dist.is_main:  # ingestion runs on rank 0 only; the others receive each batch
-            self.prefetcher.ahead(self.version)
-            self.prefetcher.start()
-        with self.progress.running(status=self.dist.is_main):
+        if self.parts.dist.is_main:  # ingestion runs on rank 0 only; the others receive each batch
+            self.parts.prefetcher.ahead(self.version)
+            self.parts.prefetcher.start()
+        with self.progress.running(status=self.parts.dist.is_main):
             self._loop(sinks)
         return self.version
 
     def _loop(self, sinks: list[Any]) -> None:
         try:
             # Rank 0 decides whether to go on (its stop flag, its budget); the others follow its word.
-            while self.dist.broadcast(self.version < self.steps and not self._stop):
+            while self.parts.dist.broadcast(self.version < self.steps and not self._stop):
                 r = self.step()
                 if r is None:
                     break
-                if self.dist.is_main:
+                if self.parts.dist.is_main:
                     # supply control, first thing after a publish: tell workers what the next step can use
-                    self.supply.after_publish(r.version, waiting=self._ingest.poll(r.version))
+                    self.parts.supply.after_publish(r.version, waiting=self.parts.ingestor.poll(r.version))
                     m = self.metrics(r)
                     checkpoint.write_metrics(self.store, r.version, m)
                     for sink in sinks:
@@ -351,13 +394,13 @@ class Trainer(TrainerSetup):
         finally:
             for sink in sinks:
                 sink.close()
-            self.prefetcher.close()
-            self._ingest.close()
+            self.parts.prefetcher.close()
+            self.parts.ingestor.close()
         if self._stop:
             log.info("trainer v=%d: stop requested; checkpointing", self.version)
         self.progress.phase("checkpointing")
         self.checkpoint()
-        self.checkpointer.wait()
-        if self.reference is not None:
-            self.reference.close()
+        self.parts.checkpointer.wait()
+        if self.parts.reference is not None:
+            self.parts.reference.close()
         self.progress.phase("stopped")

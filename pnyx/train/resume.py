@@ -20,15 +20,14 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from pnyx.errors import IntegrityError
-from pnyx.protocol.records import RunManifest
 from pnyx.security.signing import Verifier
 from pnyx.store import Store
 from pnyx.train import checkpoint, checkpointer
 from pnyx.train.batch import Batch, StepResult
-from pnyx.train.distributed import Dist
-from pnyx.train.ingest import Ingestor, ScoredGroup
+from pnyx.train.ingest import ScoredGroup
 from pnyx.train.ingest_state import Cursor
 from pnyx.train.stepstats import StepStats
+from pnyx.train.trainer_setup import TrainerParts
 from pnyx.weights.manifest import WeightManifest
 
 log = logging.getLogger("pnyx.train")
@@ -39,29 +38,20 @@ class Resumable(Protocol):
     """What a resume reads and sets of the trainer (`loop.Trainer`)."""
 
     store: Store
-    dist: Dist
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    checkpointer: checkpointer.Checkpointer
-    manifest: RunManifest
-    ingestor: Ingestor | None
     trust: Verifier | None
     version: int
     last_checkpoint: int | None
 
+    @property
+    def parts(self) -> TrainerParts: ...
+    @property
+    def run_id(self) -> str: ...
     def publish(self, version: int, force_anchor: bool = False) -> WeightManifest: ...
     def on_main(self, fn: Callable[[], T]) -> T: ...
     def make_batch(self, rec: checkpoint.BatchRecord, groups: list[ScoredGroup]) -> Batch: ...
     def load_recorded(self, rec: checkpoint.BatchRecord) -> list[ScoredGroup]: ...
     def train_batch(self, batch: Batch) -> StepStats: ...
     def metrics(self, r: StepResult) -> dict[str, Any]: ...
-    def publish_tensors(self) -> dict[str, torch.Tensor]: ...
-
-
-def _ingestor(t: Resumable) -> Ingestor:
-    if t.ingestor is None:
-        raise RuntimeError("resume: the trainer has no ingestor yet (start() sets it up)")
-    return t.ingestor
 
 
 def restore(t: Resumable, published: int | None) -> None:
@@ -85,8 +75,8 @@ def restore(t: Resumable, published: int | None) -> None:
         batch = t.on_main(lambda v=v: recorded_batch(t, v, base, published))
         t.version = v - 1
         stats = t.train_batch(batch)
-        if t.dist.is_main:
-            _ingestor(t).commit(
+        if t.parts.dist.is_main:
+            t.parts.ingestor.commit(
                 batch.keys, batch.groups, stats.rejected, stats.evidence, batch.checks, stats.drift, v - 1
             )
             kind = read_manifest(t.store, v, t.trust).kind
@@ -97,21 +87,21 @@ def restore(t: Resumable, published: int | None) -> None:
     t.version = published
     if published > base:
         verify_or_adopt(t, published)
-    log.info("trainer run=%s resumed at v%d (checkpoint v%d)", t.manifest.run_id, published, base)
+    log.info("trainer run=%s resumed at v%d (checkpoint v%d)", t.run_id, published, base)
 
 
 def load_checkpoint(t: Resumable, stored: checkpointer.Stored) -> None:
     """Model, optimizer, RNG and cursor from a committed (sharded) checkpoint."""
     v = stored.version
-    commit = t.checkpointer.load(v, t.model, t.optimizer)
+    commit = t.parts.checkpointer.load(v, t.parts.model, t.parts.optimizer)
     owner, cursor = commit.run_id, commit.cursor.encode()
     checkpointer.restore_rng(commit.rng)
-    if owner != t.manifest.run_id:
+    if owner != t.run_id:
         raise IntegrityError(
-            f"checkpoint v{v} belongs to run {owner!r}, not to this run ({t.manifest.run_id!r}): "
+            f"checkpoint v{v} belongs to run {owner!r}, not to this run ({t.run_id!r}): "
             "the trainer/ folder was copied from another run"
         )
-    _ingestor(t).cursor = Cursor.from_json(cursor)
+    t.parts.ingestor.cursor = Cursor.from_json(cursor)
 
 
 def recorded_batch(t: Resumable, version: int, base: int, published: int) -> Batch:
@@ -145,13 +135,13 @@ def verify_or_adopt(t: Resumable, version: int) -> None:
     from pnyx.weights.manifest import read_manifest
 
     want = {e.name: e.digest for e in read_manifest(t.store, version, t.trust).weights.tensors}
-    mine = from_torch(t.publish_tensors(), copy=False)
+    mine = from_torch(t.parts.publishing.tensors(), copy=False)
     same = all(want.get(n) == tb.digest() for n, tb in mine.items())
-    if all(t.dist.all_gather(same)):
+    if all(t.parts.dist.all_gather(same)):
         return
     _, published = Syncer(t.store, trust=t.trust).sync(to_version=version)
     options = StateDictOptions(full_state_dict=True, strict=False)
-    masters = get_model_state_dict(t.model, options=options)
+    masters = get_model_state_dict(t.parts.model, options=options)
     merged, moved = {}, 0
     for name, pub in published.items():
         master = masters.get(name)
@@ -165,7 +155,7 @@ def verify_or_adopt(t: Resumable, version: int) -> None:
         "trainer resume: the replayed v%d differs from the published bits in %d values; adopting those",
         version, moved,
     )  # fmt: skip
-    set_model_state_dict(t.model, merged, options=options)  # pyright: ignore[reportArgumentType]  (dict invariance)
+    set_model_state_dict(t.parts.model, merged, options=options)  # pyright: ignore[reportArgumentType]  (dict invariance)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
