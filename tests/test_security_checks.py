@@ -425,6 +425,30 @@ def test_step_takes_no_optimizer_step_when_every_group_fails(shipped):
     assert all(torch.equal(a, b) for a, b in zip(_params(m), _params(model), strict=True))
 
 
+@pytest.mark.parametrize("budget", [4096, 120], ids=["whole-groups", "split-groups"])
+def test_measure_evidence_is_the_evidence_the_step_judges(shipped, budget):
+    """`measure_evidence` (a forward alone) and `train_step(checks=...)` prepare their micro-batches alike:
+    the same per-group sums, to the bit."""
+    import torch
+
+    from pnyx.train.losses import LossSettings
+    from pnyx.train.step import measure_evidence, train_step
+
+    model, tok = shipped
+    groups = _generated(model, tok, 4, seed=5)[:3]
+    liar = _relabel(groups[0], layout.rollout_key(0, "liar", 0))
+    for s in liar.group.samples:
+        s.logprobs = [x - 0.5 for x in s.logprobs]
+    groups.append(liar)
+    m = copy.deepcopy(model)
+    stats = train_step(
+        m, torch.optim.SGD(m.parameters(), lr=0.1), groups, LossSettings(), micro_batch_tokens=budget,
+        grad_clip=1.0, policy_version=1, checks=CheckSettings(),
+    )  # fmt: skip
+    assert stats.rejected == {liar.key: "logprob_gap"}
+    assert measure_evidence(model, groups, 1, micro_batch_tokens=budget) == stats.evidence
+
+
 def test_temperature_liar_is_implausible_and_honest_groups_are_not(shipped):
     """Sampled at T=0.3, claimed T=1 with the logprobs rewritten to the T=1 values of the same weights (so
     the logprob gap looks honest): only plausibility can tell, and does over the key's groups."""

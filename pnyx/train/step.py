@@ -6,6 +6,13 @@ groups were chosen (ingestion). Imports torch at module level: only heavy code i
 micro-batch plan is `pnyx.train.microbatch` and the statistics records are `pnyx.train.stepstats` (both
 pure); this module runs the forward, the backward and the optimizer.
 
+Stages, the first and third alternating micro-batch by micro-batch (a graph lives until its backward):
+1. forward and evidence (`_Forward.run`, also used by `measure_evidence` and the drift probe; `_evidence`);
+2. judgement (`_judge_whole` before a micro-batch's backward for the groups whole in it, `_judge_rest` on
+   the evidence merged from every micro-batch and rank; pure, `security.checks.judge`);
+3. the update (`_forward_backward`: a rejected whole group weighs 0; `_undo`: a rejected split group's
+   micro-batches replayed with the opposite sign; `_rescale`, `_clip`, AdamW).
+
 Invariants:
 - memory is bounded by `micro_batch_tokens`: a micro-batch's padded size (rows x longest prompt+completion)
   never exceeds it, except a single row longer than the budget, which goes alone;
@@ -26,7 +33,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -37,13 +44,6 @@ from pnyx.train.ingest import ScoredGroup
 from pnyx.train.losses import LossSettings, LossTerms, policy_terms, token_weights
 from pnyx.train.microbatch import Row, assign_micro_batches, build_rows, plan_micro_batches
 from pnyx.train.stepstats import PartialStats, StepStats
-
-
-def _pad(seqs: list[list[Any]], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    out = torch.zeros(len(seqs), width, dtype=dtype)
-    for i, s in enumerate(seqs):
-        out[i, : len(s)] = torch.tensor(s, dtype=dtype)
-    return out.to(device)
 
 
 def make_optimizer(
@@ -82,6 +82,9 @@ def train_step(
     opposite sign (the only extra forward, paid for rejected groups alone), and the gradient is rescaled
     to the batch-global normaliser without them, so the update is the one of the batch without those
     groups (up to floating-point summation). If every group fails, no optimizer step is taken.
+    `probe` (with the checks): rows held out from the step, forwarded before and after the update to
+    measure its drift (`StepStats.drift`; None when no step is taken); with `Allowances` and no probe,
+    rows of the batch itself stand in.
 
     `dist` (a `distributed.Dist`; default one process): every rank passes the same groups, trains on its
     share of the micro-batches and the sharded model sums the gradients, so the update and the returned
@@ -90,279 +93,43 @@ def train_step(
     `compute_dtype`: bf16 runs the forward under autocast on a one-process model (the sharded model casts
     its own parameters); default: bf16 autocast on CUDA, fp32 elsewhere.
     """
-    from pnyx.models.logprobs import completion_stats
-    from pnyx.train.distributed import forward_view
-
     t0 = time.perf_counter()
-    device = next(model.parameters()).device
-    rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
-    rows = build_rows(groups)
-    if not rows:
-        raise ValueError("train_step: the batch has no completion tokens")
-    if settings.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("train_step: kl_coef > 0 needs the reference logprobs of the batch")
-    n_seq = len(rows)
-    n_tok = sum(sum(r.loss_mask) for r in rows)
-    plan = plan_micro_batches(rows, micro_batch_tokens)
-    check = checks is not None and policy_version is not None
-    if compute_dtype is None:
-        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    autocast = world == 1 and compute_dtype != torch.float32
+    st = _setup(model, groups, settings, micro_batch_tokens, max_len, ref_logprobs, policy_version, dist,
+                compute_dtype, checks)  # fmt: skip
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    view = forward_view(model)
-
-    rows_of: Counter[str] = Counter(r.key for r in rows)
     # The drift probe's first forward, before any backward of this step (a forward between the backward and
     # the optimizer step would run the sharded model's hooks with gradients pending).
-    held_out = bool(probe)
-    if check and not probe and isinstance(checks, Allowances):
-        probe = _own_rows(rows, {})  # nothing held out yet (the run's first step): an upper bound
-    probe = list(probe or []) if check else []
+    probe_rows, held_out = _probe_rows(st, probe)
     t2 = time.perf_counter()
-    before = _probe_terms(view, probe, compute_dtype, autocast) if probe else None
-    probe_s = time.perf_counter() - t2 if probe else 0.0
-
-    def rounds(plan: list[list[int]], sign: float, part: PartialStats | None) -> None:
-        """Forward and backward `plan` (this rank's share), the loss times `sign`; sums into `part`.
-        With the checks, a group whole in a micro-batch that fails is judged there and weighs 0 in its
-        backward (`part.rejected`)."""
-        shares = assign_micro_batches(rows, plan, world)
-        mine, n_rounds = shares[rank], max(len(x) for x in shares)
-        filler = [min(range(len(rows)), key=lambda i: (rows[i].length, i))]
-        for j in range(n_rounds):
-            idx, scale = (mine[j], sign) if j < len(mine) else (filler, 0.0)
-            mb = [rows[i] for i in idx]
-            temp, top_k, top_p = mb[0].sampling
-            prompts = [r.prompt for r in mb]
-            comps = [r.completion for r in mb]
-            judging = check and part is not None and scale != 0.0
-            with torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
-                out = completion_stats(
-                    view, prompts, comps, temperature=temp, top_k=top_k, top_p=top_p, with_entropy=True,
-                    with_var=judging,
-                )  # fmt: skip
-            logp, pad_mask, entropy = out.logp, out.mask, out.entropy
-            width = logp.shape[1]
-            mu = _pad([r.behaviour_logp for r in mb], width, torch.float32, device)
-            lmask = _pad([r.loss_mask for r in mb], width, torch.long, device).bool() & pad_mask
-            logp = logp.float().masked_fill(~lmask, 0.0)
-            mu = mu.masked_fill(~lmask, 0.0)
-            adv = torch.tensor([r.advantage for r in mb], dtype=torch.float32, device=device)
-            ref_logp = None
-            if ref_logprobs is not None and settings.kl_coef > 0:
-                ref = _pad([list(ref_logprobs[(r.key, r.index)]) for r in mb], width, torch.float32, device)
-                ref_logp = ref.masked_fill(~lmask, 0.0)
-            terms = policy_terms(logp, mu, adv, lmask, settings, ref_logp)
-            w = token_weights(lmask, settings.aggregation, n_seq, n_tok, max_len)
-            if judging and part is not None and out.var is not None and entropy is not None:
-                here = _evidence(logp, mu, entropy, out.var, lmask, mb, policy_version)
-                for key, ev in here.items():
-                    whole = ev.rows == rows_of[key]  # every row of the group is in this micro-batch
-                    reason = judge(ev, checks) if whole and checks is not None else None
-                    if reason is not None:
-                        part.rejected[key] = reason
-                    known = part.evidence.get(key)
-                    if known is None:
-                        part.evidence[key] = ev
-                    else:
-                        known.add(ev)
-                drop = [k for k, r in enumerate(mb) if r.key in part.rejected]
-                if drop:  # judged here: the group weighs nothing in this backward
-                    w = w.clone()
-                    w[drop] = 0.0
-            loss = (terms.loss * w).sum() * scale
-            loss.backward()
-            if scale == 0.0 or part is None:
-                continue  # the filler only keeps this rank in step with the others' collectives
-            part.loss += float(loss.detach())
-            _accumulate(part, terms, logp, mu, entropy, mb, policy_version)
+    before = _probe(st, probe_rows) if probe_rows else None
+    probe_s = time.perf_counter() - t2 if probe_rows else 0.0
 
     part = PartialStats()
-    rounds(plan, 1.0, part)
+    _rounds(st, st.plan, 1.0, part)  # stages 1-3, micro-batch by micro-batch
     total = PartialStats()
     for p in dist.all_gather(part) if dist is not None else [part]:
         total.merge(p)
-
-    rejected: dict[str, str] = dict(total.rejected)
-    undo_s = 0.0
-    step = True
-    if check and checks is not None:
-        split = sorted(k for k in total.evidence if k not in rejected)
-        late = {k: r for k in split if (r := judge(total.evidence[k], checks)) is not None}
-        if late:
-            # A group too big for one micro-batch was judged after its backward: replay exactly its own
-            # micro-batches (split groups never share one) with the opposite sign.
-            t1 = time.perf_counter()
-            rounds([mb for mb in plan if rows[mb[0]].key in late], -1.0, None)
-            undo_s = time.perf_counter() - t1
-            rejected.update(late)
-    if rejected:
-        bad = [i for i, r in enumerate(rows) if r.key in rejected]
-        kept_seq = n_seq - len(bad)
-        kept_tok = n_tok - sum(sum(rows[i].loss_mask) for i in bad)
-        if kept_seq == 0 or kept_tok == 0:
-            step = False
-        else:  # the batch-global normaliser without the rejected groups
-            factor = (n_tok / kept_tok) if settings.aggregation == "token_mean" else (n_seq / kept_seq)
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(factor)
-    rejected = dict(sorted(rejected.items()))
-
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    full_tensor = getattr(grad_norm, "full_tensor", None)  # a DTensor under FSDP2
-    if full_tensor is not None:
-        grad_norm = full_tensor()
+    late = _judge_rest(total.evidence, total.rejected, st.checks) if st.checks is not None else {}
+    undo_s = _undo(st, late)
+    rejected = {**total.rejected, **late}
+    step = _rescale(model, st, rejected)
+    grad_norm = _clip(model, grad_clip)
     if step:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     drift = None
     if before is not None and step:
         t2 = time.perf_counter()
-        drift = _drift(before, _probe_terms(view, probe, compute_dtype, autocast), held_out)
+        drift = _drift(before, _probe(st, probe_rows), held_out)
         probe_s += time.perf_counter() - t2
-
-    c = total.counts
-    n = max(c["counted"], 1)
-    return StepStats(
-        loss=total.loss,
-        grad_norm=float(grad_norm),
-        tokens=c["counted"],
-        masked_frac=c["gated"] / n,
-        clip_frac=c["clipped"] / n,
-        iw_mean=total.iw_sum / n,
-        iw_max=total.iw_max if c["counted"] else 0.0,
-        iw_min=total.iw_min if c["counted"] else 0.0,
-        ess=(total.iw_sum * total.iw_sum) / (n * total.iw_sq) if total.iw_sq > 0 else 0.0,
-        entropy=total.ent_sum / n,
-        kl=total.kl_sum / n,
-        seconds=time.perf_counter() - t0,
-        micro_batches=len(plan),
-        lp_gap={w: total.gap_sum[w] / total.gap_n[w] for w in sorted(total.gap_n) if total.gap_n[w]},
-        lp_gap_engine={e: total.eng_sum[e] / total.eng_n[e] for e in sorted(total.eng_n) if total.eng_n[e]},
-        evidence=total.evidence,
-        rejected=rejected,
-        undo_s=undo_s,
-        drift=drift,
-        probe_s=probe_s,
-    )
-
-
-def _own_rows(rows: list[Row], rejected: Mapping[str, str]) -> list[Row]:
-    """A probe from the batch itself, when no held-out rows exist yet (the run's first step): one row per
-    passing group, up to `calibration.PROBE_ROWS`, under the first row's sampling settings. The update
-    moves the rows it trains on further than fresh ones, so the drift it measures errs wide."""
-    from pnyx.security.calibration import PROBE_ROWS
-
-    out: list[Row] = []
-    seen: set[str] = set()
-    for r in rows:
-        if r.key in rejected or r.key in seen or r.sampling != rows[0].sampling or not any(r.loss_mask):
-            continue
-        seen.add(r.key)
-        out.append(r)
-        if len(out) >= PROBE_ROWS:
-            break
-    return out
-
-
-def _probe_terms(
-    view: Any, mb: list[Row], compute_dtype: torch.dtype, autocast: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log q, model-token mask) of the probe rows under the current weights, no gradient."""
-    from pnyx.models.logprobs import completion_stats
-
-    device = next(view.parameters()).device
-    temp, top_k, top_p = mb[0].sampling
-    with torch.no_grad(), torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
-        out = completion_stats(
-            view, [r.prompt for r in mb], [r.completion for r in mb], temperature=temp, top_k=top_k,
-            top_p=top_p,
-        )  # fmt: skip
-    width = out.logp.shape[1]
-    lmask = _pad([r.loss_mask for r in mb], width, torch.long, device).bool() & out.mask
-    return out.logp.float(), lmask
-
-
-def _drift(
-    before: tuple[torch.Tensor, torch.Tensor], after: tuple[torch.Tensor, torch.Tensor], held_out: bool
-) -> Drift | None:
-    """Per model token (finite ones): mean |Δ log q|, the token count, and whether the rows were held out
-    from the step (else they are the step's own rows, which the update moves further)."""
-    (lp0, mask), (lp1, _) = before, after
-    d = lp1 - lp0
-    ok = mask & torch.isfinite(d)
-    n = int(ok.sum())
-    if n == 0:
-        return None
-    return Drift(float(d[ok].abs().mean()), n, held_out)
-
-
-def _evidence(
-    logp: torch.Tensor,
-    mu: torch.Tensor,
-    entropy: torch.Tensor,
-    var: torch.Tensor,
-    lmask: torch.Tensor,
-    mb: list[Row],
-    policy_version: int | None,
-) -> dict[str, GroupEvidence]:
-    """Each group's sums over its model tokens in this micro-batch (`pnyx.security.checks`)."""
-    with torch.no_grad():
-        lp = logp.detach().float()
-        zero = torch.zeros_like(lp)
-        gap = torch.where(lmask, (lp - mu).abs(), zero).sum(1).tolist()
-        dev = torch.where(lmask, lp + entropy.detach().float(), zero).sum(1).tolist()
-        v = torch.where(lmask, var.float(), zero).sum(1).tolist()
-        n = lmask.sum(1).tolist()
-    out: dict[str, GroupEvidence] = {}
-    for j, r in enumerate(mb):
-        staleness = (policy_version - r.version) if policy_version is not None else 0
-        ev = out.get(r.key)
-        if ev is None:
-            ev = out[r.key] = GroupEvidence(staleness, engine=r.engine)
-        ev.add(GroupEvidence(staleness, int(n[j]), float(gap[j]), float(dev[j]), float(v[j]), 1))
-    return out
-
-
-def _accumulate(
-    part: PartialStats,
-    terms: LossTerms,
-    logp: torch.Tensor,
-    mu: torch.Tensor,
-    entropy: torch.Tensor | None,
-    mb: list[Row],
-    policy_version: int | None,
-) -> None:
-    """Add one micro-batch's counts and sums (tool and padding tokens never count)."""
-    counted = terms.counted
-    iw = terms.iw[counted].double()
-    part.counts["counted"] += int(counted.sum())
-    part.counts["gated"] += int(terms.gate_masked.sum())
-    part.counts["clipped"] += int(terms.clipped.sum())
-    if iw.numel():
-        part.iw_sum += float(iw.sum())
-        part.iw_sq += float((iw * iw).sum())
-        part.iw_max = max(part.iw_max, float(iw.max()))
-        part.iw_min = min(part.iw_min, float(iw.min()))
-    if entropy is not None:
-        part.ent_sum += float(entropy.detach().float()[counted].sum())
-    if terms.kl is not None:
-        part.kl_sum += float(terms.kl[counted].sum())
-    if policy_version is not None:
-        gap = (logp.detach() - mu).abs()
-        for j, r in enumerate(mb):
-            if r.version == policy_version:
-                row_sum, row_n = float(gap[j][counted[j]].sum()), int(counted[j].sum())
-                part.gap_sum[r.worker] += row_sum  # pyright: ignore[reportArgumentType]  (a Counter sums floats)
-                part.gap_n[r.worker] += row_n
-                part.eng_sum[r.engine] += row_sum  # pyright: ignore[reportArgumentType]
-                part.eng_n[r.engine] += row_n
+    return total.step_stats(
+        grad_norm=grad_norm, seconds=time.perf_counter() - t0, micro_batches=len(st.plan),
+        rejected=dict(sorted(rejected.items())), undo_s=undo_s, drift=drift, probe_s=probe_s,
+    )  # fmt: skip
 
 
 def measure_evidence(
@@ -375,33 +142,356 @@ def measure_evidence(
 ) -> dict[str, GroupEvidence]:
     """The per-group evidence `train_step(checks=...)` computes, from a forward alone (no gradient, no
     step): for measuring honest distributions (`benchmarks/bench_lp_gap.py`) and for tools."""
-    from pnyx.models.logprobs import completion_stats
-
     device = next(model.parameters()).device
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    fwd = _Forward(model, device, compute_dtype, compute_dtype != torch.float32)
     rows = build_rows(groups)
-    part = PartialStats()
+    evidence: dict[str, GroupEvidence] = {}
     with torch.no_grad():
         for idx in plan_micro_batches(rows, micro_batch_tokens):
-            mb = [rows[i] for i in idx]
-            temp, top_k, top_p = mb[0].sampling
-            with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
-                out = completion_stats(
-                    model, [r.prompt for r in mb], [r.completion for r in mb], temperature=temp,
-                    top_k=top_k, top_p=top_p, with_var=True,
-                )  # fmt: skip
-            width = out.logp.shape[1]
-            mu = _pad([r.behaviour_logp for r in mb], width, torch.float32, device)
-            lmask = _pad([r.loss_mask for r in mb], width, torch.long, device).bool() & out.mask
-            logp = out.logp.float().masked_fill(~lmask, 0.0)
-            assert out.entropy is not None and out.var is not None
-            for key, ev in _evidence(
-                logp, mu.masked_fill(~lmask, 0.0), out.entropy, out.var, lmask, mb, policy_version
-            ).items():
-                known = part.evidence.get(key)
-                if known is None:
-                    part.evidence[key] = ev
-                else:
-                    known.add(ev)
-    return part.evidence
+            mb = fwd.run([rows[i] for i in idx], entropy=False, var=True)
+            _add_evidence(evidence, _evidence(mb, policy_version))
+    return evidence
+
+
+# --- the step's state -----------------------------------------------------------------------------------
+
+
+_RefLogprobs = Mapping[tuple[str, int], Sequence[float]]
+"""(group key, sample index) -> the reference policy's logprobs of that completion."""
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch's rows and, [rows, T] (T: its longest completion), the trainer's forward over them
+    next to the rows' padded tensors: `logp` (log π, float32, with a graph unless run under no_grad), `mu`
+    (the behaviour logprobs), `ref` (the reference logprobs, when asked for), all 0 off `lmask` (bool:
+    loss mask 1, within the completion); `entropy` (with `entropy` or `var`) and `var` (Var[log q], with
+    `var`) per position; `adv` [rows]."""
+
+    rows: list[Row]
+    logp: torch.Tensor
+    mu: torch.Tensor
+    lmask: torch.Tensor
+    adv: torch.Tensor
+    ref: torch.Tensor | None
+    entropy: torch.Tensor | None
+    var: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """How a micro-batch is forwarded: the model as `completion_stats` calls it (a `RootForward` duck-typed
+    as a Module when sharded), its device, and the compute dtype (autocast or not)."""
+
+    view: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    autocast: bool
+
+    def run(self, mb: list[Row], *, entropy: bool, var: bool, ref: _RefLogprobs | None = None) -> _MicroBatch:
+        """Forward `mb` (rows of one sampling setting) and assemble its tensors; the one micro-batch
+        preparation of the step, `measure_evidence` and the drift probe. The caller picks grad or no_grad."""
+        from pnyx.models.logprobs import completion_stats
+
+        temp, top_k, top_p = mb[0].sampling
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
+            out = completion_stats(
+                self.view, [r.prompt for r in mb], [r.completion for r in mb], temperature=temp, top_k=top_k,
+                top_p=top_p, with_entropy=entropy, with_var=var,
+            )  # fmt: skip
+        width, device = out.logp.shape[1], self.device
+        mu = _pad([r.behaviour_logp for r in mb], width, torch.float32, device)
+        lmask = _pad([r.loss_mask for r in mb], width, torch.long, device).bool() & out.mask
+        logp = out.logp.float().masked_fill(~lmask, 0.0)
+        mu = mu.masked_fill(~lmask, 0.0)
+        adv = torch.tensor([r.advantage for r in mb], dtype=torch.float32, device=device)
+        ref_logp = None
+        if ref is not None:
+            ref_logp = _pad([list(ref[(r.key, r.index)]) for r in mb], width, torch.float32, device)
+            ref_logp = ref_logp.masked_fill(~lmask, 0.0)
+        return _MicroBatch(mb, logp, mu, lmask, adv, ref_logp, out.entropy, out.var)
+
+
+@dataclass
+class _Step:
+    """What the stages of one step read: the batch as rows, its plan and batch-global counts, the loss
+    settings, the checks (None: not judging), and this rank's place."""
+
+    fwd: _Forward
+    rows: list[Row]
+    plan: list[list[int]]
+    n_seq: int
+    n_tok: int
+    rows_of: Counter[str]
+    """Group key -> its number of rows in the batch (a group whole in a micro-batch is judged there)."""
+    settings: LossSettings
+    max_len: int | None
+    ref: _RefLogprobs | None
+    """The reference logprobs, when `settings.kl_coef > 0`; else None."""
+    policy_version: int | None
+    checks: Limits | None
+    """The limits, when `train_step` got both `checks` and `policy_version`; else None."""
+    rank: int
+    world: int
+
+
+def _setup(
+    model: torch.nn.Module,
+    groups: list[ScoredGroup],
+    settings: LossSettings,
+    micro_batch_tokens: int,
+    max_len: int | None,
+    ref_logprobs: _RefLogprobs | None,
+    policy_version: int | None,
+    dist: Dist | None,
+    compute_dtype: torch.dtype | None,
+    checks: Limits | None,
+) -> _Step:
+    """The step's state for this batch, model and rank. ValueError for a batch it cannot train on (no
+    completion tokens; `kl_coef > 0` without reference logprobs)."""
+    from pnyx.train.distributed import forward_view
+
+    device = next(model.parameters()).device
+    rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
+    rows = build_rows(groups)
+    if not rows:
+        raise ValueError("train_step: the batch has no completion tokens")
+    if settings.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("train_step: kl_coef > 0 needs the reference logprobs of the batch")
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    fwd = _Forward(forward_view(model), device, compute_dtype, world == 1 and compute_dtype != torch.float32)
+    return _Step(
+        fwd=fwd, rows=rows, plan=plan_micro_batches(rows, micro_batch_tokens), n_seq=len(rows),
+        n_tok=sum(sum(r.loss_mask) for r in rows), rows_of=Counter(r.key for r in rows), settings=settings,
+        max_len=max_len, ref=ref_logprobs if settings.kl_coef > 0 else None, policy_version=policy_version,
+        checks=checks if policy_version is not None else None, rank=rank, world=world,
+    )  # fmt: skip
+
+
+# --- stages 1 and 3, micro-batch by micro-batch -----------------------------------------------------------
+
+
+def _rounds(st: _Step, plan: list[list[int]], sign: float, part: PartialStats | None) -> None:
+    """Forward and backward this rank's share of `plan`, the loss times `sign`, summing into `part` (None:
+    the undo, which sums and judges nothing). A rank with fewer micro-batches than another runs a filler
+    (the batch's shortest row) at weight 0, so every rank takes part in every round's collectives."""
+    shares = assign_micro_batches(st.rows, plan, st.world)
+    mine, n_rounds = shares[st.rank], max(len(x) for x in shares)
+    filler = [min(range(len(st.rows)), key=lambda i: (st.rows[i].length, i))]
+    for j in range(n_rounds):
+        if j < len(mine):
+            _forward_backward(st, [st.rows[i] for i in mine[j]], sign, part)
+        else:
+            _forward_backward(st, [st.rows[i] for i in filler], 0.0, None)
+
+
+def _forward_backward(st: _Step, rows: list[Row], scale: float, part: PartialStats | None) -> None:
+    """One micro-batch: forward (stage 1); with the checks and `part`, its groups' evidence and the
+    verdict on those whole in it (stage 2); the backward of its loss times `scale`, a rejected group
+    weighing 0 (stage 3); its statistics into `part`."""
+    mb = st.fwd.run(rows, entropy=True, var=st.checks is not None and part is not None, ref=st.ref)
+    terms = policy_terms(mb.logp, mb.mu, mb.adv, mb.lmask, st.settings, mb.ref)
+    w = token_weights(mb.lmask, st.settings.aggregation, st.n_seq, st.n_tok, st.max_len)
+    if st.checks is not None and part is not None:
+        here = _evidence(mb, st.policy_version)
+        part.rejected.update(_judge_whole(here, st.rows_of, st.checks))
+        _add_evidence(part.evidence, here)
+        drop = [k for k, r in enumerate(rows) if r.key in part.rejected]
+        if drop:  # judged here: the group weighs nothing in this backward
+            w = w.clone()
+            w[drop] = 0.0
+    loss = (terms.loss * w).sum() * scale
+    loss.backward()
+    if part is not None:
+        part.loss += float(loss.detach())
+        _accumulate(part, terms, mb, st.policy_version)
+
+
+def _evidence(mb: _MicroBatch, policy_version: int | None) -> dict[str, GroupEvidence]:
+    """Each group's sums over its model tokens in this micro-batch (`pnyx.security.checks`); `mb` must
+    come from a forward with `var`."""
+    if mb.entropy is None or mb.var is None:
+        raise ValueError("_evidence: the micro-batch was forwarded without var=True")
+    with torch.no_grad():
+        lp, lmask = mb.logp.detach().float(), mb.lmask
+        zero = torch.zeros_like(lp)
+        gap = torch.where(lmask, (lp - mb.mu).abs(), zero).sum(1).tolist()
+        dev = torch.where(lmask, lp + mb.entropy.detach().float(), zero).sum(1).tolist()
+        v = torch.where(lmask, mb.var.float(), zero).sum(1).tolist()
+        n = lmask.sum(1).tolist()
+    out: dict[str, GroupEvidence] = {}
+    for j, r in enumerate(mb.rows):
+        staleness = (policy_version - r.version) if policy_version is not None else 0
+        ev = out.get(r.key)
+        if ev is None:
+            ev = out[r.key] = GroupEvidence(staleness, engine=r.engine)
+        ev.add(GroupEvidence(staleness, int(n[j]), float(gap[j]), float(dev[j]), float(v[j]), 1))
+    return out
+
+
+def _add_evidence(into: dict[str, GroupEvidence], here: Mapping[str, GroupEvidence]) -> None:
+    """Sum one micro-batch's evidence into the running per-group evidence (in plan order)."""
+    for key, ev in here.items():
+        known = into.get(key)
+        if known is None:
+            into[key] = ev
+        else:
+            known.add(ev)
+
+
+def _accumulate(part: PartialStats, terms: LossTerms, mb: _MicroBatch, policy_version: int | None) -> None:
+    """Add one micro-batch's counts and sums (tool and padding tokens never count)."""
+    counted = terms.counted
+    iw = terms.iw[counted].double()
+    part.counts["counted"] += int(counted.sum())
+    part.counts["gated"] += int(terms.gate_masked.sum())
+    part.counts["clipped"] += int(terms.clipped.sum())
+    if iw.numel():
+        part.iw_sum += float(iw.sum())
+        part.iw_sq += float((iw * iw).sum())
+        part.iw_max = max(part.iw_max, float(iw.max()))
+        part.iw_min = min(part.iw_min, float(iw.min()))
+    if mb.entropy is not None:
+        part.ent_sum += float(mb.entropy.detach().float()[counted].sum())
+    if terms.kl is not None:
+        part.kl_sum += float(terms.kl[counted].sum())
+    if policy_version is not None:
+        gap = (mb.logp.detach() - mb.mu).abs()
+        for j, r in enumerate(mb.rows):
+            if r.version == policy_version:
+                row_sum, row_n = float(gap[j][counted[j]].sum()), int(counted[j].sum())
+                part.gap_sum[r.worker] += row_sum  # pyright: ignore[reportArgumentType]  (a Counter sums floats)
+                part.gap_n[r.worker] += row_n
+                part.eng_sum[r.engine] += row_sum  # pyright: ignore[reportArgumentType]
+                part.eng_n[r.engine] += row_n
+
+
+# --- stage 2: judgement (pure) --------------------------------------------------------------------------
+
+
+def _judge_whole(
+    here: Mapping[str, GroupEvidence], rows_of: Mapping[str, int], checks: Limits
+) -> dict[str, str]:
+    """Group key -> drop reason, for the failing groups of one micro-batch that lie wholly in it (their
+    evidence there is complete, so they are judged before its backward)."""
+    out: dict[str, str] = {}
+    for key, ev in here.items():
+        if ev.rows == rows_of[key] and (reason := judge(ev, checks)) is not None:
+            out[key] = reason
+    return out
+
+
+def _judge_rest(
+    evidence: Mapping[str, GroupEvidence], rejected: Mapping[str, str], checks: Limits
+) -> dict[str, str]:
+    """Group key -> drop reason, for the groups not yet rejected, from their evidence merged over every
+    micro-batch and rank, in key order. Only a group split across micro-batches can fail here: a whole
+    group that passed in its micro-batch is judged again on the same sums."""
+    rest = sorted(k for k in evidence if k not in rejected)
+    return {k: r for k in rest if (r := judge(evidence[k], checks)) is not None}
+
+
+# --- stage 3 after the micro-batches: undo, rescale, clip ---------------------------------------------------
+
+
+def _undo(st: _Step, late: Mapping[str, str]) -> float:
+    """Take the groups of `late` (judged after their backward) out of the gradient; returns its seconds.
+    It replays exactly their own micro-batches (a split group never shares one) with the opposite sign."""
+    if not late:
+        return 0.0
+    t1 = time.perf_counter()
+    _rounds(st, [mb for mb in st.plan if st.rows[mb[0]].key in late], -1.0, None)
+    return time.perf_counter() - t1
+
+
+def _rescale(model: torch.nn.Module, st: _Step, rejected: Mapping[str, str]) -> bool:
+    """Rescale the gradient to the batch-global normaliser without the `rejected` groups; False when
+    nothing is left to train on (then no optimizer step may be taken)."""
+    if not rejected:
+        return True
+    bad = [i for i, r in enumerate(st.rows) if r.key in rejected]
+    kept_seq = st.n_seq - len(bad)
+    kept_tok = st.n_tok - sum(sum(st.rows[i].loss_mask) for i in bad)
+    if kept_seq == 0 or kept_tok == 0:
+        return False
+    if st.settings.aggregation == "token_mean":
+        factor = st.n_tok / kept_tok
+    else:
+        factor = st.n_seq / kept_seq
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+    return True
+
+
+def _clip(model: torch.nn.Module, grad_clip: float) -> float:
+    """Clip the gradient's global norm to `grad_clip`; returns the norm before clipping (all shards')."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    full_tensor = getattr(grad_norm, "full_tensor", None)  # a DTensor under FSDP2
+    if full_tensor is not None:
+        grad_norm = full_tensor()
+    return float(grad_norm)
+
+
+# --- the drift probe ------------------------------------------------------------------------------------
+
+
+def _probe_rows(st: _Step, probe: Sequence[Row] | None) -> tuple[list[Row], bool]:
+    """The drift probe's rows (none without the checks) and whether they are held out from the step. With
+    `Allowances` and no held-out rows yet (the run's first step), rows of the batch itself stand in."""
+    held_out = bool(probe)
+    if st.checks is None:
+        return [], held_out
+    if not probe and isinstance(st.checks, Allowances):
+        probe = _own_rows(st.rows)  # nothing held out yet: an upper bound
+    return list(probe or []), held_out
+
+
+def _own_rows(rows: list[Row]) -> list[Row]:
+    """A probe from the batch itself, when no held-out rows exist yet (the run's first step): the first row
+    with model tokens of each group, up to `calibration.PROBE_ROWS`, under the first row's sampling
+    settings. The update moves the rows it trains on further than fresh ones, so the drift it measures
+    errs wide."""
+    from pnyx.security.calibration import PROBE_ROWS
+
+    out: list[Row] = []
+    seen: set[str] = set()
+    for r in rows:
+        if r.key in seen or r.sampling != rows[0].sampling or not any(r.loss_mask):
+            continue
+        seen.add(r.key)
+        out.append(r)
+        if len(out) >= PROBE_ROWS:
+            break
+    return out
+
+
+def _probe(st: _Step, rows: list[Row]) -> _MicroBatch:
+    """The probe rows' log q under the current weights, no gradient."""
+    with torch.no_grad():
+        return st.fwd.run(rows, entropy=False, var=False)
+
+
+def _drift(before: _MicroBatch, after: _MicroBatch, held_out: bool) -> Drift | None:
+    """Per model token (finite ones): mean |Δ log q|, the token count, and whether the rows were held out
+    from the step (else they are the step's own rows, which the update moves further)."""
+    d = after.logp - before.logp
+    ok = before.lmask & torch.isfinite(d)
+    n = int(ok.sum())
+    if n == 0:
+        return None
+    return Drift(float(d[ok].abs().mean()), n, held_out)
+
+
+def _pad(
+    seqs: Sequence[Sequence[float]], width: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[len(seqs), width] of `dtype` on `device`: each sequence left-aligned, zeros after it."""
+    out = torch.zeros(len(seqs), width, dtype=dtype)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s, dtype=dtype)
+    return out.to(device)

@@ -100,3 +100,41 @@ class PartialStats:
                 )
             else:
                 mine.add(ev)
+
+    def step_stats(
+        self,
+        *,
+        grad_norm: float,
+        seconds: float,
+        micro_batches: int,
+        rejected: dict[str, str],
+        undo_s: float,
+        drift: Drift | None,
+        probe_s: float,
+    ) -> StepStats:
+        """The step's statistics from these sums (merged from every rank): means per counted token, the
+        importance weights' effective sample size, the gaps per worker and engine; the rest as given."""
+        c = self.counts
+        n = max(c["counted"], 1)
+        return StepStats(
+            loss=self.loss,
+            grad_norm=grad_norm,
+            tokens=c["counted"],
+            masked_frac=c["gated"] / n,
+            clip_frac=c["clipped"] / n,
+            iw_mean=self.iw_sum / n,
+            iw_max=self.iw_max if c["counted"] else 0.0,
+            iw_min=self.iw_min if c["counted"] else 0.0,
+            ess=(self.iw_sum * self.iw_sum) / (n * self.iw_sq) if self.iw_sq > 0 else 0.0,
+            entropy=self.ent_sum / n,
+            kl=self.kl_sum / n,
+            seconds=seconds,
+            micro_batches=micro_batches,
+            lp_gap={w: self.gap_sum[w] / self.gap_n[w] for w in sorted(self.gap_n) if self.gap_n[w]},
+            lp_gap_engine={e: self.eng_sum[e] / self.eng_n[e] for e in sorted(self.eng_n) if self.eng_n[e]},
+            evidence=self.evidence,
+            rejected=rejected,
+            undo_s=undo_s,
+            drift=drift,
+            probe_s=probe_s,
+        )
