@@ -167,7 +167,7 @@ def main() -> None:
     print(
         f"\n{args.groups} honest groups (T={w.temperature}) and {args.groups} liar groups (T="
         f"{args.liar_temperature}, claims {w.temperature}) of {args.group_size} completions, budget {args.budget}; "
-        f"bounds |z| <= {checks.z_limit}, gap <= {checks.lp_gap_base}; generated in {gen_s:.0f} s"
+        f"bounds |z| <= {checks.plausibility_z}, gap <= {checks.lp_gap_base}; generated in {gen_s:.0f} s"
     )
     print(
         "cut  tokens/group(h,l)  honest z mean/sd  honest rejected  liar z median  liar rejected  key quarantined after"

@@ -140,7 +140,9 @@ def main() -> None:
     print(
         f"group size {w.group_size}, T={w.temperature}, budget {budget} tokens, lr {t.lr}, {time.perf_counter() - t0:.0f}s"
     )
-    print(f"bounds: lp_gap <= {checks.lp_gap_base} + {checks.lp_gap_per_version}*s, |z| <= {checks.z_limit}")
+    print(
+        f"bounds: lp_gap <= {checks.lp_gap_base} + {checks.lp_gap_per_version}*s, |z| <= {checks.plausibility_z}"
+    )
     hdr = "staleness  groups  gap_mean  gap_p99.9  gap_max  bound   z_mean  z_sd   z_p0.1  z_p99.9  |z|max  rejected"
     print(hdr)
     all_z: list[float] = []

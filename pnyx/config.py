@@ -14,6 +14,7 @@ read sampling settings from there, so a worker needs only the store URL.
 from __future__ import annotations
 
 import json
+import logging
 import tomllib
 from pathlib import Path
 from typing import Any, cast
@@ -25,6 +26,7 @@ from pnyx.config_sections import EnvConfig as EnvConfig
 from pnyx.config_sections import ModelConfig as ModelConfig
 from pnyx.config_sections import PnyxConfig
 from pnyx.config_sections import RunConfig as RunConfig
+from pnyx.config_sections import SecurityConfig as SecurityConfig
 from pnyx.config_sections import StoreConfig as StoreConfig
 from pnyx.config_sections import SwarmConfig as SwarmConfig
 from pnyx.config_sections import TrainerConfig as TrainerConfig
@@ -32,6 +34,8 @@ from pnyx.config_sections import WorkerConfig as WorkerConfig
 from pnyx.errors import ConfigError
 
 # --- layering -------------------------------------------------------------------------------------
+
+log = logging.getLogger("pnyx.config")
 
 
 def _format_error(err: ValidationError, source: str) -> ConfigError:
@@ -97,6 +101,28 @@ def merge_dicts(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+MOVED_TO_SECURITY = tuple(SecurityConfig.model_fields)
+"""Settings that were in `[trainer]` before the `[security]` section existed."""
+
+
+def _moved_to_security(data: dict[str, Any], source: str, warn: bool) -> dict[str, Any]:
+    """`data` with `trainer.<check>` settings moved to `security.<check>` (a config written before the
+    `security` section: an old run.json, an old run folder's config.toml); where both set one, `security`'s
+    wins (a resumed old run with a setting given anew)."""
+    trainer = data.get("trainer")
+    if not isinstance(trainer, dict) or not any(k in trainer for k in MOVED_TO_SECURITY):
+        return data
+    moved = {k: v for k, v in trainer.items() if k in MOVED_TO_SECURITY}
+    security = dict(data.get("security") or {})
+    if warn:
+        log.warning(
+            "%s: %s moved from [trainer] to [security] (e.g. --security.%s=...); read from there",
+            source, ", ".join(sorted(moved)), next(iter(sorted(moved))),
+        )  # fmt: skip
+    rest = {k: v for k, v in trainer.items() if k not in MOVED_TO_SECURITY}
+    return {**data, "trainer": rest, "security": {**moved, **security}}
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None
 ) -> PnyxConfig:
@@ -116,6 +142,7 @@ def load_config(
         over = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         data = merge_dicts(data, over)
         source += " + command-line overrides"
+    data = _moved_to_security(data, source, warn=True)
     try:
         return PnyxConfig.model_validate(data)
     except ValidationError as e:
@@ -124,6 +151,7 @@ def load_config(
 
 def config_from_dict(data: dict[str, Any], source: str = "run.json") -> PnyxConfig:
     """Rebuild a config from its JSON form (as stored in run.json)."""
+    data = _moved_to_security(data, source, warn=False)
     try:
         return PnyxConfig.model_validate(data)
     except ValidationError as e:

@@ -175,6 +175,12 @@ class TrainerConfig(_Section):
     """Also write metrics to TensorBoard (needs `pnyx[tensorboard]`)."""
     wandb_project: str | None = None
     """Also log metrics to this Weights & Biases project (needs `pnyx[wandb]`)."""
+
+
+class SecurityConfig(_Section):
+    """What the trainer accepts from untrusted workers (docs/security.md): the per-group sampling checks,
+    quarantine of signing keys, and the share of a batch one key may take. Read by the trainer alone."""
+
     lp_gap_base: Annotated[float, Field(gt=0)] | None = 0.03
     """Logprob-gap check (docs/security.md): a group whose mean |claimed − trainer| behaviour logprob over
     its model tokens exceeds its bound is dropped (`logprob_gap`), from the step's own forward. The bound
@@ -294,6 +300,8 @@ class PnyxConfig(_Section):
     """Rollout generation (sampling settings are part of the run; workers read them from run.json)."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     """Optimisation and publishing."""
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
+    """The trainer's checks of untrusted workers' groups and keys."""
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     """The RL objective and off-policy controls."""
     swarm: SwarmConfig = Field(default_factory=SwarmConfig)

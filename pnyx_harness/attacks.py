@@ -18,7 +18,7 @@ Group producers (`produce(arena, n) -> list[Upload]`, uploaded by the arena like
   copier's case. Another run's v0 of the same model has the same bits, so its groups are on-policy
   samples of this run's v0 and no attack.)
 - `Flooder`: one key behind many worker names, uploading more honest-looking groups per version than the
-  run's flood limit (`trainer.flood_limit`; copies of a few fresh samples under new seqs).
+  run's flood limit (`security.flood_limit`; copies of a few fresh samples under new seqs).
 - `IdThief`: claims an honest worker's name, signs with its own key (seqs far above the owner's).
 - `Sybil`: a copier, reward liar, poisoner or temperature liar with a fresh key and a fresh name for every
   group, so per-key quotas and quarantine never bind.

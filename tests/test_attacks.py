@@ -18,7 +18,7 @@ from pnyx_harness.arena import BENIGN, TRAINED, Arena
 
 SYBIL_LIAR = (
     "a temperature liar's single group (arith: ~40 model tokens) passes the per-group plausibility test "
-    "(|z| <= trainer.plausibility_z); only the per-key statistic (quarantine_key_z) stops the liar, and a "
+    "(|z| <= security.plausibility_z); only the per-key statistic (quarantine_key_z) stops the liar, and a "
     "Sybil shows one group per key. On completions of 32+ tokens one group is enough "
     "(benchmarks/bench_liar_length.py); arith's are 3-5."
 )

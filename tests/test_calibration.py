@@ -283,7 +283,7 @@ def test_a_starving_trainer_names_the_quarantined_key_the_check_and_what_to_do()
     }  # fmt: skip
     note = starving_note(d)
     assert note is not None
-    assert fp in note and "local-1" in note and "key z -5.6" in note and "trainer.trusted_keys" in note
+    assert fp in note and "local-1" in note and "key z -5.6" in note and "security.trusted_keys" in note
     assert "usable 0/4" in note
     assert starving_note({**d, "phase_s": 5.0}) is None  # not yet
     assert starving_note({**d, "phase": "training"}) is None

@@ -129,7 +129,7 @@ def test_worker_with_curriculum_on_makes_most_groups_at_the_informative_level(tm
                    # every group made is uploaded (no trainer paces it; zero-variance ones are counted too)
                    "supply_control": False, "skip_zero_variance": False},
         # no trainer publishes a second version: without a flood limit the worker's per-version cap is off
-        "trainer": {"flood_limit": None},
+        "security": {"flood_limit": None},
     })  # fmt: skip
     model = load_model(tiny_model_dir)
     info = {"vocab_size": int(model.config.vocab_size), "tokenizer_digest": tokenizer_digest(tiny_model_dir),

@@ -163,7 +163,7 @@ def test_policy_loss_matches_hand_computation():
     logp = t([[L(0.4), L(0.3)], [L(0.1), 0.0]])
     mu = t([[L(0.4), L(0.2)], [L(0.2), 0.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
-    settings = LossSettings(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0, dppo_delta=None)
+    settings = LossSettings(clip_low=0.2, clip_high=0.28, dual_clip=3.0, dppo_delta=None)
     loss, terms = policy_loss(logp, mu, t([1.0, -1.0]), mask, settings)
     assert loss.item() == pytest.approx(-(1.0 + 1.28 - 0.8) / 3)
     assert terms.clipped.tolist() == [[False, True], [True, False]]
@@ -183,7 +183,7 @@ def test_tool_tokens_never_count_even_with_wild_logprobs():
 def test_gated_token_contributes_no_gradient_but_stays_in_denominator():
     logp = t([[L(0.7), L(0.5)]]).requires_grad_(True)
     mu = t([[L(0.3), L(0.5)]])  # token 0 rose by 0.4 with A > 0: gated
-    settings = LossSettings(dppo_delta=0.2, clip_eps_high=10.0)
+    settings = LossSettings(dppo_delta=0.2, clip_high=10.0)
     loss, terms = policy_loss(logp, mu, t([1.0]), torch.ones(1, 2, dtype=torch.long), settings)
     loss.backward()
     assert terms.gate_masked.tolist() == [[True, False]]

@@ -52,7 +52,7 @@ _ingestor, _put = signed_ingestor, put_signed
 
 
 def test_judge_uses_a_bound_that_grows_with_staleness():
-    s = CheckSettings(lp_gap_base=0.05, lp_gap_per_version=0.05, z_limit=4.0)
+    s = CheckSettings(lp_gap_base=0.05, lp_gap_per_version=0.05, plausibility_z=4.0)
     assert s.gap_bound(0) == pytest.approx(0.05) and s.gap_bound(2) == pytest.approx(0.15)
     gap = GroupEvidence(staleness=0, tokens=100, gap_sum=8.0, dev_sum=0.0, var_sum=100.0)  # gap 0.08
     assert judge(gap, s) == "logprob_gap"
@@ -61,7 +61,7 @@ def test_judge_uses_a_bound_that_grows_with_staleness():
     assert judge(GroupEvidence(0, 100, 1.0, -45.0, 100.0), s) == "implausible"  # z = -4.5
     assert judge(GroupEvidence(0, 100, 1.0, 35.0, 100.0), s) is None  # z = +3.5
     assert judge(GroupEvidence(0, 10, 0.0, -math.inf, 10.0), s) == "implausible"  # outside top-k/top-p
-    off = CheckSettings(lp_gap_base=None, z_limit=None)
+    off = CheckSettings(lp_gap_base=None, plausibility_z=None)
     assert judge(GroupEvidence(0, 100, 80.0, 450.0, 100.0), off) is None
 
 
@@ -280,11 +280,16 @@ def test_trainer_config_feeds_the_checks_and_caps():
 
     cfg = load_config(
         overrides={
-            "trainer": {"lp_gap_base": 0.2, "plausibility_z": 5.0, "max_key_share": 0.25, "quarantine_min": 9}
+            "security": {
+                "lp_gap_base": 0.2,
+                "plausibility_z": 5.0,
+                "max_key_share": 0.25,
+                "quarantine_min": 9,
+            }
         }
     )
     s, c = ingest_settings(cfg), check_settings(cfg)
-    assert (c.lp_gap_base, c.z_limit, s.max_key_share) == (0.2, 5.0, 0.25)
+    assert (c.lp_gap_base, c.plausibility_z, s.max_key_share) == (0.2, 5.0, 0.25)
     assert s.quarantine is not None and s.quarantine.min_faults == 9 and s.checks == c
 
 
@@ -500,9 +505,9 @@ def test_trainer_drops_a_logprob_liar_quarantines_its_key_and_keeps_it_across_a_
     # version behind, 0.86 three behind), past the default per-version allowance (0.25, measured on the
     # shipped model), so the allowance is 1.0 and the liar is 5 nats off (its gap stays above 4).
     off = {
-        "trainer__plausibility_z": None,
-        "trainer__quarantine_key_z": None,
-        "trainer__lp_gap_per_version": 1.0,
+        "security__plausibility_z": None,
+        "security__quarantine_key_z": None,
+        "security__lp_gap_per_version": 1.0,
     }
     t = make_trainer(url, model_dir, run__steps=4, trainer__groups_per_step=4, **off)
     t.start()
@@ -615,6 +620,6 @@ def test_flood_limit_defaults_to_twice_what_a_version_can_feed_and_workers_stop_
     assert flood_limit(cfg) == 64 and ingest_settings(cfg).flood_limit == 64
     assert worker_version_cap(cfg) == 32
     assert worker_version_cap(load_config(overrides={"worker": {"max_groups_per_version": 5}})) == 5
-    off = load_config(overrides={"trainer": {"flood_limit": None}})
+    off = load_config(overrides={"security": {"flood_limit": None}})
     assert flood_limit(off) is None and worker_version_cap(off) is None
     assert ingest_settings(load_config()).max_key_share == "fair"

@@ -244,7 +244,7 @@ def test_a_starving_trainer_says_why_in_its_status_pnyx_status_and_the_live_line
     progress.write_status()
     status = json.loads(store.get("trainer/status.json"))
     assert fp in status["starving"] and "key z -5.6" in status["starving"]
-    assert "trainer.trusted_keys" in status["starving"]
+    assert "security.trusted_keys" in status["starving"]
     line = plain_line(RunWatcher(store).snapshot())
     assert "starving: no full batch for 45s (usable 0/4)" in line and fp in line
     out = subprocess.run(

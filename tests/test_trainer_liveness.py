@@ -119,14 +119,14 @@ def test_trainer_logs_every_10s_stops_within_10s_of_sigterm_and_resumes_exactly(
 
     url = str(tmp_path / "run")
     # the backlog is 240 groups of one worker at v0: a flood by the run's default limit (44 here)
-    unlimited = {"trainer__flood_limit": 1_000_000}
+    unlimited = {"security__flood_limit": 1_000_000}
     t = make_trainer(url, model_dir, **unlimited)
     t.start()
     write_zero_variance_backlog(t.store, model_dir, BACKLOG)
     good = write_groups(t.store, model_dir, 0, 6)
     # the scripted groups are reference answers with v0 logprobs, not samples: the random tiny model moves
     # them past the sampling checks' default bounds one or two versions later (this test is about liveness)
-    loose = {"trainer__lp_gap_per_version": 5.0, "trainer__plausibility_z": 1e6}
+    loose = {"security__lp_gap_per_version": 5.0, "security__plausibility_z": 1e6}
     cfg = overrides(model_dir, run__steps=4, trainer__max_wait_s=300.0, **loose, **unlimited)
     (tmp_path / "cfg.toml").write_text(tomli_w.dumps(cfg))
     torch.set_num_threads(1)

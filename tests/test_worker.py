@@ -212,7 +212,7 @@ def test_stop_while_waiting_for_the_run_returns_cleanly(tmp_path):
     "settings",
     [
         {"max_groups_per_version": 2},
-        {"trainer": {"flood_limit": 4}},
+        {"security": {"flood_limit": 4}},
     ],  # a worker stops at half the flood limit
     ids=["worker_cap", "half_the_flood_limit"],
 )

@@ -66,7 +66,8 @@ def plan_run(cfg: PnyxConfig, resume: bool, root: Path = RUNS_ROOT) -> RunPlan:
     folder = (root / name).resolve()
     store_url = cfg.store.url if cfg.store.url is not None else str(folder)
     cfg = with_fields(
-        cfg, {"run.name": name, "trainer.trusted_keys": trusted_with_local_workers(cfg), "store.url": store_url}
+        cfg,
+        {"run.name": name, "security.trusted_keys": trusted_with_local_workers(cfg), "store.url": store_url},
     )
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "logs").mkdir(exist_ok=True)
@@ -75,14 +76,14 @@ def plan_run(cfg: PnyxConfig, resume: bool, root: Path = RUNS_ROOT) -> RunPlan:
 
 
 def trusted_with_local_workers(cfg: PnyxConfig) -> list[str]:
-    """`trainer.trusted_keys` with this machine's worker key added (the one `pnyx run`'s local workers sign
+    """`security.trusted_keys` with this machine's worker key added (the one `pnyx run`'s local workers sign
     with; created if missing): the user's own processes are never quarantined, and their groups calibrate
     the sampling checks."""
     from pnyx.security.keys import fingerprint, load_or_create_key, normalize_fingerprint, worker_key_path
 
     key, _ = load_or_create_key(worker_key_path())
     fp = fingerprint(key)
-    keys = list(cfg.trainer.trusted_keys)
+    keys = list(cfg.security.trusted_keys)
     if fp not in {normalize_fingerprint(k) for k in keys}:
         keys.append(fp)
     return keys

@@ -29,8 +29,8 @@ def is_zero_variance(rewards: Sequence[float], tol: float = 1e-9) -> bool:
 
 def flood_limit(cfg: PnyxConfig) -> int | None:
     """Groups one key may have listed at one policy version before it is quarantined as a flooder
-    (`trainer.flood_limit`; "auto": twice the most that could ever be trained from one version)."""
-    limit = cfg.trainer.flood_limit
+    (`security.flood_limit`; "auto": twice the most that could ever be trained from one version)."""
+    limit = cfg.security.flood_limit
     if limit == "auto":
         return 2 * (cfg.algorithm.max_staleness + 1) * cfg.trainer.groups_per_step
     return limit

@@ -14,7 +14,7 @@ two reasons; the trainer measures both, from sources an attacker does not contro
 2. **The worker's engine, precision, and the same drift seen by z.** The plausibility z of an honest
    group is biased (SmolLM2 one version behind: mean -1.2, against 0 for a fresh exact sampler; on the
    mlx engine early in a run, -3.5). z is centred on what honest groups of the same engine and staleness
-   show: the median raw z of **trusted keys'** groups (`pnyx run`'s own workers, `trainer.trusted_keys`)
+   show: the median raw z of **trusted keys'** groups (`pnyx run`'s own workers, `security.trusted_keys`)
    in that bucket, else the median of all checked groups at that staleness, clamped to
    [-Z_CENTER_MAX, 0] (honest drift only lowers z, and a crowd of liars cannot shift the centre above 0 or
    below -Z_CENTER_MAX). Untrusted keys never widen the gap bound.
@@ -27,7 +27,7 @@ two reasons; the trainer measures both, from sources an attacker does not contro
    masters; the probe's mean change of log q + H predicted a tenth of the largest fall, so the bound is
    taken on |Δ log q|.) the upper side keeps the borrowed centre (temperature liars are still caught from their first groups).
 
-The fixed settings (`CheckSettings`: `lp_gap_base`, `lp_gap_per_version`, `z_limit`) are **floors**: the
+The fixed settings (`CheckSettings`: `lp_gap_base`, `lp_gap_per_version`, `plausibility_z`) are **floors**: the
 gap bound is never below `lp_gap_base + lp_gap_per_version · s`; the z limit applies to the centred z.
 A key is quarantined on its running z (`checks.KeyEvidence`) re-centred with the centres of now, so a
 key whose groups arrived before the run had calibrated is judged by the calibration, not by the lag.
@@ -237,8 +237,8 @@ class Allowances:
     """The staleness-0 base any engine gets from the run's largest probe drift (`NOISE_PER_DRIFT`)."""
 
     @property
-    def z_limit(self) -> float | None:
-        return self.floors.z_limit
+    def plausibility_z(self) -> float | None:
+        return self.floors.plausibility_z
 
     def _cum(self, staleness: int) -> float:
         xs = self.drift_a
@@ -288,7 +288,7 @@ class Allowances:
         """The raw z an honest group with evidence `ev` shows, limit included: [centre − limit − drift,
         centre + limit], where drift is what the steps between the centre's staleness and the group's can
         do to its z (0 once its bucket is calibrated; module docstring, point 2)."""
-        limit = self.z_limit if self.z_limit is not None else math.inf
+        limit = self.plausibility_z if self.plausibility_z is not None else math.inf
         c, measured_at = self._borrowed(ev.engine, ev.staleness)
         drift = 0.0
         if ev.staleness > measured_at and ev.var_sum > 1e-12:

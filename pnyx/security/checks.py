@@ -14,7 +14,7 @@ settings) for every token it trains on. From that same forward, per group (`Grou
   z is approximately N(0, 1) (a sum of independent-ish centred terms); a worker that samples colder than
   it claims (a temperature liar) picks likelier tokens than q_t would, z ≫ 0; tokens the model would not
   sample (a poisoner's payload, a copier's reference answer) are unlikely under q_t, z ≪ 0. A group with
-  |z| > `z_limit` is dropped as `implausible`. A token outside the top-k/top-p support has log q = -inf:
+  |z| > `plausibility_z` is dropped as `implausible`. A token outside the top-k/top-p support has log q = -inf:
   its z is -inf, always dropped.
 
 Measured with `benchmarks/bench_lp_gap.py --versions 32 --groups 80 --staleness 3` (the shipped tiny model,
@@ -109,7 +109,7 @@ would then quarantine the honest key under all its names. A thief's groups under
 rejected one by one anyway (one GET each)."""
 JUDGED = (frozenset({"groups", "zero_variance", "lie_dropped"}) | FAULTS) - {"reward_lie"}
 """Per-key counters whose sum is the number of the key's groups the trainer judged. `reward_lie` is not
-one: it is counted beside the group's own outcome (`lie_dropped` when `trainer.reject_reward_lies` drops
+one: it is counted beside the group's own outcome (`lie_dropped` when `security.reject_reward_lies` drops
 it, else `groups`, `zero_variance` or the step's drop reason), so adding it would count a lying group twice
 and halve the key's fault rate."""
 
@@ -163,7 +163,7 @@ class Limits(Protocol):
     `pnyx.security.calibration.Allowances`."""
 
     @property
-    def z_limit(self) -> float | None: ...
+    def plausibility_z(self) -> float | None: ...
 
     def gap_bound(self, staleness: int, engine: str = "") -> float: ...
 
@@ -176,7 +176,7 @@ class CheckSettings:
 
     lp_gap_base: float | None = LP_GAP_BASE
     lp_gap_per_version: float = LP_GAP_PER_VERSION
-    z_limit: float | None = Z_LIMIT
+    plausibility_z: float | None = Z_LIMIT
 
     def gap_bound(self, staleness: int, engine: str = "") -> float:
         """`lp_gap_base + lp_gap_per_version · staleness` (inf when the check is off), for any engine."""
@@ -185,8 +185,8 @@ class CheckSettings:
         return self.lp_gap_base + self.lp_gap_per_version * max(0, staleness)
 
     def z_range(self, ev: GroupEvidence) -> tuple[float, float]:
-        """±`z_limit` around 0 (an exact, fresh sampler's mean)."""
-        limit = self.z_limit if self.z_limit is not None else math.inf
+        """±`plausibility_z` around 0 (an exact, fresh sampler's mean)."""
+        limit = self.plausibility_z if self.plausibility_z is not None else math.inf
         return -limit, limit
 
 
@@ -248,7 +248,7 @@ def judge(ev: GroupEvidence, a: Limits) -> str | None:
     gap = ev.gap
     if math.isnan(gap) or gap > a.gap_bound(ev.staleness, ev.engine):
         return "logprob_gap"
-    if a.z_limit is not None:
+    if a.plausibility_z is not None:
         low, high = a.z_range(ev)
         if not low <= ev.z <= high:
             return "implausible"

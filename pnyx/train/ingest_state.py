@@ -38,7 +38,7 @@ class IngestSettings:
     """The step's sampling checks, as floors: the allowances a step judges with are derived from the run
     (`allowances`, `pnyx.security.calibration`); per-key evidence is folded into the cursor at `commit`."""
     trusted_keys: frozenset[str] = frozenset()
-    """Fingerprints of the user's own workers (`trainer.trusted_keys`, `pnyx run`'s local workers): never
+    """Fingerprints of the user's own workers (`security.trusted_keys`, `pnyx run`'s local workers): never
     quarantined (their faulty groups are still dropped), and their groups calibrate the checks."""
     quarantine: QuarantineSettings | None = field(default_factory=QuarantineSettings)
     """When a signing key is quarantined (None: never)."""

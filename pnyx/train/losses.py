@@ -31,10 +31,10 @@ Aggregation = Literal["token_mean", "seq_mean_token_mean", "drgrpo"]
 class LossSettings:
     """The algorithm knobs the policy loss needs (built from the config's `algorithm` section)."""
 
-    clip_eps_low: float = 0.2
-    """PPO clip lower bound: ratio is clipped at 1 - clip_eps_low."""
-    clip_eps_high: float = 0.28
-    """PPO clip upper bound: ratio is clipped at 1 + clip_eps_high."""
+    clip_low: float = 0.2
+    """PPO clip lower bound: ratio is clipped at 1 - clip_low."""
+    clip_high: float = 0.28
+    """PPO clip upper bound: ratio is clipped at 1 + clip_high."""
     dual_clip: float | None = 3.0
     """Dual-clip constant c > 1 for negative advantages (None = off)."""
     tis_cap: float | None = None
@@ -184,13 +184,13 @@ def policy_terms(
         ratio = importance_ratio(logp, behaviour_logp)
         iw = ratio.detach()
         objective, clipped = clipped_surrogate(
-            ratio, a, settings.clip_eps_low, settings.clip_eps_high, settings.dual_clip
+            ratio, a, settings.clip_low, settings.clip_high, settings.dual_clip
         )
     else:
         ratio = torch.exp(logp - logp.detach())
         iw = truncated_importance_weight(logp, behaviour_logp, settings.tis_cap)
         objective, clipped = clipped_surrogate(
-            ratio, a, settings.clip_eps_low, settings.clip_eps_high, settings.dual_clip
+            ratio, a, settings.clip_low, settings.clip_high, settings.dual_clip
         )
         objective = iw * objective
     if settings.dppo_delta is not None:

@@ -77,7 +77,7 @@ def starving_note(d: dict[str, Any]) -> str | None:
         more = f" (+{len(quarantined) - 3} more)" if len(quarantined) > 3 else ""
         return (
             f"{head}: " + "; ".join(parts) + more + ". A quarantined key's groups are rejected unread. "
-            "If it is your own worker, add its fingerprint to trainer.trusted_keys (pnyx run trusts its "
+            "If it is your own worker, add its fingerprint to security.trusted_keys (pnyx run trusts its "
             "local workers itself) and restart the trainer with --resume; else start more workers."
         )
     b = d.get("backlog") or {}

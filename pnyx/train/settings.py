@@ -1,4 +1,5 @@
-"""The config's `algorithm` section turned into the settings the step and the ingestor take (one place).
+"""The config's `algorithm` and `security` sections turned into the settings the step and the ingestor take
+(one place; each setting keeps its config name).
 
 `loss_settings` feeds `train_step` (the trainer loop and every swarm node); `ingest_settings` feeds the
 trainer's `Ingestor`. Knows nothing about the loop, the store or models; imports no torch itself beyond
@@ -18,8 +19,8 @@ from pnyx.train.losses import LossSettings
 def loss_settings(cfg: PnyxConfig) -> LossSettings:
     a = cfg.algorithm
     return LossSettings(
-        clip_eps_low=a.clip_low,
-        clip_eps_high=a.clip_high,
+        clip_low=a.clip_low,
+        clip_high=a.clip_high,
         dual_clip=a.dual_clip,
         tis_cap=a.tis_cap,
         dppo_delta=a.dppo_delta,
@@ -31,7 +32,7 @@ def loss_settings(cfg: PnyxConfig) -> LossSettings:
 def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
     """The ingestor's filters, with the run's sampling settings and budget every group must match (call it
     after `worker.max_new_tokens` is resolved, as the trainer does)."""
-    a, w, t = cfg.algorithm, cfg.worker, cfg.trainer
+    a, w, sec = cfg.algorithm, cfg.worker, cfg.security
     return IngestSettings(
         max_staleness=a.max_staleness,
         max_reuse=a.max_reuse,
@@ -43,20 +44,22 @@ def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
         max_new_tokens=w.max_new_tokens,
         checks=check_settings(cfg),
         quarantine=QuarantineSettings(
-            rate=t.quarantine_rate, min_faults=t.quarantine_min, key_z=t.quarantine_key_z
+            rate=sec.quarantine_rate, min_faults=sec.quarantine_min, key_z=sec.quarantine_key_z
         ),
-        max_key_share=t.max_key_share,
+        max_key_share=sec.max_key_share,
         flood_limit=flood_limit(cfg),
-        max_groups_per_key_step=t.max_groups_per_key_step,
-        max_groups_per_key_version=t.max_groups_per_key_version,
-        reject_reward_lies=t.reject_reward_lies,
-        trusted_keys=frozenset(normalize_fingerprint(fp) for fp in t.trusted_keys),
+        max_groups_per_key_step=sec.max_groups_per_key_step,
+        max_groups_per_key_version=sec.max_groups_per_key_version,
+        reject_reward_lies=sec.reject_reward_lies,
+        trusted_keys=frozenset(normalize_fingerprint(fp) for fp in sec.trusted_keys),
     )
 
 
 def check_settings(cfg: PnyxConfig) -> CheckSettings:
-    """The step's sampling checks (`pnyx.security.checks`) from the `trainer` section."""
-    t = cfg.trainer
+    """The step's sampling checks (`pnyx.security.checks`) from the `security` section."""
+    sec = cfg.security
     return CheckSettings(
-        lp_gap_base=t.lp_gap_base, lp_gap_per_version=t.lp_gap_per_version, z_limit=t.plausibility_z
+        lp_gap_base=sec.lp_gap_base,
+        lp_gap_per_version=sec.lp_gap_per_version,
+        plausibility_z=sec.plausibility_z,
     )
