@@ -72,7 +72,7 @@ def run_sync(cfg: Any, window: RewardWindow, budget_s: float, threads: int) -> d
     from pnyx.models.source import resolve_model_path
     from pnyx.protocol.rules import is_zero_variance
     from pnyx.rollout.cohort import CohortSpec, generate_cohort
-    from pnyx.rollout.engine import Engine
+    from pnyx.rollout.engines import make_engine
     from pnyx.train.advantages import group_advantages
     from pnyx.train.ingest import ScoredGroup
     from pnyx.train.loop import loss_settings
@@ -87,7 +87,7 @@ def run_sync(cfg: Any, window: RewardWindow, budget_s: float, threads: int) -> d
     env = get_env(cfg.env.name, **resolve_env_kwargs(cfg))
     max_new = resolve_max_new_tokens(cfg.worker.max_new_tokens, env)
     opt = make_optimizer(model, cfg.trainer.lr, tuple(cfg.trainer.betas), cfg.trainer.weight_decay)
-    engine = Engine(model, tok)
+    engine = make_engine("torch", None, tok, model=model)
     settings = loss_settings(cfg)
     w = cfg.worker
     steps = cohorts = seq = 0

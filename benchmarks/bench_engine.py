@@ -32,6 +32,7 @@ import torch
 
 from pnyx.models import model_from_config
 from pnyx.rollout.engine import Engine
+from pnyx.rollout.episodes import run_episodes
 from pnyx.rollout.sampling import SamplingParams
 from pnyx_harness.models import build_tiny_tokenizer
 
@@ -141,7 +142,8 @@ def bench_episodes(args) -> None:
 
             def run(reuse: bool, prompts=prompts, params=params, stop=stop, reply=reply, cap=cap):
                 start = CLOCK()
-                eps = engine.run_episodes(
+                eps = run_episodes(
+                    engine,
                     prompts, params, lambda text: reply, [stop], args.turns, max_episode_tokens=cap,
                     reuse_cache=reuse,
                 )  # fmt: skip
@@ -192,8 +194,8 @@ def bench_gaps() -> None:
         engine = Engine(model, tokenizer, fast=arch.endswith("-fast"))
         engine.eos_ids = []
         gaps = [gap(model, engine.generate(prompts, p), p) for p in settings]
-        eps = engine.run_episodes(
-            prompts, settings[0], tools, ["a", "e"], max_turns=4, max_episode_tokens=160
+        eps = run_episodes(
+            engine, prompts, settings[0], tools, ["a", "e"], max_turns=4, max_episode_tokens=160
         )
         reuse = engine.session(1).holes_ok
         print(

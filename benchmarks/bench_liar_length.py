@@ -83,7 +83,7 @@ def main() -> None:
     from pnyx.models.logprobs import completion_logprobs
     from pnyx.protocol import layout
     from pnyx.rollout.cohort import CohortSpec, generate_cohort
-    from pnyx.rollout.engine import Engine
+    from pnyx.rollout.engines import make_engine
     from pnyx.security.checks import (
         CheckSettings,
         KeyEvidence,
@@ -113,7 +113,7 @@ def main() -> None:
     )
     worker.eval()
     evaluator.eval()
-    engine = Engine(worker, tok)
+    engine = make_engine("torch", None, tok, model=worker)
     settings = ingest_settings(cfg)
     print(f"model {path}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
 

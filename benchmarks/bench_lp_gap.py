@@ -60,7 +60,7 @@ def main() -> None:
     from pnyx.protocol import layout
     from pnyx.protocol.rules import is_zero_variance
     from pnyx.rollout.cohort import CohortSpec, generate_cohort
-    from pnyx.rollout.engine import Engine
+    from pnyx.rollout.engines import make_engine
     from pnyx.security.checks import (
         CheckSettings,
         GroupEvidence,
@@ -84,7 +84,7 @@ def main() -> None:
     cfg = with_fields(cfg, {"worker.max_new_tokens": budget})
     trainer = load_model(path, dtype="float32")
     worker = load_model(path, dtype="float32")
-    engine = Engine(worker, tok)
+    engine = make_engine("torch", None, tok, model=worker)
     t = cfg.trainer
     opt = make_optimizer(trainer, t.lr, t.betas, t.weight_decay)
     settings = ingest_settings(cfg)

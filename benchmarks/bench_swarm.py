@@ -151,13 +151,13 @@ def run_once(args: argparse.Namespace, paths: dict[str, Path], i: int, j: int, m
 
 
 def start_heldout(args: argparse.Namespace, paths: dict[str, Path]) -> dict[str, dict[str, float]]:
-    from pnyx.models import load_model, load_tokenizer
-    from pnyx.rollout.engine import Engine
+    from pnyx.models import load_tokenizer
+    from pnyx.rollout.engines import make_engine
 
     out = {}
     for name, path in paths.items():
         tok = load_tokenizer(path)
-        node = argparse.Namespace(engine=Engine(load_model(path), tok), tokenizer=tok)
+        node = argparse.Namespace(engine=make_engine("torch", path, tok), tokenizer=tok)
         out[name] = union_heldout(node, args)
     return out
 

@@ -219,14 +219,17 @@ class Arena:
 
     def evaluate(self, tasks: int = 200, seed: int = 0, examples: int = 0) -> Any:
         """Held-out pass@1 of the trainer's current weights (the env's test split, one sample per task at
-        the run's temperature): `pnyx.eval.runner.evaluate_model` on the trainer's own model."""
+        the run's temperature): `pnyx.eval.runner.evaluate_model` with the torch engine over the trainer's
+        own model."""
         from pnyx.eval.runner import evaluate_model, heldout_tasks
+        from pnyx.rollout.engines import make_engine
 
         model = self.trainer.parts.model
         model.eval()
         try:
             return evaluate_model(
-                model, self.tokenizer, self.env, heldout_tasks(self.env, tasks, seed),
+                make_engine("torch", None, self.tokenizer, model=model), self.env,
+                heldout_tasks(self.env, tasks, seed),
                 temperature=self.cfg.worker.temperature, top_p=self.cfg.worker.top_p,
                 top_k=self.cfg.worker.top_k, max_new_tokens=self.cfg.worker.max_new_tokens,
                 seed=seed, examples=examples,

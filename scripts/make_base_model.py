@@ -26,7 +26,7 @@ What it does, in order:
    environments' system prompts, with the same noisy-label recipe (noisy `arith`, phase-3 `searchqa`
    episodes), so the model follows today's prompts and still starts weak. `--adapt-from DIR` skips
    phases 1-3 and adapts a saved model (how the shipped weights were updated when the prompts changed).
-4. Evaluates on held-out tasks with `pnyx.eval.runner.evaluate_model` (the pnyx engine, sampling at
+4. Evaluates on held-out tasks with `pnyx.eval.runner.evaluate_model` (the torch engine, sampling at
    temperature 1, top-k 0, top-p 1, each environment's generation budget) and writes the model,
    tokenizer, `evaluation.json` and a `README.md` model card.
 
@@ -205,9 +205,12 @@ def quick_eval(
     model: Any, tokenizer: Any, env: Environment, tasks: list[Task], n: int, seed: int, examples: int = 0
 ) -> EvalReport:
     """pass@1 and pass@n over `n` samples per task at temperature 1, with the env's generation budget."""
+    from pnyx.rollout.engines import make_engine
+
     model.eval()
     try:
-        return evaluate_model(model, tokenizer, env, tasks, samples=n, ks=(n,), seed=seed, examples=examples)
+        engine = make_engine("torch", None, tokenizer, model=model)
+        return evaluate_model(engine, env, tasks, samples=n, ks=(n,), seed=seed, examples=examples)
     finally:
         model.train()
 

@@ -1,7 +1,7 @@
 """The shipped tiny base model: loads offline, is small, documented, tokenizes as promised, starts weak.
 
 Its skills are measured here, not read back from the committed `evaluation.json`: a small sample of the
-same held-out tasks is re-evaluated through the one evaluation path (`evaluate_model`, the pnyx engine,
+same held-out tasks is re-evaluated through the one evaluation path (`evaluate_model`, the torch engine,
 the prompts as the environments render them today). Bands are wide enough not to be flaky at a fixed
 seed, yet fail for an untrained model (pass@1 ~0), a fully trained one (pass@1 ~1), a model that does not
 follow the system prompt's format, or a committed card that no longer matches the weights.
@@ -16,6 +16,7 @@ import pytest
 from pnyx.envs import get_env
 from pnyx.eval.runner import evaluate_model
 from pnyx.models import tiny
+from pnyx.rollout.engines import make_engine
 
 MODEL_DIR = tiny.default_model_path()
 MAX_BYTES = 10 * 1024 * 1024
@@ -80,15 +81,15 @@ def test_digits_are_one_token_each(tokenizer):
 @pytest.fixture(scope="module")
 def arith_report(model, tokenizer):
     env = get_env("arith")
-    return evaluate_model(
-        model, tokenizer, env, env.sample("test", EVAL_SEED, 64), samples=4, ks=(4,), seed=EVAL_SEED
-    )
+    engine = make_engine("torch", None, tokenizer, model=model)
+    return evaluate_model(engine, env, env.sample("test", EVAL_SEED, 64), samples=4, ks=(4,), seed=EVAL_SEED)
 
 
 @pytest.fixture(scope="module")
 def searchqa_report(model, tokenizer):
     env = get_env("searchqa")
-    return evaluate_model(model, tokenizer, env, env.sample("test", EVAL_SEED, 48), samples=4, seed=EVAL_SEED)
+    engine = make_engine("torch", None, tokenizer, model=model)
+    return evaluate_model(engine, env, env.sample("test", EVAL_SEED, 48), samples=4, seed=EVAL_SEED)
 
 
 def test_arith_with_todays_prompts_is_partial_at_pass_1_and_high_at_pass_4(arith_report):

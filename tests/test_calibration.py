@@ -187,7 +187,7 @@ def test_the_drift_probe_measures_the_step_it_did_not_train_on():
     from pnyx.config import PnyxConfig, shipped_model_path
     from pnyx.models import load_model, load_tokenizer
     from pnyx.rollout.cohort import CohortSpec, generate_cohort
-    from pnyx.rollout.engine import Engine
+    from pnyx.rollout.engines import make_engine
     from pnyx.train.losses import LossSettings
     from pnyx.train.microbatch import Row
     from pnyx.train.rescore import rescore
@@ -199,7 +199,14 @@ def test_the_drift_probe_measures_the_step_it_did_not_train_on():
     model, tok = load_model(path, dtype="float32"), load_tokenizer(path)
     spec = CohortSpec(RUN, "w", 0, "d", 8, 1.0, 1.0, 0, 16, 3)
     seq = iter(range(1 << 20))
-    res = generate_cohort(Engine(model, tok), tok, ENV, ENV.sample("train", 3, 6), spec, lambda: next(seq))
+    res = generate_cohort(
+        make_engine("torch", None, tok, model=model),
+        tok,
+        ENV,
+        ENV.sample("train", 3, 6),
+        spec,
+        lambda: next(seq),
+    )
 
     def words(ids: list[int]) -> str:
         return tok.decode(ids, skip_special_tokens=True)

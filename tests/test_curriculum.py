@@ -92,6 +92,8 @@ def test_an_environment_without_levels_gets_the_plain_stream():
 class SkillEngine:
     """A fake engine: answers `Compute a+b.` right with the probability `skill[digits of a]`."""
 
+    name = "torch"
+
     def __init__(self, tokenizer, skill: dict[int, float]):
         self.tokenizer, self.skill, self.rng = tokenizer, skill, random.Random(0)
 

@@ -15,6 +15,7 @@ from pnyx.errors import ConfigError
 from pnyx.models import completion_logprobs
 from pnyx.rollout.decoder import fast_path_supported, left_pad, open_session
 from pnyx.rollout.engine import Engine
+from pnyx.rollout.episodes import run_episodes
 from pnyx.rollout.sampling import SamplingParams
 from pnyx_harness.models import TINY_ARCHS, build_tiny_tokenizer, tiny_arch_model
 
@@ -120,8 +121,8 @@ def test_tool_turns_give_recompute_equal_logprobs_and_the_re_prefill_tokens(arch
     engine = generic(arch_model, tokenizer)
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=4)
     run = dict(tool_stops=["a", "e"], max_turns=4, max_episode_tokens=100)
-    eps = engine.run_episodes(prompts, params, tools(len(prompts)), **run)
-    ref = engine.run_episodes(prompts, params, tools(len(prompts)), **run, reuse_cache=False)
+    eps = run_episodes(engine, prompts, params, tools(len(prompts)), **run)
+    ref = run_episodes(engine, prompts, params, tools(len(prompts)), **run, reuse_cache=False)
     assert sum(e.num_tool_calls for e in eps) >= len(prompts)
     assert [e.tokens for e in eps] == [e.tokens for e in ref]
     with torch.no_grad():
@@ -135,7 +136,7 @@ def test_requiring_cache_reuse_where_holes_are_inexact_raises(tokenizer, prompts
     engine = generic(tiny_arch_model("gemma3_text", tokenizer), tokenizer)
     params = SamplingParams(temperature=1.0, max_new_tokens=8)
     with pytest.raises(ConfigError, match="sliding-window"):
-        engine.run_episodes(prompts, params, tools(len(prompts)), ["a"], max_turns=2, reuse_cache=True)
+        run_episodes(engine, prompts, params, tools(len(prompts)), ["a"], max_turns=2, reuse_cache=True)
 
 
 def test_qwen3_uses_the_fast_path_and_matches_the_transformers_forward(tokenizer, prompts):

@@ -9,6 +9,7 @@ import torch
 from pnyx.models import completion_logprobs, load_model, load_tokenizer
 from pnyx.rollout.decoder import left_pad, open_session
 from pnyx.rollout.engine import Engine
+from pnyx.rollout.episodes import run_episodes
 from pnyx.rollout.sampling import SamplingParams
 
 torch.set_num_threads(1)
@@ -140,8 +141,8 @@ def test_tool_turns_prefill_the_prompt_once_then_only_the_replies(model, tokeniz
     fed: list[tuple[str, int]] = []
     real = engine.session
     engine.session = lambda max_len: CountingSession(real(max_len), fed)
-    eps = engine.run_episodes(
-        prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=4), tools(4), **RUN
+    eps = run_episodes(
+        engine, prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=4), tools(4), **RUN
     )
     assert fed[0] == ("prefill", sum(len(p) for p in prompts))
     assert [kind for kind, _ in fed[1:]] == ["extend"] * (len(fed) - 1)
@@ -160,8 +161,8 @@ def test_tool_turns_prefill_the_prompt_once_then_only_the_replies(model, tokeniz
 def test_tool_turns_on_the_cache_equal_re_prefilling(model, tokenizer, prompts, fast, temperature):
     engine = Engine(model, tokenizer, fast=fast)
     params = SamplingParams(temperature=temperature, top_p=0.95, max_new_tokens=12, seed=4)
-    reused = engine.run_episodes(prompts, params, tools(4), **RUN, reuse_cache=True)
-    again = engine.run_episodes(prompts, params, tools(4), **RUN, reuse_cache=False)
+    reused = run_episodes(engine, prompts, params, tools(4), **RUN, reuse_cache=True)
+    again = run_episodes(engine, prompts, params, tools(4), **RUN, reuse_cache=False)
     assert sum(e.num_tool_calls for e in reused) >= 4
     for a, b in zip(reused, again, strict=True):
         assert (a.tokens, a.loss_mask, a.finish_reason, a.turns) == (
@@ -177,7 +178,7 @@ def test_tool_turns_on_the_cache_equal_re_prefilling(model, tokenizer, prompts, 
 def test_tool_turn_logprobs_equal_recompute_on_the_concatenated_sequence(model, tokenizer, prompts, fast):
     engine = Engine(model, tokenizer, fast=fast)
     params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_new_tokens=12, seed=9)
-    eps = engine.run_episodes(prompts, params, tools(4), **RUN, reuse_cache=True)
+    eps = run_episodes(engine, prompts, params, tools(4), **RUN, reuse_cache=True)
     assert all(0 in e.loss_mask for e in eps)  # every row got at least one reply
     with torch.no_grad():
         logp, _, _ = completion_logprobs(model, prompts, [e.tokens for e in eps], 0.8, 50, 0.9)
@@ -191,14 +192,21 @@ def test_searchqa_episodes_on_the_cache_equal_re_prefilling_and_the_recompute():
     from pnyx.envs import get_env
     from pnyx.models import render_prompt
     from pnyx.rollout.cohort import sample_env
+    from pnyx.rollout.engines import make_engine
 
     env = get_env("searchqa")
     model, tokenizer = load_model("pnyx/assets/tiny-base"), load_tokenizer("pnyx/assets/tiny-base")
     tasks = [t for t in env.sample("train", 0, 8) for _ in range(4)]
     prompts = [list(render_prompt(tokenizer, t.prompt)) for t in tasks]
     params = SamplingParams(temperature=1.0, max_new_tokens=48, stop=list(env.stop_strings), seed=1)
-    reused = sample_env(Engine(model, tokenizer, reuse_cache=True), env, prompts, tasks, params)
-    again = sample_env(Engine(model, tokenizer, reuse_cache=False), env, prompts, tasks, params)
+    engine = make_engine("torch", None, tokenizer, model=model)
+    assert engine.decoder() is not None  # the torch engine's tool turns continue on its decode loop's cache
+    reused = sample_env(engine, env, prompts, tasks, params)
+    tools = [lambda text, task=task: env.respond(task, text) for task in tasks]
+    again = run_episodes(
+        Engine(model, tokenizer), prompts, params, tools, list(env.tool_stops), int(env.max_turns),
+        reuse_cache=False,
+    )  # fmt: skip
     assert sum(e.num_tool_calls > 0 and 0 in e.loss_mask for e in reused) >= 2
     assert [e.tokens for e in reused] == [e.tokens for e in again]
     with torch.no_grad():

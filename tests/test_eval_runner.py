@@ -46,12 +46,14 @@ class ParityEnv(Environment):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
+    """The torch engine over the tiny model."""
     import torch
 
-    from pnyx.models import load_model, load_tokenizer
+    from pnyx.models import load_tokenizer
+    from pnyx.rollout.engines import make_engine
 
     torch.set_num_threads(1)
-    return load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    return make_engine("torch", tiny_model_dir, load_tokenizer(tiny_model_dir))
 
 
 def test_wilson_interval_matches_hand_computed_value():
@@ -80,10 +82,9 @@ def test_pass_at_1_interval_resamples_tasks_when_several_samples_per_task():
 
 
 def test_evaluate_model_counts_correct_per_task(tiny):
-    model, tok = tiny
     env = ParityEnv()
     tasks = env.sample("test", 0, 10)
-    report = evaluate_model(model, tok, env, tasks, samples=3, max_new_tokens=4, ks=(2,), batch_size=7)
+    report = evaluate_model(tiny, env, tasks, samples=3, max_new_tokens=4, ks=(2,), batch_size=7)
     assert report.tasks == 10 and report.samples == 3
     assert report.pass_at_1 == pytest.approx(0.5)
     assert report.pass_at_k[2] == pytest.approx(0.5)  # each task is all-right or all-wrong
@@ -94,11 +95,10 @@ def test_evaluate_model_counts_correct_per_task(tiny):
 def test_evaluate_model_is_reproducible_with_the_same_seed(tiny):
     from pnyx.envs import get_env
 
-    model, tok = tiny
     env = get_env("arith")
     tasks = env.sample("test", 0, 8)
-    a = evaluate_model(model, tok, env, tasks, max_new_tokens=6, seed=3)
-    b = evaluate_model(model, tok, env, tasks, max_new_tokens=6, seed=3)
+    a = evaluate_model(tiny, env, tasks, max_new_tokens=6, seed=3)
+    b = evaluate_model(tiny, env, tasks, max_new_tokens=6, seed=3)
     assert a.mean_completion_tokens == b.mean_completion_tokens and a.format_rate == b.format_rate
 
 
@@ -143,11 +143,52 @@ def test_version_evaluator_loads_exactly_the_requested_version(tiny_model_dir, t
     ev = VersionEvaluator(store, tiny_model_dir, "parity", tasks=6, max_new_tokens=3)
     report = ev.evaluate(1)
     assert report.version == 1 and report.pass_at_1 == pytest.approx(0.5)
-    got = ev.model.state_dict()
+    assert report.engine == "torch" and report.digest == ev.syncer.digest == ev.engine.digest
+    got = ev.engine.model.state_dict()
     for name, want in state1.items():
         assert torch.equal(got[name], want.float()), name
     ev.evaluate(0)
-    assert torch.equal(ev.model.state_dict()["model.norm.weight"], state0["model.norm.weight"].float())
+    model = ev.engine.model
+    assert torch.equal(model.state_dict()["model.norm.weight"], state0["model.norm.weight"].float())
+
+
+def test_version_evaluator_refuses_to_sample_from_weights_its_engine_cannot_prove(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    import torch
+    from worker_support import create_signed_run
+
+    from pnyx.errors import IntegrityError
+    from pnyx.eval import runner
+    from pnyx.models import load_model
+    from pnyx.store import open_store
+    from pnyx.weights import Publisher
+
+    store = open_store(tmp_path / "run")
+    _, signer = create_signed_run(store, {"worker": {}, "env": {}}, {"vocab_size": 10})
+    state = {
+        k: v.detach().to(torch.bfloat16).clone() for k, v in load_model(tiny_model_dir).state_dict().items()
+    }
+    Publisher(store, anchor_every=20, signer=signer).publish(0, state)
+    ev = runner.VersionEvaluator(store, tiny_model_dir, "arith", tasks=2, max_new_tokens=2)
+    landed = ev.engine._apply
+
+    def lossy(state, names, first):  # a loader that does not copy what it was given exactly
+        landed(state, names, first)
+        with torch.no_grad():
+            ev.engine.model.state_dict()["model.norm.weight"].add_(1.0)
+
+    sampled = []
+    monkeypatch.setattr(ev.engine, "_apply", lossy)
+    monkeypatch.setattr(runner, "evaluate_model", lambda *a, **k: sampled.append(1))
+    with pytest.raises(IntegrityError, match="not the published ones"):
+        ev.evaluate(0)
+    assert not sampled and ev.engine.version is None
+
+
+def test_eval_command_refuses_an_unknown_engine():
+    proc = _eval_cli("--engine", "jax")
+    assert proc.returncode == 2 and "unknown engine 'jax'" in proc.stderr
 
 
 def test_learning_curve_is_a_png_with_and_without_data(tmp_path):
@@ -199,11 +240,10 @@ def test_eval_command_writes_json_for_a_model_folder(tiny_model_dir, tmp_path):
 def test_evaluate_model_uses_the_environments_budget_unless_given(tiny):
     from pnyx.envs import get_env
 
-    model, tok = tiny
     env = get_env("arith")
     tasks = env.sample("test", 0, 2)
-    assert evaluate_model(model, tok, env, tasks).max_new_tokens == 64
-    assert evaluate_model(model, tok, env, tasks, max_new_tokens=3).mean_completion_tokens <= 3
+    assert evaluate_model(tiny, env, tasks).max_new_tokens == 64
+    assert evaluate_model(tiny, env, tasks, max_new_tokens=3).mean_completion_tokens <= 3
 
 
 def _eval_cli(*args: str):

@@ -157,7 +157,8 @@ def test_exported_finished_run_loads_and_scores_exactly_like_the_published_versi
     from pnyx.config import shipped_model_path
     from pnyx.envs import get_env
     from pnyx.eval.runner import VersionEvaluator, evaluate_model, heldout_tasks
-    from pnyx.models import load_model, load_tokenizer
+    from pnyx.models import load_tokenizer
+    from pnyx.rollout.engines import make_engine
     from pnyx.weights.manifest import latest_version
 
     url, out = str(tmp_path / "run"), tmp_path / "export"
@@ -193,8 +194,7 @@ def test_exported_finished_run_loads_and_scores_exactly_like_the_published_versi
     sampling = dict(temperature=w.temperature, top_p=w.top_p, top_k=w.top_k, max_new_tokens=w.max_new_tokens)
     env = get_env("arith")
     exported = evaluate_model(
-        load_model(out),
-        load_tokenizer(out),
+        make_engine("torch", out, load_tokenizer(out)),
         env,
         heldout_tasks(env, 64, cfg.run.seed),
         seed=cfg.run.seed,

@@ -15,6 +15,7 @@ import torch
 from pnyx.models import completion_logprobs, load_model, load_tokenizer
 from pnyx.rollout.decoder import left_pad
 from pnyx.rollout.engine import Engine
+from pnyx.rollout.episodes import run_episodes
 from pnyx.rollout.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -101,8 +102,8 @@ def test_cuda_tool_loop_on_the_cache_equals_re_prefill_and_recompute(
     tools = [lambda text, i=i: " <information>Paris</information>"[: 4 + 3 * i] for i in range(len(rows))]
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=4)
     run = dict(tool_stops=["a", "e"], max_turns=4, max_episode_tokens=120)
-    reused = engine.run_episodes(rows, params, tools, **run, reuse_cache=True)
-    again = engine.run_episodes(rows, params, tools, **run, reuse_cache=False)
+    reused = run_episodes(engine, rows, params, tools, **run, reuse_cache=True)
+    again = run_episodes(engine, rows, params, tools, **run, reuse_cache=False)
     assert sum(e.num_tool_calls for e in reused) >= len(rows)
     assert [e.tokens for e in reused] == [e.tokens for e in again]
     with torch.no_grad():

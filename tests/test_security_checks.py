@@ -324,12 +324,19 @@ def shipped():
 def _generated(model, tok, n: int, seed: int, temperature: float = 1.0, version: int = 0):
     """Honest arith groups from `model` at `temperature` (claimed T=1), re-scored by the trainer's code."""
     from pnyx.rollout.cohort import CohortSpec, generate_cohort
-    from pnyx.rollout.engine import Engine
+    from pnyx.rollout.engines import make_engine
     from pnyx.train.rescore import rescore
 
     spec = CohortSpec(RUN, "w", version, "d", 8, temperature, 1.0, 0, 48, seed)
     seq = iter(range(1 << 20))
-    res = generate_cohort(Engine(model, tok), tok, ENV, ENV.sample("train", seed, n), spec, lambda: next(seq))
+    res = generate_cohort(
+        make_engine("torch", None, tok, model=model),
+        tok,
+        ENV,
+        ENV.sample("train", seed, n),
+        spec,
+        lambda: next(seq),
+    )
     out = []
     for g in res.groups:
         g.temperature = 1.0

@@ -51,7 +51,7 @@ def test_recipe_samples_with_exact_logprobs_and_one_step_raises_the_rewarded_lik
     from pnyx.config import load_config, resolve_env_kwargs
     from pnyx.envs import get_env
     from pnyx.rollout.cohort import CohortSpec, generate_cohort
-    from pnyx.rollout.engine import Engine
+    from pnyx.rollout.engines import make_engine
     from pnyx.train.losses import LossSettings
     from pnyx.train.rescore import ScoredGroup
     from pnyx.train.step import make_optimizer, train_step
@@ -73,7 +73,12 @@ def test_recipe_samples_with_exact_logprobs_and_one_step_raises_the_rewarded_lik
     )
     seqs = iter(range(100))
     result = generate_cohort(
-        Engine(model, tokenizer), tokenizer, env, env.sample("train", 0, 4), spec, lambda: next(seqs)
+        make_engine("torch", None, tokenizer, model=model),
+        tokenizer,
+        env,
+        env.sample("train", 0, 4),
+        spec,
+        lambda: next(seqs),
     )
     groups = []
     for i, g in enumerate(result.groups):

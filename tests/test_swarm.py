@@ -371,6 +371,7 @@ def test_cli_refuses_reserved_node_name_before_loading_a_model(tmp_path):
         ("trainer", "warmup_steps", 5),
         ("trainer", "compute_dtype", "bfloat16"),
         ("trainer", "activation_checkpointing", True),
+        ("worker", "engine", "mlx"),
     ],
 )
 def test_a_swarm_node_refuses_trainer_settings_it_would_ignore(tmp_path, section, field, value):

@@ -13,18 +13,17 @@ import pytest
 from pnyx.envs import get_env
 from pnyx.protocol import decode_group, encode_group
 from pnyx.rollout.cohort import CohortSpec, generate_cohort
-from pnyx.rollout.engine import Engine
+from pnyx.rollout.engines.torch import TorchEngine
 from pnyx.rollout.sampling import Completion
 
 G = 2
 
 
-class ScriptedEngine(Engine):
-    """The real engine (and its real `run_episodes`) with `generate` replaced by fixed per-row turns."""
+class ScriptedEngine(TorchEngine):
+    """The real torch engine (and its real `run_episodes`) with `generate` replaced by fixed per-row turns."""
 
     def __init__(self, model, tokenizer, scripts: list[list[tuple[str, str | None]]]):
-        # reuse_cache=False: the tool loop then calls `generate` every turn (the cache path never does).
-        super().__init__(model, tokenizer, reuse_cache=False)
+        super().__init__(None, tokenizer, model=model)
         self.scripts = scripts
         self.turn = 0
 
@@ -37,6 +36,9 @@ class ScriptedEngine(Engine):
             out.append(Completion(ids, [-0.5] * len(ids), "stop", text, stop))
         self.turn += 1
         return out
+
+    def decoder(self):
+        return None  # the tool loop then calls `generate` every turn (the cache path never does)
 
 
 @pytest.fixture

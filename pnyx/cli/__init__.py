@@ -150,6 +150,14 @@ def eval_(
         "--trust",
         help="With --store: trainer key fingerprint run.json must name (default: run.json's).",
     ),
+    engine: str = typer.Option(
+        "torch", "--engine", help="Generation engine: torch, mlx (Apple silicon; mlx[cpu] on Linux) or vllm."
+    ),
+    device: str | None = typer.Option(
+        None,
+        "--device",
+        help="cpu, cuda, mps or auto (default: the config's model.device; cpu with --store).",
+    ),
 ):
     """Evaluate a model folder or a published version on the held-out split: pass@k and env metrics."""
     _lazy("pnyx.cli.eval", "eval_main")(
@@ -167,6 +175,8 @@ def eval_(
         top_p=top_p,
         top_k=top_k,
         trust=trust,
+        engine=engine,
+        device=device,
     )
 
 

@@ -7,15 +7,17 @@ key (or the `--trust` fingerprint) are read (`pnyx.weights.TrustedWeights`): a f
 manifest is ignored with a warning naming it, `--version N` of a version the trainer did not sign exits 1
 ("refusing to evaluate"), and an unsigned run is refused (exit 2). Settings come from the run (or from the
 config defaults and a `--config` TOML), then dotted overrides (`--worker.temperature=0.7`), then the flags
-`--env`, `--max-new-tokens`, `--temperature`, `--top-p`, `--top-k`. Prints a table and optionally writes the
-figures as JSON (`--out`). Knows nothing about the fleet's processes.
+`--env`, `--max-new-tokens`, `--temperature`, `--top-p`, `--top-k`. `--engine torch|mlx|vllm` samples with
+that engine of `pnyx.rollout.engines` (the workers' own); a published version is loaded into it and proved
+against its manifest before it samples, as a worker does. Prints a table and optionally writes the figures
+as JSON (`--out`). Knows nothing about the fleet's processes.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from pnyx.config import PnyxConfig
@@ -48,6 +50,7 @@ def print_report(report: EvalReport, title: str) -> None:
     t.add_column()
     t.add_row("environment", report.env)
     t.add_row("version", "-" if report.version is None else str(report.version))
+    t.add_row("engine", report.engine or "-")
     t.add_row("tasks × samples", f"{report.tasks} × {report.samples}")
     t.add_row("pass@1 (95% CI)", f"{report.pass_at_1:.3f}  [{report.ci_low:.3f}, {report.ci_high:.3f}]")
     for k, v in sorted(report.pass_at_k.items()):
@@ -111,12 +114,16 @@ def eval_main(
     top_p: float | None = None,
     top_k: int | None = None,
     trust: str | None = None,
+    engine: str = "torch",
+    device: str | None = None,
 ) -> None:
     """Evaluate a model folder (`model`) or a run's published `version` (`store`) on the held-out split.
 
     Settings, lowest to highest priority: the config defaults, the `--config` TOML (model folder only) or
     the run's run.json (`--store`), dotted overrides, then the flags (`--env`, `--max-new-tokens`, ...). An
-    unset budget is the environment's own.
+    unset budget is the environment's own. `engine` samples (`pnyx.rollout.engines.make_engine`) on
+    `device` (None: the config's `model.device` for a folder, cpu for a run's version, which is loaded in
+    float32 as `pnyx run`'s evaluator does).
     """
 
     from pnyx.cli.common import fail
@@ -124,6 +131,7 @@ def eval_main(
     from pnyx.errors import ConfigError, PnyxError, UntrustedWeightsError
     from pnyx.eval.runner import VersionEvaluator, evaluate_model, heldout_tasks, quiet_transformers
     from pnyx.models.source import resolve_model_path
+    from pnyx.rollout.engines import ENGINE_NAMES, EngineName, check_engine, make_engine
 
     if model is not None and store is not None:
         raise fail("give either --model (a folder) or --store (a run), not both")
@@ -136,6 +144,9 @@ def eval_main(
             "--config applies to a model folder; a run's settings come from its run.json. Drop --config, or "
             "change single settings with flags (--max-new-tokens, --temperature) or dotted overrides"
         )
+    if engine not in ENGINE_NAMES:
+        raise fail(f"unknown engine {engine!r}: choose one of {', '.join(ENGINE_NAMES)}")
+    engine_name = cast(EngineName, engine)
     flags = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
     ks = tuple(k for k in (2, 4, 8, 16) if k <= samples)
     try:
@@ -151,6 +162,7 @@ def eval_main(
                     f"{run_store.url} has no published weights signed by the trainer key "
                     f"{weights.fingerprint} yet"
                 )
+            check_engine(engine_name, device or "cpu")  # before the model loads
             quiet_transformers()
             info = weights.run.model or {}  # the run's own model (a hub id at the trainer's commit)
             source = resolve_run_model(info, cfg.model.path, cfg.model.revision, check="tokenizer")
@@ -163,32 +175,44 @@ def eval_main(
                 samples=samples,
                 seed=cfg.run.seed,
                 ks=ks,
+                engine=engine_name,
+                device=device or "cpu",
                 **_sampling(cfg, flags),
             )
-            report = evaluator.evaluate(target)
-            title = f"pnyx eval — {run_store.url} v{target}"
+            try:
+                report = evaluator.evaluate(target)
+            finally:
+                evaluator.close()
+            title = f"pnyx eval — {run_store.url} v{target} ({engine_name})"
         else:
             from pnyx.envs import get_env
-            from pnyx.models import load_model, load_tokenizer
+            from pnyx.models import load_tokenizer
 
             cfg = load_config(config, extra)
             if model is not None:
                 cfg.model.path = model
             _switch_env(cfg, env)
+            where = device or cfg.model.device
+            check_engine(engine_name, where)  # before the model loads
             path = resolve_model_path(cfg)
             environment = get_env(cfg.env.name, **resolve_env_kwargs(cfg))
             quiet_transformers()
-            report = evaluate_model(
-                load_model(path, dtype=cfg.model.dtype, device=cfg.model.device),
-                load_tokenizer(path),
-                environment,
-                heldout_tasks(environment, tasks, cfg.run.seed),
-                samples=samples,
-                seed=cfg.run.seed,
-                ks=ks,
-                **_sampling(cfg, flags),
-            )
-            title = f"pnyx eval — {cfg.model.path or path}"
+            sampler = make_engine(
+                engine_name, path, load_tokenizer(path), dtype=cfg.model.dtype, device=where
+            )  # the folder's own weights, as its owner made them: nothing published to prove them against
+            try:
+                report = evaluate_model(
+                    sampler,
+                    environment,
+                    heldout_tasks(environment, tasks, cfg.run.seed),
+                    samples=samples,
+                    seed=cfg.run.seed,
+                    ks=ks,
+                    **_sampling(cfg, flags),
+                )
+            finally:
+                sampler.close()
+            title = f"pnyx eval — {cfg.model.path or path} ({engine_name})"
     except ConfigError as e:
         raise fail(str(e)) from None
     except UntrustedWeightsError as e:

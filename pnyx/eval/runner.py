@@ -1,19 +1,21 @@
 """Held-out evaluation of a model folder or of a published version: pass@k with a confidence interval.
 
-`evaluate_model` samples `samples` completions per held-out task with the pnyx engine (the same sampler
-and settings the workers use), runs the environment's tool loop when it has one, scores every completion
-with the environment's own verifier, and reduces to an `EvalReport` (pass@1 with a 95% interval, pass@k
-with the unbiased estimator, format rate; for tool environments the search rate and the pass rate with
-and without a search). It is the one evaluation path: `pnyx eval`, `pnyx run` and the tiny model's build
-script all use it. `VersionEvaluator` keeps one model in memory and moves it
-between published versions through the weights Syncer, reading only versions the run's trainer key signed
-(`pnyx.weights.TrustedWeights`: an unsigned run, or a version the trainer did not sign, is refused, never
-evaluated); `EvalLoop` schedules those evaluations (v0, every N versions, the final one) in a background
-thread, which is how `pnyx run` evaluates as it trains.
+`evaluate_model` samples `samples` completions per held-out task with an engine of the engine protocol
+(`pnyx.rollout.engines`: torch, mlx or vllm, the same samplers and settings the workers use), runs the
+environment's tool loop when it has one, scores every completion with the environment's own verifier,
+and reduces to an `EvalReport` (pass@1 with a 95% interval, pass@k with the unbiased estimator, format
+rate; for tool environments the search rate and the pass rate with and without a search). It is the one
+evaluation path: `pnyx eval`, `pnyx run` and the tiny model's build script all use it. `VersionEvaluator`
+keeps one engine in memory and moves it between published versions through the weights Syncer, reading
+only versions the run's trainer key signed (`pnyx.weights.TrustedWeights`: an unsigned run, or a version
+the trainer did not sign, is refused, never evaluated), and the engine proves every version it loads
+against that version's manifest before it samples (`WorkerEngine.update`, fail-closed); `EvalLoop`
+schedules those evaluations (v0, every N versions, the final one) in a background thread, which is how
+`pnyx run` evaluates as it trains.
 
 Knows nothing about processes, the live view or the trainer; the loop's thread hands its errors back to
-the caller (`EvalLoop.check`). Heavy imports (torch, the engine, the
-weights plane) happen inside functions. Invariant: the held-out tasks and the sampling seed depend only
+the caller (`EvalLoop.check`). Heavy imports (torch, the engines, the weights plane) happen inside
+functions. Invariant: the held-out tasks and the sampling seed depend only
 on the arguments, so two versions evaluated with the same settings see the same tasks and the same random
 stream (common random numbers: the before/after difference is not blurred by task sampling).
 """
@@ -30,15 +32,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pnyx.envs.base import Environment, Score, Task
-from pnyx.errors import ConfigError
+from pnyx.errors import ConfigError, IntegrityError
 from pnyx.eval.metrics import pass_at_k
 from pnyx.store import Store
-from pnyx.weights.syncer import Syncer
 
 if TYPE_CHECKING:
-    import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
+    from pnyx.rollout.engines import EngineName, WorkerEngine
     from pnyx.weights.trusted import TrustedWeights
 
 Z95 = 1.959963984540054
@@ -66,6 +65,8 @@ class EvalReport:
     """The generation budget per turn that was used."""
     version: int | None = None
     digest: str | None = None
+    engine: str | None = None
+    """The engine that sampled (`pnyx.rollout.engines`: torch, mlx, vllm)."""
     seconds: float = 0.0
     created_at: float = 0.0
     examples: list[str] = field(default_factory=list)
@@ -152,8 +153,7 @@ def _has_format(score: Score) -> bool:
 
 
 def evaluate_model(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
+    engine: WorkerEngine,
     env: Environment,
     tasks: Sequence[Task],
     samples: int = 1,
@@ -166,7 +166,7 @@ def evaluate_model(
     ks: Sequence[int] = (),
     examples: int = 0,
 ) -> EvalReport:
-    """Sample `samples` completions per task, score them with `env`, and reduce to an `EvalReport`.
+    """Sample `samples` completions per task with `engine`, score them with `env`, and reduce to an `EvalReport`.
 
     pass@k uses the unbiased estimator over the `samples` draws (k ≤ samples). Tool environments
     (`env.tool_stops` non-empty) run the engine's multi-turn loop; their `search_rate` is the fraction of
@@ -177,7 +177,6 @@ def evaluate_model(
     from pnyx.config import resolve_max_new_tokens
     from pnyx.models import render_prompt
     from pnyx.rollout.cohort import sample_env
-    from pnyx.rollout.engine import Engine
     from pnyx.rollout.sampling import SamplingParams
 
     if samples < 1:
@@ -187,9 +186,8 @@ def evaluate_model(
         raise ConfigError(f"pass@k needs 1 <= k <= samples ({samples}); got k={bad}")
     budget = resolve_max_new_tokens(max_new_tokens, env)
     t0 = time.perf_counter()
-    engine = Engine(model, tokenizer)
     multi_turn = bool(getattr(env, "tool_stops", []))
-    prompts = [render_prompt(tokenizer, t.prompt) for t in tasks]
+    prompts = [render_prompt(engine.tokenizer, t.prompt) for t in tasks]
     flat = [(i, prompts[i]) for i in range(len(tasks)) for _ in range(samples)]
     correct = [0] * len(tasks)
     formatted = ntokens = 0
@@ -234,6 +232,7 @@ def evaluate_model(
         correct_without_search=_rate(*by_search[False]) if multi_turn else None,
         mean_completion_tokens=ntokens / total if total else 0.0,
         max_new_tokens=budget,
+        engine=engine.name,
         seconds=time.perf_counter() - t0,
         created_at=time.time(),
         examples=kept,
@@ -272,11 +271,12 @@ def read_eval_file(path: str | Path) -> list[dict[str, Any]]:
 
 
 class VersionEvaluator:
-    """Evaluates published versions of one run with one in-memory model moved along by a weights Syncer.
+    """Evaluates published versions of one run with one engine moved along by a weights Syncer.
 
-    Built once (model, tokenizer, environment, held-out tasks); `evaluate(version)` syncs the model to
-    exactly that version (signed by the run's trainer key, verified digest chain, fail-closed) and
-    evaluates it with fixed tasks and seed.
+    Built once (engine, tokenizer, environment, held-out tasks); `evaluate(version)` syncs to exactly that
+    version (signed by the run's trainer key, verified digest chain), loads it into the engine, which
+    proves what it computes with against the version's manifest (fail-closed), and evaluates it with fixed
+    tasks and seed.
     """
 
     def __init__(
@@ -294,22 +294,29 @@ class VersionEvaluator:
         seed: int = 0,
         ks: Sequence[int] = (),
         trust: str | None = None,
+        engine: EngineName = "torch",
+        dtype: str = "float32",
+        device: str = "cpu",
     ):
         """`store` is the run's store (its trainer key is read from run.json, with `trust` the fingerprint
         that key must have), or the run's `TrustedWeights` already opened. ConfigError for a store
-        without run.json, an unsigned run or another key. `env_kwargs` is the run's resolved environment
-        configuration (`resolve_env_kwargs`); `max_new_tokens` None means the environment's budget."""
+        without run.json, an unsigned run or another key, or an `engine` that cannot run here.
+        `env_kwargs` is the run's resolved environment configuration (`resolve_env_kwargs`);
+        `max_new_tokens` None means the environment's budget. `engine` (`pnyx.rollout.engines`) loads the
+        run's base model `model_path` in `dtype` on `device`, then each evaluated version on top of it."""
         from pnyx.envs import get_env
-        from pnyx.models import load_model, load_tokenizer
+        from pnyx.models import load_tokenizer
+        from pnyx.rollout.engines import check_engine, make_engine
         from pnyx.weights.trusted import TrustedWeights
 
-        # before the model loads: a run whose weights nobody signed fails fast
+        # before the model loads: a run whose weights nobody signed, or an engine missing here, fails fast
         self.weights = store if isinstance(store, TrustedWeights) else TrustedWeights.open(store, trust)
         self.store = self.weights.store
-        self.model = load_model(model_path, dtype="float32", device="cpu")
-        self.tokenizer = load_tokenizer(model_path)
+        check_engine(engine, device)
         self.env = get_env(env_name, **(env_kwargs or {}))
         self.tasks = heldout_tasks(self.env, tasks, seed)
+        self.tokenizer = load_tokenizer(model_path)
+        self.engine = make_engine(engine, model_path, self.tokenizer, dtype=dtype, device=device)
         self.samples, self.seed, self.ks = samples, seed, tuple(ks)
         self.sampling = {
             "temperature": temperature,
@@ -320,17 +327,23 @@ class VersionEvaluator:
         self.syncer = self.weights.syncer()
 
     def evaluate(self, version: int) -> EvalReport:
-        """Load exactly `version` from the store into the model and evaluate it on the held-out tasks.
+        """Load exactly `version` from the store into the engine and evaluate it on the held-out tasks.
 
-        UntrustedWeightsError (nothing loaded) unless the run's trainer key signed `version`."""
+        UntrustedWeightsError (nothing loaded) unless the run's trainer key signed `version`;
+        IntegrityError (nothing sampled) unless the engine proves it computes with exactly that version,
+        as a worker does before it generates (`pnyx.rollout.engines.base`)."""
         self.weights.manifest(version)  # refuses a version the trainer did not sign, before any download
-        got, tensors = self.syncer.sync(to_version=version)
+        got, _ = self.syncer.sync(to_version=version)
         if got != version:
             raise ConfigError(f"asked to evaluate version {version} but the store served version {got}")
-        load_weights(self.model, tensors)
+        proof = self.engine.update(version, self.syncer.state, self.syncer.manifest)
+        if proof.chain_digest != self.syncer.digest:
+            raise IntegrityError(
+                f"v{version}: the {self.engine.name} engine proved {proof.chain_digest}, the syncer holds "
+                f"{self.syncer.digest}; refusing to evaluate"
+            )
         report = evaluate_model(
-            self.model,
-            self.tokenizer,
+            self.engine,
             self.env,
             self.tasks,
             samples=self.samples,
@@ -339,27 +352,12 @@ class VersionEvaluator:
             **self.sampling,
         )
         report.version = version
-        report.digest = _digest_of(self.syncer)
+        report.digest = proof.chain_digest
         return report
 
-
-def load_weights(model: torch.nn.Module, tensors: dict[str, Any]) -> None:
-    """Copy a published state (any dtype) into `model` in place, cast to the model's own dtypes (strict)."""
-    import torch
-
-    own = model.state_dict()
-    with torch.no_grad():
-        model.load_state_dict(
-            {k: v.to(own[k].dtype) if k in own else v for k, v in tensors.items()}, strict=True
-        )
-
-
-def _digest_of(syncer: Syncer) -> str | None:
-    for attr in ("digest", "current_digest"):
-        value = getattr(syncer, attr, None)
-        if isinstance(value, str):
-            return value
-    return None
+    def close(self) -> None:
+        """Release what the engine holds (a vLLM engine's processes, for one)."""
+        self.engine.close()
 
 
 class EvalLoop:

@@ -4,7 +4,7 @@
 scratch by `scripts/make_base_model.py` on noisy procedural data of the built-in environments so that it
 starts weak (held-out pass@1 about 0.2-0.3 on `arith` at temperature 1) yet has the right answer in its
 distribution, which is what lets RL improve it within minutes on a CPU. It is sampled and evaluated like
-any other model, through `pnyx.rollout.engine.Engine` and `pnyx.eval.runner.evaluate_model`.
+any other model, through the engines of `pnyx.rollout.engines` and `pnyx.eval.runner.evaluate_model`.
 
 Knows nothing about the store, the trainer, evaluation or the engine; imports nothing heavy.
 """

@@ -16,31 +16,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from pnyx.envs import Environment, Task
 from pnyx.protocol.records import RolloutGroup
-from pnyx.rollout.episodes import Episode, ToolFn
+from pnyx.rollout.episodes import Episode
 from pnyx.rollout.sampling import Completion, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-
-class Generator(Protocol):
-    """What a cohort samples with: every worker engine (`engines.base.WorkerEngine`: torch, mlx, vllm) and
-    the torch `engine.Engine` itself."""
-
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]: ...
-
-    def run_episodes(
-        self,
-        prompt_ids: list[list[int]],
-        params: SamplingParams,
-        tool: ToolFn | Sequence[ToolFn],
-        tool_stops: list[str],
-        max_turns: int,
-    ) -> list[Episode]: ...
+    from pnyx.rollout.engines.base import WorkerEngine
 
 
 @dataclass(frozen=True)
@@ -79,7 +65,7 @@ def _tool_for(env: Environment, task: Task) -> Callable[[str], str | None]:
 
 
 def sample_env(
-    engine: Generator,
+    engine: WorkerEngine,
     env: Environment,
     prompt_ids: list[list[int]],
     tasks: Sequence[Task],
@@ -106,7 +92,7 @@ def sampling_params(spec: CohortSpec, env: Environment) -> SamplingParams:
 
 
 def generate_cohort(
-    engine: Generator,
+    engine: WorkerEngine,
     tokenizer: PreTrainedTokenizerBase,
     env: Environment,
     tasks: Sequence[Task],
@@ -172,7 +158,7 @@ def generate_cohort(
                 created_at=time.time(),
                 gen_seconds=gen_s / max(1, len(tasks)),
                 score_seconds=score_s,
-                engine=str(getattr(engine, "name", "torch")),
+                engine=engine.name,
             )
         )
     return CohortResult(groups=groups, tokens=tokens, gen_seconds=gen_s, score_seconds=score_total)

@@ -11,7 +11,10 @@ last few tokens, never by re-tokenizing), or at `max_new_tokens`. Finished rows 
 Seeded: the same model, prompts and `SamplingParams` (seed included) give the same tokens. A row's draw
 depends on the whole batch, so the same prompt in a different batch may sample differently.
 `Engine.decode` is the sampling loop over an open decode session (`decoder.py`); `generate` prefills a
-fresh one, and the multi-turn tool loop (`episodes.py`, `Engine.run_episodes`) keeps one across turns.
+fresh one, and the multi-turn tool loop (`episodes.run_episodes`) keeps one across turns.
+
+This is the torch decode loop, not an engine of the engine protocol: everything that samples goes through
+`pnyx.rollout.engines` (`WorkerEngine`), whose torch engine (`engines/torch.py`) wraps this class.
 Runs on the model's device and dtype (CPU or CUDA) with one host sync per step, none when no row can end
 early. Knows nothing about environments' scoring, the store or the trainer.
 """
@@ -36,32 +39,24 @@ from pnyx.rollout.sampling import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from pnyx.rollout.episodes import Episode, ToolFn
     from pnyx.rollout.hf_session import HFSession
 
 
 class Engine:
-    """Batched sampling from a causal LM (any transformers model; a fast path for Llama-shaped ones)."""
-
-    name = "torch"
-    """The engine name recorded in rollout groups (`pnyx.rollout.engines` wraps this class as "torch")."""
+    """Batched sampling from a causal LM (any transformers model; a fast path for Llama-shaped ones): the
+    decode loop of the torch engine (`pnyx.rollout.engines.torch.TorchEngine`)."""
 
     def __init__(
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         fast: bool | None = None,
-        reuse_cache: bool | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.fast = fast
-        self.reuse_cache = reuse_cache
-        """Tool turns on top of the KV cache (`run_episodes`): None = where the model allows it."""
         self.eos_ids = eos_token_ids(tokenizer, model)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = pad if isinstance(pad, int) else 0
@@ -188,29 +183,3 @@ class Engine:
             u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
             tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-
-    def run_episodes(
-        self,
-        prompt_ids: list[list[int]],
-        params: SamplingParams,
-        tool: ToolFn | Sequence[ToolFn],
-        tool_stops: list[str],
-        max_turns: int,
-        max_episode_tokens: int = 1024,
-        max_tool_tokens: int = 512,
-        reuse_cache: bool | None = None,
-    ) -> list[Episode]:
-        """Multi-turn episodes with tool calls; see `pnyx.rollout.episodes.run_episodes`."""
-        from pnyx.rollout.episodes import run_episodes
-
-        return run_episodes(
-            self,
-            prompt_ids,
-            params,
-            tool,
-            tool_stops,
-            max_turns,
-            max_episode_tokens,
-            max_tool_tokens,
-            self.reuse_cache if reuse_cache is None else reuse_cache,
-        )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, runtime_checkable
 
 from pnyx.errors import ConfigError
 from pnyx.rollout.sampling import Completion, SamplingParams, Turn
@@ -36,15 +36,22 @@ if TYPE_CHECKING:
     from pnyx.rollout.hf_session import HFSession
 
 
-class Decoding(Protocol):
-    """What the tool loop drives: the torch `pnyx.rollout.engine.Engine` (its tokenizer, batched
-    `generate`, and the decode session it samples over turn by turn)."""
+class Sampler(Protocol):
+    """What the re-prefill loop drives: a tokenizer and batched `generate` (every engine of
+    `pnyx.rollout.engines`, which runs its tool turns through `run_episodes` here)."""
 
     tokenizer: Any  # a transformers tokenizer: untyped library surface
-    pad_id: int
-    device: torch.device
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+
+@runtime_checkable
+class Decoding(Sampler, Protocol):
+    """What the loop on the KV cache drives as well: the torch decode loop `pnyx.rollout.engine.Engine`
+    (the decode session it samples over turn by turn)."""
+
+    pad_id: int
+    device: torch.device
 
     def session(self, max_len: int) -> FastSession | HFSession: ...
 
@@ -148,7 +155,7 @@ def _settle(
 
 
 def run_episodes(
-    engine: Decoding,
+    engine: Sampler,
     prompt_ids: list[list[int]],
     params: SamplingParams,
     tool: ToolFn | Sequence[ToolFn],
@@ -163,8 +170,9 @@ def run_episodes(
 
     `max_turns` bounds model turns (generate calls) per episode; `max_episode_tokens` bounds model plus
     tool tokens; `params.max_new_tokens` bounds each turn. Turn t is sampled with seed `params.seed + t`.
-    `reuse_cache`: True = continue on the KV cache after each tool reply (error if this model's cache cannot
-    hold holes), False = re-prefill the whole context every turn, None = reuse where the model allows it.
+    `reuse_cache`: True = continue on the KV cache after each tool reply (error if `engine` is no `Decoding`
+    or this model's cache cannot hold holes), False = re-prefill the whole context every turn, None = reuse
+    where the engine and the model allow it.
     """
     if max_turns < 1:
         raise ConfigError(f"max_turns must be >= 1, got {max_turns}")
@@ -179,8 +187,10 @@ def run_episodes(
         raise ConfigError("every prompt needs at least one token")
     loop = _Loop(engine, params, tools, tool_stops, max_turns, max_episode_tokens, max_tool_tokens)
     episodes = None
-    if reuse_cache is not False:
-        episodes = loop.on_cache(prompt_ids, required=reuse_cache is True)
+    if reuse_cache is True and not isinstance(engine, Decoding):
+        raise ConfigError(f"reuse_cache=True, but {type(engine).__name__} has no decode session to reuse")
+    if reuse_cache is not False and isinstance(engine, Decoding):
+        episodes = loop.on_cache(engine, prompt_ids, required=reuse_cache is True)
     if episodes is None:
         episodes = loop.re_prefill(prompt_ids)
     for ep in episodes:
@@ -193,7 +203,7 @@ class _Loop:
 
     def __init__(
         self,
-        engine: Decoding,
+        engine: Sampler,
         params: SamplingParams,
         tools: list[ToolFn],
         tool_stops: list[str],
@@ -249,7 +259,7 @@ class _Loop:
             turn += 1
         return episodes
 
-    def on_cache(self, prompt_ids: list[list[int]], required: bool) -> list[Episode] | None:
+    def on_cache(self, engine: Decoding, prompt_ids: list[list[int]], required: bool) -> list[Episode] | None:
         """One decode session for the whole batch: a row that calls a tool waits in the session (holes),
         then its last token and the reply are appended on top of its cache. None if the model's session
         cannot hold holes (and `required` is False)."""
@@ -257,7 +267,6 @@ class _Loop:
 
         from pnyx.rollout.decoder import left_pad
 
-        engine = self.engine
         episodes = [Episode() for _ in prompt_ids]
         active = list(range(len(prompt_ids)))
         turn_params = self.turn_params(episodes, active, 0)

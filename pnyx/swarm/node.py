@@ -81,7 +81,7 @@ class SwarmNode:
         accept_envs: set[str] | None = None,
     ):
         from pnyx.models.tokenizer import eos_token_ids, tokenizer_digest
-        from pnyx.rollout.engine import Engine
+        from pnyx.rollout.engines import make_engine
 
         self.store, self.name, self.cfg = store, check_node_name(name), cfg
         self.model, self.tokenizer, self.env = model, tokenizer, env
@@ -90,7 +90,9 @@ class SwarmNode:
         self.tokenizer_digest = tokenizer_digest(self.model_dir)
         self.eos_ids = set(eos_token_ids(tokenizer, model))
         self.eos_id = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, int) else None
-        self.engine = Engine(model, tokenizer)
+        # torch over the very model this node trains: each round samples with the weights its last step left
+        # (SWARM_UNSUPPORTED refuses another worker.engine)
+        self.engine = make_engine("torch", None, tokenizer, model=model)
         self.max_new_tokens = resolve_max_new_tokens(cfg.worker.max_new_tokens, env)
         sw = cfg.swarm
         if accept_envs is None:
@@ -441,8 +443,14 @@ SWARM_UNSUPPORTED = {
         lambda c: c.trainer.activation_checkpointing,
         "a node runs one process without FSDP",
     ),
+    "worker.engine": (
+        lambda c: c.worker.engine != "torch",
+        "swarm nodes generate with torch: a node samples from the torch model it trains in place every "
+        "round, which another engine would have to reload each round",
+    ),
 }
-"""Settings of the central trainer a swarm node would silently ignore (or fail on): refused up front."""
+"""Settings of the central trainer and its workers a swarm node would silently ignore (or fail on): refused
+up front."""
 
 
 def check_swarm_config(cfg: PnyxConfig) -> None:

@@ -1,12 +1,13 @@
-"""Worker engines: torch (any machine), mlx (Apple silicon; mlx's CPU build on Linux), vllm (GPUs; its CPU build).
+"""Engines: torch (any machine), mlx (Apple silicon; mlx's CPU build on Linux), vllm (GPUs; its CPU build).
 
     engine = make_engine("mlx", model_folder, tokenizer, dtype="float32")
-    proof = engine.update(version, syncer.state, manifest.weights)   # in place, then proved
+    proof = engine.update(version, syncer.state, syncer.manifest)   # in place, then proved
     completions = engine.generate(prompt_ids, SamplingParams(...))
 
-`make_engine` is the one place an engine is chosen: it checks that the engine's package and hardware are
-there before loading anything, and raises a `ConfigError` that says what to install otherwise. The
-interface and the weights proof are in `base.py`. Importing this package imports no ML framework.
+`make_engine` is the one place an engine is made, for the worker, `pnyx eval` and swarm nodes alike: it
+checks that the engine's package and hardware are there before loading anything, and raises a
+`ConfigError` that says what to install otherwise. The one engine protocol (`WorkerEngine`) and the
+weights proof are in `base.py`. Importing this package imports no ML framework.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pnyx.errors import ConfigError
 from pnyx.rollout.engines.base import ENGINE_NAMES, EngineName, WeightsProof, WorkerEngine
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
     "ENGINE_NAMES",
@@ -80,23 +81,33 @@ def available_engines(device: str = "cpu") -> list[str]:
 
 def make_engine(
     name: str,
-    path: str | Path,
+    path: str | Path | None,
     tokenizer: PreTrainedTokenizerBase,
     *,
     dtype: str = "float32",
     device: str = "cpu",
     plane: Literal["weights", "int8"] = "weights",
     options: dict[str, Any] | None = None,
+    model: PreTrainedModel | None = None,
 ) -> WorkerEngine:
     """Load the model `path` names (a local folder or a resolved `ModelSource`) into engine `name` (see `check_engine` for the errors).
 
-    `options` go to the engine's constructor (vllm: `gpu_memory_utilization`, `max_model_len`, ...)."""
+    `options` go to the engine's constructor (vllm: `gpu_memory_utilization`, `max_model_len`, ...).
+    `model` (torch only; `path` may then be None): generate with this model already in memory instead of
+    loading one, sharing its parameters with its owner (a swarm node's policy, a trainer's model), so it
+    samples with whatever weights the owner holds at each call; no `update` proves them."""
     check_engine(name, device)
     opts = dict(options or {})
+    if model is not None and name != "torch":
+        raise ConfigError(
+            f"engine {name!r} loads its own copy of the model; only torch generates with a model already in memory"
+        )
     if name == "torch":
         from pnyx.rollout.engines.torch import TorchEngine
 
-        return TorchEngine(path, tokenizer, dtype=dtype, device=device, plane=plane, **opts)
+        return TorchEngine(path, tokenizer, dtype=dtype, device=device, plane=plane, model=model, **opts)
+    if path is None:
+        raise ConfigError(f"engine {name!r} needs the model's folder to load")
     if name == "mlx":
         from pnyx.rollout.engines.mlx import MLXEngine
 

@@ -1,14 +1,18 @@
-"""The engine interface every worker engine implements, and the proof that its weights are the chain's.
+"""The one engine protocol (`WorkerEngine`), and the proof that an engine's weights are the chain's.
 
-An engine (torch, mlx, vllm) owns a model in memory and does four things for the worker:
+Everything in pnyx that samples from a model goes through `WorkerEngine`: the worker's cohorts,
+held-out evaluation (`pnyx eval`, `pnyx run`'s evaluator) and swarm nodes. Its implementations are one
+file per backend (`torch.py`, `mlx.py`, `vllm.py`), created only by `pnyx.rollout.engines.make_engine`.
+An engine owns a model in memory and does four things:
 - `update(version, state, plane)`: apply a verified PULSE state (anchor or delta result) **in place**,
   touching only tensors whose bits changed since the last update, then prove that what it now computes
   with is exactly the published version: `WeightsProof`;
 - `generate(prompt_ids, params)`: sample completions with the run's settings, recording each token's
   behaviour logprob under the sampling distribution (`pnyx.models.logprobs.sampling_logprobs`: temperature,
   then top-k, then top-p; greedy records the temperature-1, untruncated logprob);
-- `run_episodes(...)`: the multi-turn tool loop with tool tokens masked (by default the shared loop of
-  `pnyx.rollout.episodes`, re-prefilling each turn through `generate`);
+- `run_episodes(...)`: the multi-turn tool loop with tool tokens masked: the shared loop of
+  `pnyx.rollout.episodes`, on the KV cache of the engine's `decoder()` where it has one (torch), else
+  re-prefilling each turn through `generate`;
 - `name`: recorded in every rollout group, so the trainer can report its logprob gap per engine.
 
 The proof. The manifest of a version lists every tensor's xxh3-128 digest (of its bits in the published
@@ -41,7 +45,7 @@ from pnyx.weights.bits import BitState, TensorBits, chain_digest_of, state_diges
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from pnyx.rollout.episodes import Episode, ToolFn
+    from pnyx.rollout.episodes import Decoding, Episode, ToolFn
     from pnyx.rollout.sampling import Completion, SamplingParams
     from pnyx.weights.manifest import PlaneManifest
 
@@ -112,7 +116,9 @@ def prove(
 
 
 class WorkerEngine(ABC):
-    """One loaded model that a worker generates with. Not thread-safe: one caller at a time."""
+    """The one engine protocol: a loaded model that the worker, evaluation and swarm nodes sample from.
+
+    Not thread-safe: one caller at a time."""
 
     name: ClassVar[str] = ""
     proof_kind: ProofKind = "hashed"
@@ -173,15 +179,21 @@ class WorkerEngine(ABC):
         max_episode_tokens: int = 1024,
         max_tool_tokens: int = 512,
     ) -> list[Episode]:
-        """Multi-turn episodes: the shared tool loop, each turn a fresh `generate` over prompt + episode."""
+        """One multi-turn episode per prompt through the shared tool loop (`pnyx.rollout.episodes.run_episodes`,
+        which documents the arguments): on the KV cache of `decoder()` where the model allows it, else each
+        turn a fresh `generate` over prompt + episode so far."""
         from pnyx.rollout.episodes import run_episodes
 
-        # (with reuse_cache=False, run_episodes uses only `generate` and `tokenizer`, which every engine has)
+        decoder = self.decoder()
         return run_episodes(
-            self,  # pyright: ignore[reportArgumentType]
+            self if decoder is None else decoder,
             prompt_ids, params, tool, tool_stops, max_turns, max_episode_tokens, max_tool_tokens,
-            reuse_cache=False,
         )  # fmt: skip
+
+    def decoder(self) -> Decoding | None:
+        """The decode loop whose KV cache tool turns can continue on, or None (the default): tool turns then
+        re-prefill through `generate`."""
+        return None
 
     def reference_logprobs(
         self, prompt_ids: list[list[int]], completion_ids: list[list[int]], params: SamplingParams

@@ -1,8 +1,8 @@
 """The torch engine: pnyx's own PyTorch decode loop (`pnyx.rollout.engine`) behind the engine interface.
 
 Runs anywhere PyTorch runs (CPU, CUDA, MPS), on any transformers causal LM, with the fast path, KV reuse
-across tool turns and exact behaviour logprobs described in docs/engine.md. This module only adds loading
-and in-place weight updates: changed tensors are copied into the model's existing parameters
+across tool turns (`decoder()`: the decode loop) and exact behaviour logprobs described in docs/engine.md.
+This module only adds loading and in-place weight updates: changed tensors are copied into the model's existing parameters
 (`Tensor.copy_`, converting the published dtype to the model's and moving to its device), so the fast
 path's stacked projections, which are views of the same storage, see them too.
 
@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from pnyx.errors import IntegrityError
+from pnyx.errors import ConfigError, IntegrityError
 from pnyx.rollout.engine import Engine
 from pnyx.rollout.engines.base import TensorDigest, WorkerEngine
 from pnyx.rollout.sampling import Completion, SamplingParams
@@ -31,8 +30,6 @@ from pnyx.weights.bits import BitState, from_torch, to_torch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from pnyx.rollout.episodes import Episode, ToolFn
 
 
 SCREEN_MAX_TOKENS = 16_384
@@ -61,13 +58,14 @@ def int8_base(name: str) -> str:
 
 
 class TorchEngine(WorkerEngine):
-    """pnyx's PyTorch engine over a transformers model loaded from a local folder."""
+    """pnyx's PyTorch engine over a transformers model: loaded from a local folder, or one already in memory
+    (`model`: its owner's, whose in-place changes it generates with)."""
 
     name = "torch"
 
     def __init__(
         self,
-        path: str | Path,
+        path: str | Path | None,
         tokenizer: PreTrainedTokenizerBase,
         dtype: str = "float32",
         device: str = "cpu",
@@ -77,8 +75,13 @@ class TorchEngine(WorkerEngine):
         from pnyx.models import load_model
 
         super().__init__()
+        if model is not None:
+            self.model = model
+        elif path is not None:
+            self.model = load_model(path, dtype=dtype, device=device)
+        else:
+            raise ConfigError("the torch engine needs a model folder or a model already in memory")
         self.tokenizer = tokenizer
-        self.model = model if model is not None else load_model(path, dtype=dtype, device=device)
         self.engine = Engine(self.model, tokenizer)
         self._shared_prefix: tuple[tuple[int, ...], Any, Any] | None = None
         """Screening: (prefix ids, last logits, KV cache) of the prompts' shared prefix at these weights."""
@@ -117,6 +120,11 @@ class TorchEngine(WorkerEngine):
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         return self.engine.generate(prompt_ids, params)
+
+    def decoder(self) -> Engine:
+        """The decode loop itself: tool turns continue on its KV cache where the model allows it
+        (docs/engine.md)."""
+        return self.engine
 
     def reference_logprobs(
         self, prompt_ids: list[list[int]], completion_ids: list[list[int]], params: SamplingParams
@@ -174,18 +182,3 @@ class TorchEngine(WorkerEngine):
                     )
                     totals.append(float(picked.sum()))
         return totals
-
-    def run_episodes(
-        self,
-        prompt_ids: list[list[int]],
-        params: SamplingParams,
-        tool: ToolFn | Sequence[ToolFn],
-        tool_stops: list[str],
-        max_turns: int,
-        max_episode_tokens: int = 1024,
-        max_tool_tokens: int = 512,
-    ) -> list[Episode]:
-        """The tool loop on the KV cache where the model allows it (docs/engine.md)."""
-        return self.engine.run_episodes(
-            prompt_ids, params, tool, tool_stops, max_turns, max_episode_tokens, max_tool_tokens
-        )
