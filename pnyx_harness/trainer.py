@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 
+from pnyx.protocol.records import RolloutGroup
 from pnyx.train import hooks
 
 log = logging.getLogger("pnyx.train")
@@ -37,7 +38,7 @@ def slow(delay_s: float):
     """A decoder wrapper: sleep `delay_s`, then decode as usual."""
 
     def wrap(decode: hooks.Decode) -> hooks.Decode:
-        def slowed(data: bytes, vocab_size: int | None) -> object:
+        def slowed(data: bytes, vocab_size: int | None) -> RolloutGroup:
             time.sleep(delay_s)
             return decode(data, vocab_size)
 

@@ -275,7 +275,7 @@ def test_a_version_leaving_the_window_is_swept_only_after_the_grace_period(store
     ing.refresh(0)
     ing.sweep(1)
     assert ing.cursor.drops == {} and ing.cursor.swept_below == 0  # a late upload to v0 may still come
-    ing.sweep_grace_s = 0.0
+    ing.listing.sweep_grace_s = 0.0
     ing.sweep(1)
     assert ing.cursor.drops == {"stale": 1} and ing.cursor.swept_below == 1
 
@@ -317,7 +317,7 @@ def test_selection_does_not_depend_on_what_was_prefetched(store):
     expected = [g.key for g in plain.select(0, 5)]
     warmed = make_ingestor(store)
     warmed.refresh(0)
-    everything = [k for ks in warmed._versions[0].pending.values() for k in ks]
+    everything = [k for ks in warmed.listing.versions[0].pending.values() for k in ks]
     warmed.fetch(everything[::-1][:7])  # a prefetch of the bottom of the ranking
     assert [g.key for g in warmed.select(0, 5)] == expected
 
@@ -362,7 +362,7 @@ def test_cursor_and_memory_stay_bounded_over_thousands_of_groups_across_many_ver
     # Bound: the window's versions (+1 not yet swept) times what one step uses and rejects (<= 3x its size).
     assert held <= (window + 1) * 3 * per_step, held
     assert len(ing.cursor.to_json()) < 12_000
-    assert len(ing._versions) <= window + 1
+    assert len(ing.listing.versions) <= window + 1
     assert ing.cursor.drops["stale"] > 2_000  # the unused ones were counted, then forgotten
     assert ing.cursor.consumed == per_step * versions
 

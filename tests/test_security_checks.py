@@ -557,14 +557,14 @@ def test_fair_share_gives_each_of_three_keys_a_third_of_the_batch(tmp_path):
             _put(store, make_group(0, f"x{j}", i, task_index=200 + 10 * j + i), third)
     ing = _ingestor(store, max_key_share="fair")
     ing.poll(0)
-    ing.fetch([k for lst in ing._versions.values() for ks in lst.pending.values() for k in ks])
+    ing.fetch([k for lst in ing.listing.versions.values() for ks in lst.pending.values() for k in ks])
     chosen = ing.select(0, 9)
     assert chosen is not None and len(chosen) == 9
     assert [sum(g.signer == s.fingerprint for g in chosen) for s in (HONEST, OTHER, third)] == [3, 3, 3]
     # under a fixed share of 0.5 the eager key takes ceil(0.5 * 9) = 5 places
     half = _ingestor(store, max_key_share=0.5)
     half.poll(0)
-    half.fetch([k for lst in half._versions.values() for ks in lst.pending.values() for k in ks])
+    half.fetch([k for lst in half.listing.versions.values() for ks in lst.pending.values() for k in ks])
     assert sum(g.signer == third.fingerprint for g in half.select(0, 9) or []) == 5
 
 
@@ -610,9 +610,9 @@ def test_keys_under_the_flood_limit_are_not_quarantined(tmp_path):
     _two_keys(store, 10)
     ing = _ingestor(store, flood_limit=10)
     ing.poll(0)
-    ing.fetch([k for lst in ing._versions.values() for ks in lst.pending.values() for k in ks])
+    ing.fetch([k for lst in ing.listing.versions.values() for ks in lst.pending.values() for k in ks])
     assert ing.cursor.quarantined == {}
-    assert {fp: n for fp, n in ing._versions[0].by_key.items()} == {
+    assert {fp: n for fp, n in ing.listing.versions[0].by_key.items()} == {
         HONEST.fingerprint: 10,
         OTHER.fingerprint: 10,
     }

@@ -10,9 +10,13 @@ ingestor uses (a harness may wrap it, e.g. to slow every fetch down). Knows noth
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pnyx.protocol.records import RolloutGroup
 
 Point = Callable[[str, int], None]
-Decode = Callable[[bytes, "int | None"], object]
+Decode = Callable[[bytes, "int | None"], "RolloutGroup"]
 """(record bytes, vocabulary size) -> the decoded group."""
 
 _points: list[Point] = []

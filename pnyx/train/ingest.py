@@ -1,18 +1,18 @@
 """Ingestion: from rollout keys in the store to scored groups for one step, at a cost sized to the step.
 
-The trainer at version V may train on groups of versions [V - max_staleness, V] (the window). It lists
-each version's prefix incrementally (`listing.py`, the listing layer of the `Ingestor`: keys are stamped, so
-a listing starts just below the highest stamp seen), ranks the listed keys **from the listing alone** (fresh before replayed, newest
-version first, then workers take turns, each worker's oldest group first), and fetches only the top of
-that ranking, in parallel (`fetch`): decode, validate (limits, key vs record, run, weights digest, env,
-task, prompt), **re-score every sample with the trainer's own verifier**, compute advantages, and drop
-zero-variance groups. The per-prompt cap (`max_groups_per_prompt` per step) needs the task id, which is
+The trainer at version V may train on groups of versions [V - max_staleness, V] (the window). It lists each
+version's prefix incrementally (`listing.py`, the `Ingestor`'s listing collaborator: keys are stamped, so a
+listing starts just below the highest stamp seen), ranks the listed keys **from the listing alone** (fresh
+before replayed, newest version first, then workers take turns, each worker's oldest group first), and fetches
+only the top of that ranking, in parallel (`fetch`): decode, validate (limits, key vs record, run, weights
+digest, env, task, prompt), **re-score every sample with the trainer's own verifier**, compute advantages, and
+drop zero-variance groups. The per-prompt cap (`max_groups_per_prompt` per step) needs the task id, which is
 inside the record, so it is applied after fetching; a selection on the critical path fetches a few places
-below the top too, sized by the recent share of groups that survive (`_extra`). A group the window will never train on is
-never downloaded: when its version leaves the window the prefix is listed one last time and every key
-not consumed or rejected is counted `stale` (after `sweep_grace_s`, so uploads that land late are counted
-too). Junk keys (`bad_key`) and a second key for the same (worker, seq) (`duplicate`) are counted from
-the listing alone as well.
+below the top too, sized by the recent share of groups that survive (`BatchPlanner._extra`). A group the
+window will never train on is never downloaded: when its version leaves the window the prefix is listed one
+last time and every key not consumed or rejected is counted `stale` (after `sweep_grace_s`, so uploads that
+land late are counted too). Junk keys (`bad_key`) and a second key for the same (worker, seq) (`duplicate`)
+are counted from the listing alone as well.
 
 `select` is deterministic given the listing and the records: it repeats "rank, fetch what the top needs"
 until the top `n` are all known, with listings held back while it runs, so which groups a step takes does
@@ -31,12 +31,15 @@ trainer's), a group that claims other settings (`sampling_mismatch`) or a model 
 (`over_budget`) is dropped before it is scored. Counters per key (`Cursor.by_key`) follow keys, not names
 (`key_ledger.py`).
 
-Layout: the `Ingestor` is built in layers, one module each, every layer a base class of the next:
-`listing.py` (`WindowListings`: the window's listings and the sweep), `key_ledger.py` (`KeyLedger`:
-counters per key, names bound to keys, the flood limit, quarantine, `key_report`) and `planner.py`
-(`BatchPlanner`: the ranking walk under the caps, `plan`, `commit`); `ingest_state.py` holds
-`IngestSettings` and the `Cursor`. This module adds admission (fetch, verify, re-score: `fetch`, `load`),
-`select`, `poll` and what the trainer reports.
+Layout: the `Ingestor` owns three collaborators, one module each, none a subclass of another, each given what
+it uses (the cursor, the settings, the one lock, the fetched groups) when it is built: `self.listing`
+(`listing.py`, `WindowListings`: the window's listings, pending keys per version, the sweep, rejections),
+`self.ledger` (`key_ledger.py`, `KeyLedger`: counters per key, names bound to keys, the flood limit,
+quarantine, `key_report`; it rejects through the listing, and is the listing's `KeyGate`, connected once both
+exist) and `self.planner` (`planner.py`, `BatchPlanner`: the ranking walk under the caps, `plan`, `commit`; it
+reads the listing and books through the ledger); `ingest_state.py` holds `IngestSettings` and the `Cursor`.
+This module adds admission (fetch, verify, re-score: `fetch`, `load`), `select`, `poll` and what the trainer
+reports, and keeps the collaborators' methods the rest of the trainer calls on it.
 
 Invariants:
 - the `Cursor` (uses and rejections of keys in the window, counters, the sweep mark) is the only state that
@@ -52,24 +55,27 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
 from typing import Any
 
-from pnyx.envs.base import Environment
+from pnyx.envs.base import Environment, Prompt
 from pnyx.errors import NotFoundError, RecordRejected, StoreUnavailableError
 from pnyx.protocol import layout
 from pnyx.protocol.codec import frame_signer
 from pnyx.protocol.records import RolloutGroup
 from pnyx.protocol.rules import is_zero_variance
+from pnyx.security.calibration import Allowances, Drift, ProbeRow
+from pnyx.security.checks import GroupEvidence
 from pnyx.security.keys import fingerprint
 from pnyx.store import Store
 from pnyx.train.ingest_state import Cursor, IngestSettings
-from pnyx.train.listing import SWEEP_GRACE_S, VersionListing
+from pnyx.train.key_ledger import KeyLedger
+from pnyx.train.listing import SWEEP_GRACE_S, WindowListings
 from pnyx.train.planner import BatchPlanner
 from pnyx.train.pool import DaemonPool
+from pnyx.train.ranking import Plan
 from pnyx.train.rescore import REWARD_TOL, ScoredGroup, check_sampling, rescore
 
 log = logging.getLogger("pnyx.train.ingest")
@@ -99,47 +105,100 @@ def _default_decode(data: bytes, vocab_size: int | None) -> RolloutGroup:
     return decode_group(data, vocab_size=vocab_size)
 
 
-@dataclass
-class Ingestor(BatchPlanner):
+class Ingestor:
     """Listing, ranking, fetching, validation and re-scoring of one run's rollout groups.
 
     `env` is the run's environment (`task`, `score`); `detokenize(ids) -> str` turns completion tokens into
     the text the verifier scores; `render(prompt) -> ids` (optional) re-renders a task's prompt so a group
     whose prompt tokens do not match its task id is rejected; `expected_digest(version)` (optional) gives
-    the published chain digests a group of that version may carry (one per plane: bf16 weights, int8).
+    the published chain digests a group of that version may carry (one per plane: bf16 weights, int8);
+    `require_signatures`: refuse records that are not signed frames, and bind worker names to keys (the
+    trainer sets it).
     """
 
-    store: Store
-    env: Environment
-    detokenize: Callable[[list[int]], str]
-    settings: IngestSettings = field(default_factory=IngestSettings)
-    cursor: Cursor = field(default_factory=Cursor)
-    run_id: str | None = None
-    vocab_size: int | None = None
-    render: Callable[[Any], list[int]] | None = None
-    expected_digest: Callable[[int], frozenset[str] | None] | None = None
-    decode: Callable[[bytes, int | None], Any] = _default_decode
-    fetch_workers: int = FETCH_WORKERS
-    sweep_grace_s: float = SWEEP_GRACE_S
-    require_signatures: bool = False
-    """Refuse records that are not signed frames, and bind worker names to keys (the trainer sets it)."""
-
-    def __post_init__(self) -> None:
-        self._lock = threading.RLock()
-        self._versions: dict[int, VersionListing] = {}
-        self._ready: dict[str, ScoredGroup] = {}
-        self._futures: dict[str, Future] = {}
+    def __init__(
+        self,
+        store: Store,
+        env: Environment,
+        detokenize: Callable[[list[int]], str],
+        settings: IngestSettings | None = None,
+        cursor: Cursor | None = None,
+        run_id: str | None = None,
+        vocab_size: int | None = None,
+        render: Callable[[Prompt], list[int]] | None = None,
+        expected_digest: Callable[[int], frozenset[str] | None] | None = None,
+        decode: Callable[[bytes, int | None], RolloutGroup] = _default_decode,
+        fetch_workers: int = FETCH_WORKERS,
+        sweep_grace_s: float = SWEEP_GRACE_S,
+        require_signatures: bool = False,
+    ) -> None:
+        self.store = store
+        self.env = env
+        self.detokenize = detokenize
+        self._settings = settings if settings is not None else IngestSettings()
+        self.run_id = run_id
+        self.vocab_size = vocab_size
+        self.render = render
+        self.expected_digest = expected_digest
+        self.decode = decode
+        self.fetch_workers = fetch_workers
+        self.require_signatures = require_signatures
+        self._cursor = cursor if cursor is not None else Cursor()
+        self._lock = threading.RLock()  # the one lock of the listings, the cursor and the fetched groups
+        self._selecting = threading.RLock()  # held by `select`: listings merge before or after it
+        # After close(), results of abandoned calls no longer touch the state.
+        self._closed = threading.Event()
+        self._ready: dict[str, ScoredGroup] = {}  # fetched, valid groups by key, until consumed or dropped
+        self._futures: dict[str, Future] = {}  # key -> its fetch in flight
+        self._outcomes: deque[str] = deque(maxlen=OUTCOMES)  # "ok", "zv_hard/easy/flat", or a reason
         self._pool: DaemonPool | None = None
         self._rendered: dict[str, list[int]] = {}
-        self._left_at: dict[int, float] = {}
-        self._outcomes: deque[str] = deque(maxlen=OUTCOMES)  # "ok", "zv_hard/easy/flat", or a reason
-        self._closed = False  # after close(), results of abandoned calls no longer touch the state
-        self._selecting = threading.RLock()  # held by `select`: listings merge before or after it
-        self._committing = False  # inside `commit` (under the lock): quarantine waits for its end
-        self.listed = 0
-        """Keys listed so far by this process (all versions)."""
         self.fetched = 0
         """Records fetched so far by this process."""
+        self.listing = WindowListings(
+            store,
+            self._cursor,
+            self._settings,
+            lock=self._lock,
+            selecting=self._selecting,
+            closed=self._closed,
+            ready=self._ready,
+            sweep_grace_s=sweep_grace_s,
+        )
+        self.ledger = KeyLedger(
+            self.listing,
+            self._cursor,
+            self._settings,
+            lock=self._lock,
+            ready=self._ready,
+            in_flight=self._futures,
+        )
+        self.listing.gate = self.ledger  # built second: it rejects through the listing
+        self.planner = BatchPlanner(
+            self.listing,
+            self.ledger,
+            self._cursor,
+            self._settings,
+            lock=self._lock,
+            ready=self._ready,
+            outcomes=self._outcomes,
+        )
+
+    @property
+    def settings(self) -> IngestSettings:
+        """The filters and caps of ingestion (read-only: the collaborators were built with them)."""
+        return self._settings
+
+    @property
+    def cursor(self) -> Cursor:
+        """The ingestion state persisted with every checkpoint (shared by the three collaborators)."""
+        return self._cursor
+
+    @cursor.setter
+    def cursor(self, cursor: Cursor) -> None:
+        """Replace the cursor (a resumed run's, `pnyx.train.resume`) in the ingestor and its collaborators."""
+        with self._lock:
+            self._cursor = self.listing.cursor = self.ledger.cursor = self.planner.cursor = cursor
 
     # --- admission: fetch, decode, validate, re-score -------------------------------------------------
 
@@ -149,44 +208,50 @@ class Ingestor(BatchPlanner):
             scored = self.load(key)
         except RecordRejected as e:
             with self._lock:
-                if not self._closed and key not in self.cursor.rejected and key not in self.cursor.uses:
-                    self._reject(key, e.reason, str(e))
-                    self._count_key(getattr(e, "signer", ""), e.reason)
+                if (
+                    not self._closed.is_set()
+                    and key not in self.cursor.rejected
+                    and key not in self.cursor.uses
+                ):
+                    self.listing.reject(key, e.reason, str(e))
+                    self.ledger.count_key(getattr(e, "signer", ""), e.reason)
                     self._outcomes.append(e.reason)
             return
         except NotFoundError:  # listed, then deleted by someone else: nothing to train on or count
             with self._lock:
                 parsed = layout.parse_rollout_key(key)
-                if parsed is not None and parsed[0] in self._versions:
-                    self._versions[parsed[0]].remove_pending(key)
+                if parsed is not None and parsed[0] in self.listing.versions:
+                    self.listing.versions[parsed[0]].remove_pending(key)
             return
         finally:
             with self._lock:
                 self.fetched += 1
         with self._lock:
             if (
-                self._closed
+                self._closed.is_set()
                 or key in self.cursor.rejected
                 or self.cursor.uses.get(key, 0) >= self.settings.max_reuse
             ):
                 return
-            lst = self._versions.get(scored.version)
+            lst = self.listing.versions.get(scored.version)
             if lst is None or scored.version < self.cursor.swept_below:
                 return  # its version was swept meanwhile
             if scored.signer in self.cursor.quarantined:  # quarantined while it was being fetched
-                self._reject(key, "quarantined")
-                self._count_key(scored.signer, "quarantined")
+                self.listing.reject(key, "quarantined")
+                self.ledger.count_key(scored.signer, "quarantined")
                 return
             if self.settings.reject_reward_lies and _lies(scored):
-                self._count_scored(scored)  # its samples, disagreements and the key's `reward_lie` fault
-                self._count_key(scored.signer, "lie_dropped")  # ...and its outcome (checks.JUDGED)
-                self._reject(key, "reward_lie")
+                self.ledger.count_scored(
+                    scored
+                )  # its samples, disagreements and the key's `reward_lie` fault
+                self.ledger.count_key(scored.signer, "lie_dropped")  # ...and its outcome (checks.JUDGED)
+                self.listing.reject(key, "reward_lie")
                 self._outcomes.append("reward_lie")
                 return
             if is_zero_variance(scored.rewards):
-                self._count_scored(scored)
-                self._count_key(scored.signer, "zero_variance")
-                self._reject(key, "zero_variance")
+                self.ledger.count_scored(scored)
+                self.ledger.count_key(scored.signer, "zero_variance")
+                self.listing.reject(key, "zero_variance")
                 r = scored.rewards[0]
                 self._outcomes.append("zv_hard" if r <= 0 else "zv_easy" if r >= 1 else "zv_flat")
                 return
@@ -253,7 +318,7 @@ class Ingestor(BatchPlanner):
         """Stop the fetch threads (queued fetches are cancelled; one in flight is abandoned and its result
         ignored, so the cursor no longer changes behind a final checkpoint)."""
         with self._lock:
-            self._closed = True
+            self._closed.set()
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown()
@@ -291,7 +356,7 @@ class Ingestor(BatchPlanner):
                 bound = self.cursor.keys.get(parsed[1])
                 if bound is None:
                     bound = self.cursor.keys[parsed[1]] = signer
-                    self._bind(parsed[1], signer)
+                    self.ledger.bind(parsed[1], signer)
             if bound != signer:
                 raise _theft(parsed[1], bound, signer)
         return scored
@@ -305,7 +370,7 @@ class Ingestor(BatchPlanner):
             if fp in self.cursor.quarantined and (bound is None or bound == fp):
                 if bound is None:  # its later groups under this name: never fetched
                     self.cursor.keys[worker] = fp
-                    self._purge_name(worker)
+                    self.ledger.purge_name(worker)
                 e = RecordRejected("quarantined", f"key {fp} is quarantined: {self.cursor.quarantined[fp]}")
                 e.signer = fp
                 raise e
@@ -332,9 +397,9 @@ class Ingestor(BatchPlanner):
             while True:
                 if stop is not None and stop():
                     return None
-                plan = self.plan(version, n)
+                plan = self.planner.plan(version, n)
                 if plan.unlisted is not None:
-                    self.list_version(plan.unlisted, full=True)
+                    self.listing.list_version(plan.unlisted, full=True)
                     continue
                 if not plan.unknown:
                     return plan.chosen
@@ -345,31 +410,32 @@ class Ingestor(BatchPlanner):
     def poll(self, version: int) -> int:
         """List the whole window and fetch every waiting key (exhaustive: for tests and tools, never the
         trainer loop, whose cost must not follow the backlog). Returns `available(version)`."""
-        self.sweep(version)
-        self.refresh(version, full=True)
+        self.listing.sweep(version)
+        self.listing.refresh(version, full=True)
         with self._lock:
             keys = [
                 k
-                for v in self.window(version)
-                if v in self._versions
-                for ks in self._versions[v].pending.values()
+                for v in self.listing.window(version)
+                if v in self.listing.versions
+                for ks in self.listing.versions[v].pending.values()
                 for k in ks
                 if k not in self._ready
             ]
         self.fetch(keys)
-        return self.available(version)
+        return self.planner.available(version)
 
     # --- what the trainer reports ---------------------------------------------------------------------
 
     def backlog(self, version: int) -> dict[str, int]:
         """Keys in the window by state: `waiting` (listed, not fetched), `fetched` (valid, in memory)."""
         with self._lock:
-            fetched = sum(1 for g in self._ready.values() if g.version >= self._low(version))
-            waiting = self._waiting_from(version, self._low(version)) - fetched
+            low = self.listing.low(version)
+            fetched = sum(1 for g in self._ready.values() if g.version >= low)
+            waiting = self.listing.waiting_from(version, low) - fetched
             return {
                 "waiting": max(0, waiting),
                 "fetched": fetched,
-                "listed": self.listed,
+                "listed": self.listing.listed,
                 "gets": self.fetched,
             }
 
@@ -394,3 +460,68 @@ class Ingestor(BatchPlanner):
                 "consumed": self.cursor.consumed,
                 "quarantined": dict(self.cursor.quarantined),
             }
+
+    # --- the collaborators' methods the trainer, the prefetcher and tools call on the ingestor ----------
+
+    def window(self, version: int) -> range:
+        """`WindowListings.window`: the rollout versions the trainer at `version` may train on."""
+        return self.listing.window(version)
+
+    def note_published(self, version: int) -> None:
+        """`WindowListings.note_published`: `version`'s prefix counts as listed, empty, now."""
+        self.listing.note_published(version)
+
+    def list_version(self, version: int, full: bool = False) -> int:
+        """`WindowListings.list_version`: list one version's prefix; how many new keys it found."""
+        return self.listing.list_version(version, full)
+
+    def list_span(self, first: int, last: int) -> int:
+        """`WindowListings.list_span`: list versions first..last with one paged listing; new keys."""
+        return self.listing.list_span(first, last)
+
+    def refresh(
+        self, version: int, full: bool = False, min_waiting: int | None = None, depth: int | None = None
+    ) -> int:
+        """`WindowListings.refresh`: list the window newest version first; new keys."""
+        return self.listing.refresh(version, full, min_waiting, depth)
+
+    def sweep(self, version: int) -> None:
+        """`WindowListings.sweep`: count the unused keys of versions that left the window as `stale`."""
+        self.listing.sweep(version)
+
+    def quarantine(self, fp: str, why: str) -> None:
+        """`KeyLedger.quarantine`: quarantine key `fp` now."""
+        self.ledger.quarantine(fp, why)
+
+    def key_report(self, limit: int | None = None) -> dict[str, dict[str, Any]]:
+        """`KeyLedger.key_report`: counters, evidence, names and quarantine per signing key."""
+        return self.ledger.key_report(limit)
+
+    def plan(self, version: int, n: int, exclude: Iterable[str] = (), extra: int | None = None) -> Plan:
+        """`BatchPlanner.plan`: walk the ranking until `n` groups are chosen or pending a fetch."""
+        return self.planner.plan(version, n, exclude, extra)
+
+    def available(self, version: int) -> int:
+        """`BatchPlanner.available`: fetched, valid groups a selection at `version` could take now."""
+        return self.planner.available(version)
+
+    def allowances(self, version: int) -> Allowances:
+        """`BatchPlanner.allowances`: the sampling checks' allowances for a step from `version`."""
+        return self.planner.allowances(version)
+
+    def probe(self) -> list[ProbeRow]:
+        """`BatchPlanner.probe`: the rows the next step's drift probe re-forwards."""
+        return self.planner.probe()
+
+    def commit(
+        self,
+        keys: Iterable[str],
+        groups: Iterable[ScoredGroup] = (),
+        rejected: Mapping[str, str] | None = None,
+        evidence: Mapping[str, GroupEvidence] | None = None,
+        allowances: Allowances | None = None,
+        drift: Drift | None = None,
+        version: int | None = None,
+    ) -> None:
+        """`BatchPlanner.commit`: record that one step consumed these groups (each once)."""
+        self.planner.commit(keys, groups, rejected, evidence, allowances, drift, version)

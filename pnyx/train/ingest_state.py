@@ -1,9 +1,10 @@
 """What ingestion is told and what it keeps: `IngestSettings` (its filters, caps and the run's sampling
 settings) and the `Cursor` (the ingestion state persisted with every checkpoint).
 
-Plain data for `pnyx.train.ingest` (the `Ingestor`, built on `listing.py`, `key_ledger.py` and
-`planner.py`); `pnyx.train.settings` builds the settings from the config, `pnyx.train.resume` reloads the
-cursor. Knows nothing about the store, torch or how groups are chosen.
+Plain data for `pnyx.train.ingest` (the `Ingestor`) and its collaborators (`listing.py`, `key_ledger.py`,
+`planner.py`), which share one settings object and one cursor; `pnyx.train.settings` builds the settings from
+the config, `pnyx.train.resume` reloads the cursor. Knows nothing about the store, torch or how groups are
+chosen.
 """
 
 from __future__ import annotations

@@ -1,23 +1,24 @@
 """Per-key security bookkeeping of ingestion: counters per key, names bound to keys, flood limit, quarantine.
 
-`KeyLedger` is the layer of the `Ingestor` (a base class it builds on, itself built on `WindowListings`)
-that keeps the cursor's books per signing key (docs/security.md): each key's counters (`Cursor.by_key`:
-groups consumed, samples re-scored, reward disagreements, the drop reasons of its groups), the binding of
-worker names to keys (`_bind`), and quarantine. A key is quarantined once its counters or plausibility
-evidence cross the settings' rates (`pnyx.security.checks.quarantine_reason`), or once it has more groups
-listed at one version than the flood limit (`_check_flood`); then its fetched groups and the listed keys of
-the names bound to it are rejected as `quarantined` (counted, never downloaded). It answers the listing's
-two questions (`_quarantined_name`, `_check_flood`) and reports per key (`key_report`).
+`KeyLedger` is the `Ingestor`'s collaborator that keeps the cursor's books per signing key (docs/security.md):
+each key's counters (`Cursor.by_key`: groups consumed, samples re-scored, reward disagreements, the drop
+reasons of its groups), the binding of worker names to keys (`bind`), and quarantine. A key is quarantined
+once its counters or plausibility evidence cross the settings' rates
+(`pnyx.security.checks.quarantine_reason`), or once it has more groups listed at one version than the flood
+limit (`check_flood`); then its fetched groups and the listed keys of the names bound to it are rejected as
+`quarantined` through the listing (`WindowListings.reject`: counted, never downloaded). It is the listing's
+`KeyGate` (`quarantined_name`, `check_flood`) and reports per key (`key_report`).
 
-Reads no record and does no I/O. Methods run under the ingestor's lock (the caller holds it, or the
-method takes it where it says so). Knows nothing about torch or how groups are ranked.
+Reads no record and does no I/O. Methods run under the lock it is given (the ingestor's; the caller holds it,
+or the method takes it where it says so). Knows nothing about torch, the store or how groups are ranked.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from concurrent.futures import Future
+import threading
+from collections.abc import Callable, Container, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from pnyx.security.checks import FAULTS, quarantine_reason, summary
@@ -28,34 +29,62 @@ from pnyx.train.rescore import REWARD_TOL, ScoredGroup
 log = logging.getLogger("pnyx.train.ingest")
 
 
-class KeyLedger(WindowListings):
-    """The per-key layer of the `Ingestor` (see the module docstring); the attributes below are its."""
+class KeyLedger:
+    """The books per signing key and quarantine (see the module docstring)."""
 
-    cursor: Cursor
-    settings: IngestSettings
-    _ready: dict[str, ScoredGroup]
-    _futures: dict[str, Future]
-    _committing: bool
+    def __init__(
+        self,
+        listing: WindowListings,
+        cursor: Cursor,
+        settings: IngestSettings,
+        *,
+        lock: threading.RLock,
+        ready: dict[str, ScoredGroup],
+        in_flight: Container[str],
+    ) -> None:
+        self.listing = listing
+        """Where quarantine files its rejections and whose per-version counts the flood limit reads."""
+        self.cursor = cursor
+        """The ingestor's cursor: its per-key counters, name bindings, evidence and quarantine."""
+        self.settings = settings
+        self._lock = lock
+        self._ready = ready  # the ingestor's fetched groups: a quarantined key's are rejected
+        self._in_flight = in_flight  # keys being fetched now: judged when they land, not purged
+        self._holding = False  # inside `holding_quarantine`: a fault quarantines no key until its end
 
-    def _count_scored(self, g: ScoredGroup) -> None:
+    @contextmanager
+    def holding_quarantine(self) -> Iterator[None]:
+        """While inside, counting a fault quarantines no key: `BatchPlanner.commit` books a whole batch (its
+        keys are used, not rejected), then checks the keys it touched (caller holds the lock)."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+
+    def count_scored(self, g: ScoredGroup) -> None:
+        """Book `g`'s re-scored samples and reward disagreements against its worker name and its key
+        (caller holds the lock)."""
         w = g.worker_id
         self.cursor.scored[w] = self.cursor.scored.get(w, 0) + len(g.rewards)
         bad = sum(abs(a - b) > REWARD_TOL for a, b in zip(g.worker_rewards, g.rewards, strict=True))
         if bad:
             self.cursor.disagreements[w] = self.cursor.disagreements.get(w, 0) + bad
-        self._count_key(g.signer, "scored", len(g.rewards))
+        self.count_key(g.signer, "scored", len(g.rewards))
         if bad:
-            self._count_key(g.signer, "disagreements", bad)
-            self._count_key(g.signer, "reward_lie")  # a faulty group (pnyx.security.checks.FAULTS)
+            self.count_key(g.signer, "disagreements", bad)
+            self.count_key(g.signer, "reward_lie")  # a faulty group (pnyx.security.checks.FAULTS)
 
-    def _count_key(self, fingerprint: str, what: str, n: int = 1) -> None:
+    def count_key(self, fingerprint: str, what: str, n: int = 1) -> None:
+        """Add `n` to key `fingerprint`'s counter `what` ("": unsigned, not counted); a fault may quarantine
+        the key (caller holds the lock)."""
         if fingerprint:
             counts = self.cursor.by_key.setdefault(fingerprint, {})
             counts[what] = counts.get(what, 0) + n
-            if what in FAULTS and not self._committing:
-                self._check_quarantine(fingerprint)
+            if what in FAULTS and not self._holding:
+                self.check_quarantine(fingerprint)
 
-    def _check_quarantine(self, fp: str) -> None:
+    def check_quarantine(self, fp: str) -> None:
         """Quarantine `fp` if its counters or evidence cross the settings' rates (caller holds the lock)."""
         q = self.settings.quarantine
         if q is None or not fp or fp in self.cursor.quarantined or fp in self.settings.trusted_keys:
@@ -81,18 +110,18 @@ class KeyLedger(WindowListings):
             self.cursor.quarantined[fp] = why
             log.warning("ingest: quarantined worker key %s: %s", fp, why)
             for key in [k for k, g in self._ready.items() if g.signer == fp]:
-                self._reject(key, "quarantined")
+                self.listing.reject(key, "quarantined")
             for name in [n for n, bound in self.cursor.keys.items() if bound == fp]:
-                self._purge_name(name)
+                self.purge_name(name)
 
-    def _purge_name(self, worker: str) -> None:
+    def purge_name(self, worker: str) -> None:
         """Reject every listed, unfetched key of a name bound to a quarantined key (caller holds the lock)."""
-        for lst in self._versions.values():
+        for lst in self.listing.versions.values():
             for key in list(lst.pending.get(worker, [])):
-                if key not in self._futures:  # one being fetched is judged when it lands
-                    self._reject(key, "quarantined")
+                if key not in self._in_flight:  # one being fetched is judged when it lands
+                    self.listing.reject(key, "quarantined")
 
-    def _check_flood(self, fp: str, version: int, n: int) -> None:
+    def check_flood(self, fp: str, version: int, n: int) -> None:
         """Quarantine `fp` once it has more groups listed at `version` than the flood limit (caller holds
         the lock). Honest workers stop at half the limit (`pnyx.train.settings.worker_version_cap`)."""
         limit = self.settings.flood_limit
@@ -100,21 +129,21 @@ class KeyLedger(WindowListings):
             return
         if fp in self.settings.trusted_keys:
             return  # the user's own worker: its version cap keeps it under the limit anyway
-        self._count_key(fp, "flood")
+        self.count_key(fp, "flood")
         self.quarantine(
             fp, f"flooding: {n} groups at version {version}, over the limit of {limit} per key and version"
         )
 
-    def _bind(self, worker: str, fp: str) -> None:
+    def bind(self, worker: str, fp: str) -> None:
         """`worker` was just bound to key `fp`: its groups listed so far count against the key's flood limit
         (caller holds the lock)."""
-        for lst in list(self._versions.values()):
+        for lst in list(self.listing.versions.values()):
             c = lst.counts.get(worker, 0)
             if c:
                 n = lst.by_key[fp] = lst.by_key.get(fp, 0) + c
-                self._check_flood(fp, lst.version, n)
+                self.check_flood(fp, lst.version, n)
 
-    def _quarantined_name(self, worker: str) -> bool:
+    def quarantined_name(self, worker: str) -> bool:
         """The name is bound to a quarantined key (caller holds the lock)."""
         bound = self.cursor.keys.get(worker)
         return bound is not None and bound in self.cursor.quarantined

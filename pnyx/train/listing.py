@@ -12,12 +12,14 @@ A key that lands later than that (a slow upload, a clock that runs behind) is fo
 listing (`RESCAN_S`) or, at the latest, by the sweep when its version leaves the window. A clock that runs
 ahead cannot push the incremental bound past now (`now_ms` caps it), so it never hides other workers' keys.
 
-`WindowListings` is the listing layer of the `Ingestor` (the first of the base classes it builds on;
-`key_ledger.py` and `planner.py` build on it): the listings of the versions in the window, merged as they
-come (`list_version`, `list_span`, `refresh`), and the sweep of versions that left it, which counts their
-unused keys as `stale` from one last listing. It reads the ingestor's cursor (uses and rejections) and
-files junk and duplicate keys as rejections; it never reads a record. Thread-safe through the ingestor's
-lock; the I/O runs without it.
+`WindowListings` is the `Ingestor`'s listing collaborator: the listings of the versions in the window, merged
+as they come (`list_version`, `list_span`, `refresh`), and the sweep of versions that left it, which counts
+their unused keys as `stale` from one last listing. It files rejections into the cursor (`reject`: junk and
+duplicate keys here; the ledger's and the admission's through it), which takes a key out of the pending set
+and out of the fetched groups. It asks a `KeyGate` (the `KeyLedger`) two questions about the worker name a key
+is listed under: is it bound to a quarantined key, and does its key now flood a version. It never reads a
+record and knows nothing about signatures, counters per key or how groups are ranked. Thread-safe through the
+lock it is given (the ingestor's); the I/O runs without it.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 from pnyx.protocol import layout
 from pnyx.store import Store
 from pnyx.train.ingest_state import Cursor, IngestSettings
+from pnyx.train.rescore import ScoredGroup
 
 log = logging.getLogger("pnyx.train.ingest")
 
@@ -137,47 +140,75 @@ def _version_of_dir(key: str) -> int | None:
     return int(head[1:]) if len(head) == 9 and head[0] == "v" and head[1:].isdigit() else None
 
 
-class WindowListings:
-    """The listing layer of the `Ingestor` (see the module docstring); the attributes below are its."""
+class KeyGate(Protocol):
+    """What the listing asks about the signing key a worker name is bound to (the `KeyLedger` answers;
+    the caller holds the lock)."""
 
-    store: Store
-    cursor: Cursor
-    settings: IngestSettings
-    sweep_grace_s: float
-    listed: int
-    _lock: threading.RLock
-    _selecting: threading.RLock
-    _closed: bool
-    _versions: dict[int, VersionListing]
-    _ready: dict[str, Any]
-    _left_at: dict[int, float]
+    def quarantined_name(self, worker: str) -> bool:
+        """`worker` is bound to a quarantined key (its listed keys are rejected, never downloaded)."""
+        ...
 
-    def _quarantined_name(self, worker: str) -> bool:
-        """The worker name is bound to a quarantined key (`KeyLedger` knows; caller holds the lock)."""
+    def check_flood(self, fp: str, version: int, n: int) -> None:
+        """Key `fp` now has `n` groups listed at `version` (quarantined past the flood limit)."""
+        ...
+
+
+class OpenGate:
+    """A `KeyGate` that quarantines nothing: the gate of a listing whose ledger is not connected yet."""
+
+    def quarantined_name(self, worker: str) -> bool:
         return False
 
-    def _check_flood(self, fp: str, version: int, n: int) -> None:
-        """Key `fp` has `n` groups listed at `version` (`KeyLedger` judges; caller holds the lock)."""
+    def check_flood(self, fp: str, version: int, n: int) -> None:
+        return None
 
-    def _count_listed(self, lst: VersionListing, worker: str) -> None:
-        """One more distinct group of `worker` listed at `lst.version`, and of the key its name is bound to."""
-        lst.counts[worker] = lst.counts.get(worker, 0) + 1
-        fp = self.cursor.keys.get(worker)
-        if fp:
-            n = lst.by_key[fp] = lst.by_key.get(fp, 0) + 1
-            self._check_flood(fp, lst.version, n)
+
+class WindowListings:
+    """The window's listings and the sweep of versions that left it (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: Store,
+        cursor: Cursor,
+        settings: IngestSettings,
+        *,
+        lock: threading.RLock,
+        selecting: threading.RLock,
+        closed: threading.Event,
+        ready: dict[str, ScoredGroup],
+        sweep_grace_s: float = SWEEP_GRACE_S,
+    ) -> None:
+        self.store = store
+        self.cursor = cursor
+        """The ingestor's cursor: read for uses and rejections, written by `reject`, `drop` and the sweep."""
+        self.settings = settings
+        self.sweep_grace_s = sweep_grace_s
+        """A version that left the window is swept this long after (uploads that land late still count)."""
+        self.gate: KeyGate = OpenGate()
+        """The key ledger, which answers the two questions about names; the `Ingestor` connects it once
+        built (the ledger needs this listing, so it is built second)."""
+        self.versions: dict[int, VersionListing] = {}
+        """Version -> its listing, for the versions in the window and those not swept yet."""
+        self.listed = 0
+        """Keys listed so far by this process (all versions)."""
+        self._lock = lock
+        self._selecting = selecting  # held by `Ingestor.select`: listings merge before or after it
+        self._closed = closed  # set by `Ingestor.close`: listings that land afterwards are not merged
+        self._ready = ready  # the ingestor's fetched groups: a rejected or swept key leaves them
+        self._left_at: dict[int, float] = {}  # version -> monotonic time it was first seen below the window
 
     def window(self, version: int) -> range:
         """Rollout versions the trainer at `version` may train on: [version - max_staleness, version]."""
-        return range(self._low(version), version + 1)
+        return range(self.low(version), version + 1)
 
-    def _low(self, version: int) -> int:
+    def low(self, version: int) -> int:
+        """The oldest version in the window of the trainer at `version`."""
         return max(0, version - self.settings.max_staleness)
 
     def _listing(self, version: int) -> VersionListing:
-        lst = self._versions.get(version)
+        lst = self.versions.get(version)
         if lst is None:
-            lst = self._versions[version] = VersionListing(version)
+            lst = self.versions[version] = VersionListing(version)
         return lst
 
     def note_published(self, version: int) -> None:
@@ -211,7 +242,7 @@ class WindowListings:
         new = 0
         with self._selecting, self._lock:
             for version, keys in listings.items():
-                if self._closed or version < self.cursor.swept_below:
+                if self._closed.is_set() or version < self.cursor.swept_below:
                     continue  # closed, or swept while we listed (counted there)
                 lst = self._listing(version)
                 for key in keys:
@@ -229,7 +260,7 @@ class WindowListings:
         parsed = layout.parse_rollout_key(key)
         if parsed is None or parsed[0] != lst.version:
             if key not in self.cursor.rejected:
-                self._reject(key, "bad_key")
+                self.reject(key, "bad_key")
             return
         stamp = layout.rollout_stamp(key)
         if stamp is not None:
@@ -243,7 +274,7 @@ class WindowListings:
             if dup not in self.cursor.rejected:
                 lst.remove_pending(dup)
                 self._ready.pop(dup, None)
-                self._reject(dup, "duplicate")
+                self.reject(dup, "duplicate")
             if keep is other:
                 return
         else:
@@ -251,10 +282,18 @@ class WindowListings:
         lst.ids[ident] = key
         if key in self.cursor.rejected or self.cursor.uses.get(key, 0) >= self.settings.max_reuse:
             return
-        if self._quarantined_name(parsed[1]):
-            self._reject(key, "quarantined")  # counted from the listing, never downloaded
+        if self.gate.quarantined_name(parsed[1]):
+            self.reject(key, "quarantined")  # counted from the listing, never downloaded
             return
         lst.add_pending(key, parsed[1])
+
+    def _count_listed(self, lst: VersionListing, worker: str) -> None:
+        """One more distinct group of `worker` listed at `lst.version`, and of the key its name is bound to."""
+        lst.counts[worker] = lst.counts.get(worker, 0) + 1
+        fp = self.cursor.keys.get(worker)
+        if fp:
+            n = lst.by_key[fp] = lst.by_key.get(fp, 0) + 1
+            self.gate.check_flood(fp, lst.version, n)
 
     def refresh(
         self, version: int, full: bool = False, min_waiting: int | None = None, depth: int | None = None
@@ -265,7 +304,7 @@ class WindowListings:
         one listing. Returns how many new keys were found. (The sweep is separate: `sweep`.)"""
         new = 0
         now = time.monotonic()
-        versions = list(range(version, self._low(version) - 1, -1))[:depth]
+        versions = list(range(version, self.low(version) - 1, -1))[:depth]
         with self._lock:
             rescan = {v: full or self._rescan_due(v, now) for v in versions}
         if (
@@ -274,22 +313,23 @@ class WindowListings:
             and not any(rescan[v] for v in versions[:2])
         ):
             new += self.list_span(versions[1], versions[0])
-            if min_waiting is not None and self._waiting_from(version, versions[1]) >= min_waiting:
+            if min_waiting is not None and self.waiting_from(version, versions[1]) >= min_waiting:
                 return new
             versions = versions[2:]
         for v in versions:
             new += self.list_version(v, full=rescan[v])
-            if min_waiting is not None and self._waiting_from(version, v) >= min_waiting:
+            if min_waiting is not None and self.waiting_from(version, v) >= min_waiting:
                 break
         return new
 
     def _rescan_due(self, version: int, now: float) -> bool:
-        lst = self._versions.get(version)
+        lst = self.versions.get(version)
         return lst is None or lst.full_at is None or now - lst.full_at >= RESCAN_S
 
-    def _waiting_from(self, version: int, low: int) -> int:
+    def waiting_from(self, version: int, low: int) -> int:
+        """Listed keys still waiting to be trained on, of versions `low`..`version`."""
         with self._lock:
-            return sum(self._versions[v].waiting for v in range(low, version + 1) if v in self._versions)
+            return sum(self.versions[v].waiting for v in range(low, version + 1) if v in self.versions)
 
     # --- sweep: versions that left the window ---------------------------------------------------------
 
@@ -299,7 +339,7 @@ class WindowListings:
         land late are still counted) or once `SWEEP_MAX_LAG` versions below it. On a store that lists in key
         order (S3, GCS, memory) due versions are swept `SWEEP_BATCH` at a time with one paged listing across
         their prefixes (1 request per 1,000 keys, not one per version)."""
-        low = self._low(version)
+        low = self.low(version)
         now = time.monotonic()
         with self._lock:
             for key in [k for k, g in self._ready.items() if g.version < low]:
@@ -323,17 +363,17 @@ class WindowListings:
             return  # wait for a fuller batch
         with self._lock:
             for v in due:
-                if not self._closed and v >= self.cursor.swept_below:
+                if not self._closed.is_set() and v >= self.cursor.swept_below:
                     self._account(v, listings.get(v, []))
 
     def _account(self, version: int, keys: list[str]) -> None:
-        lst = self._versions.pop(version, None) or VersionListing(version)
+        lst = self.versions.pop(version, None) or VersionListing(version)
         for key in keys:
             if key not in lst.seen:
                 self._merge(lst, key)  # counts junk and duplicates first seen now
         for key in lst.seen:
             if self.cursor.uses.get(key, 0) == 0 and key not in self.cursor.rejected:
-                self._drop("stale")
+                self.drop("stale")
         prefix = layout.rollouts_dir(version)
         for d in (self.cursor.uses, self.cursor.rejected, self._ready):
             for k in [k for k in d if k.startswith(prefix)]:
@@ -341,16 +381,19 @@ class WindowListings:
         self._left_at.pop(version, None)
         self.cursor.swept_below = version + 1
 
-    # --- admission: fetch, decode, validate, re-score ------------------------------------------------
+    # --- rejections: the cursor's record of keys never to be trained on -----------------------------
 
-    def _drop(self, reason: str) -> None:
+    def drop(self, reason: str) -> None:
+        """Count one drop for `reason` (caller holds the lock)."""
         self.cursor.drops[reason] = self.cursor.drops.get(reason, 0) + 1
 
-    def _reject(self, key: str, reason: str, detail: str = "") -> None:
+    def reject(self, key: str, reason: str, detail: str = "") -> None:
+        """File `key` as rejected for `reason`: counted, out of the pending set and the fetched groups, never
+        fetched again (caller holds the lock)."""
         self.cursor.rejected[key] = reason
-        self._drop(reason)
+        self.drop(reason)
         parsed = layout.parse_rollout_key(key)
-        if parsed is not None and parsed[0] in self._versions:
-            self._versions[parsed[0]].remove_pending(key)
+        if parsed is not None and parsed[0] in self.versions:
+            self.versions[parsed[0]].remove_pending(key)
         self._ready.pop(key, None)
         log.debug("rejected %s: %s %s", key, reason, detail)

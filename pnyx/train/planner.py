@@ -1,37 +1,61 @@
 """Choosing a step's batch from what ingestion has listed and fetched, and booking what a step consumed.
 
-`BatchPlanner` is the layer of the `Ingestor` (a base class it builds on, itself built on `KeyLedger`
-and `WindowListings`) that walks the ranking (`ranking.py`: fresh before replayed, newest version first,
-then workers take turns) until `n` groups are chosen or pending a fetch (`plan`), honouring the
-per-prompt cap and the per-key caps: at most `max_groups_per_key_step` groups of one key per batch, at
-most `max_groups_per_key_version` of one key and version ever, and the share cap (`max_key_share`;
-"fair": ceil(n / keys with groups waiting)), under which a group is deferred, not skipped, so a key
-alone still fills a batch. `_extra` sizes how far below the top a selection fetches from the recent
-survival rate; `commit` books the groups a step consumed (use counts, re-score counters, the step's drops
-and evidence per key) and then quarantines the keys that crossed the settings' rates.
+`BatchPlanner` is the `Ingestor`'s collaborator that walks the ranking (`ranking.py`: fresh before replayed,
+newest version first, then workers take turns) over the listing's pending keys until `n` groups are chosen or
+pending a fetch (`plan`), honouring the per-prompt cap and the per-key caps: at most `max_groups_per_key_step`
+groups of one key per batch, at most `max_groups_per_key_version` of one key and version ever, and the share
+cap (`max_key_share`; "fair": ceil(n / keys with groups waiting)), under which a group is deferred, not
+skipped, so a key alone still fills a batch. `_extra` sizes how far below the top a selection fetches from the
+recent survival rate (the admission outcomes it is given); `commit` books the groups a step consumed (use
+counts, re-score counters, the step's drops and evidence per key, through the `KeyLedger`) and then
+quarantines the keys that crossed the settings' rates.
 
-Fetches nothing: the `Ingestor`'s `select` repeats "plan, fetch what the plan needs" until the top is
-known. Thread-safe through the ingestor's lock. Knows nothing about torch or the store.
+Fetches nothing: the `Ingestor`'s `select` repeats "plan, fetch what the plan needs" until the top is known.
+Thread-safe through the lock it is given (the ingestor's). Knows nothing about torch or the store.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 
 from pnyx.protocol import layout
 from pnyx.security.calibration import Allowances, Drift, ProbeRow, choose_probe, derive
 from pnyx.security.checks import GroupEvidence, KeyEvidence, add_evidence
+from pnyx.train.ingest_state import Cursor, IngestSettings
 from pnyx.train.key_ledger import KeyLedger
+from pnyx.train.listing import WindowListings
 from pnyx.train.ranking import Plan, ranked
 from pnyx.train.rescore import ScoredGroup
 
 
-class BatchPlanner(KeyLedger):
-    """The selection layer of the `Ingestor` (see the module docstring); the attributes below are its."""
+class BatchPlanner:
+    """A step's batch from the listed and fetched groups, and the booking of what it consumed (see the
+    module docstring)."""
 
-    _outcomes: deque[str]
+    def __init__(
+        self,
+        listing: WindowListings,
+        ledger: KeyLedger,
+        cursor: Cursor,
+        settings: IngestSettings,
+        *,
+        lock: threading.RLock,
+        ready: dict[str, ScoredGroup],
+        outcomes: deque[str],
+    ) -> None:
+        self.listing = listing
+        """The window's pending keys, ranked by `plan`; a consumed key leaves them."""
+        self.ledger = ledger
+        """Where `commit` books counters per key and which keys it quarantines."""
+        self.cursor = cursor
+        """The ingestor's cursor: `commit` writes its use counts, evidence and calibration."""
+        self.settings = settings
+        self._lock = lock
+        self._ready = ready  # the ingestor's fetched groups (what `plan` can choose from)
+        self._outcomes = outcomes  # the ingestor's recent admission outcomes ("ok" or why not)
 
     def _extra(self, n: int) -> int:
         """Keys to fetch beyond the top `n`: what the recent survival rate says the top will lose."""
@@ -79,10 +103,10 @@ class BatchPlanner(KeyLedger):
             used = self._used_per_key_version() if s.max_groups_per_key_version is not None else None
             below = self._extra(n) if extra is None else extra  # places below the top worth fetching
             for item in ranked(
-                self._versions,
+                self.listing.versions,
                 self.cursor.uses,
                 version,
-                self._low(version),
+                self.listing.low(version),
                 s.max_reuse,
                 exclude,
             ):
@@ -120,9 +144,9 @@ class BatchPlanner(KeyLedger):
         with self._lock:  # keys (or, before their first fetch, names) with groups waiting in the window
             keys = {
                 self.cursor.keys.get(name) or f"name:{name}"
-                for v in self.window(version)
-                if v in self._versions
-                for name, pending in self._versions[v].pending.items()
+                for v in self.listing.window(version)
+                if v in self.listing.versions
+                for name, pending in self.listing.versions[v].pending.items()
                 if pending
             }
         return math.ceil(n / max(1, len(keys)))
@@ -195,37 +219,38 @@ class BatchPlanner(KeyLedger):
         if allowances is None:
             allowances = self.allowances(version if version is not None else 0)
         with self._lock:
-            self._committing = True  # quarantine once the batch is booked (its keys are used, not rejected)
-            for k in keys:
-                g = by_key.get(k) or self._ready.get(k)
-                if g is not None:
-                    self._count_scored(g)
-                    ev = evidence.get(k)
-                    if ev is not None and g.signer:
-                        kev = self.cursor.evidence.setdefault(g.signer, KeyEvidence())
-                        add_evidence(kev, ev, allowances)
-                        if ev.tokens:
-                            trusted = g.signer in self.settings.trusted_keys
-                            calib.note_group(ev.engine, ev.staleness, ev.gap, ev.z, trusted)
-                    reason = rejected.get(k)
-                    if reason is not None:
-                        self._drop(reason)
-                    self._count_key(g.signer, reason or "groups")
-                    if g.signer:
-                        touched.add(g.signer)
-                elif k in rejected:
-                    self._drop(rejected[k])
-                self.cursor.uses[k] = self.cursor.uses.get(k, 0) + 1
-                self.cursor.consumed += 1
-                if self.cursor.uses[k] >= self.settings.max_reuse:
-                    self._ready.pop(k, None)
-                    parsed = layout.parse_rollout_key(k)
-                    if parsed is not None and parsed[0] in self._versions:
-                        self._versions[parsed[0]].remove_pending(k)
-            if version is not None:
-                calib.note_drift(version, drift)
-                chosen = [g for k in keys if (g := by_key.get(k) or self._ready.get(k)) is not None]
-                calib.probe = choose_probe(chosen, rejected, self.settings.trusted_keys)
-            self._committing = False
+            with (
+                self.ledger.holding_quarantine()
+            ):  # until the batch is booked (its keys are used, not rejected)
+                for k in keys:
+                    g = by_key.get(k) or self._ready.get(k)
+                    if g is not None:
+                        self.ledger.count_scored(g)
+                        ev = evidence.get(k)
+                        if ev is not None and g.signer:
+                            kev = self.cursor.evidence.setdefault(g.signer, KeyEvidence())
+                            add_evidence(kev, ev, allowances)
+                            if ev.tokens:
+                                trusted = g.signer in self.settings.trusted_keys
+                                calib.note_group(ev.engine, ev.staleness, ev.gap, ev.z, trusted)
+                        reason = rejected.get(k)
+                        if reason is not None:
+                            self.listing.drop(reason)
+                        self.ledger.count_key(g.signer, reason or "groups")
+                        if g.signer:
+                            touched.add(g.signer)
+                    elif k in rejected:
+                        self.listing.drop(rejected[k])
+                    self.cursor.uses[k] = self.cursor.uses.get(k, 0) + 1
+                    self.cursor.consumed += 1
+                    if self.cursor.uses[k] >= self.settings.max_reuse:
+                        self._ready.pop(k, None)
+                        parsed = layout.parse_rollout_key(k)
+                        if parsed is not None and parsed[0] in self.listing.versions:
+                            self.listing.versions[parsed[0]].remove_pending(k)
+                if version is not None:
+                    calib.note_drift(version, drift)
+                    chosen = [g for k in keys if (g := by_key.get(k) or self._ready.get(k)) is not None]
+                    calib.probe = choose_probe(chosen, rejected, self.settings.trusted_keys)
             for fp in sorted(touched):
-                self._check_quarantine(fp)
+                self.ledger.check_quarantine(fp)

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from pnyx.train.listing import VersionListing
+from pnyx.train.rescore import ScoredGroup
 
 
 @dataclass
 class Plan:
     """One pass of the ranking: the groups chosen so far and what must be fetched before it is final."""
 
-    chosen: list[Any]
+    chosen: list[ScoredGroup]
     unknown: list[str]
     """Keys inside the top `n` whose records have not been fetched yet (the choice waits for them)."""
     extra: list[str]

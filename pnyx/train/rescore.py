@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from pnyx.envs.base import Environment
+from pnyx.envs.base import Environment, Prompt
 from pnyx.errors import ConfigError, RecordRejected
 from pnyx.protocol.records import RolloutGroup
 from pnyx.train.advantages import group_advantages
@@ -62,7 +61,7 @@ def rescore(
     settings: IngestSettings,
     run_id: str | None = None,
     expected_digest: Callable[[int], frozenset[str] | None] | None = None,
-    render: Callable[[Any], list[int]] | None = None,
+    render: Callable[[Prompt], list[int]] | None = None,
     rendered: dict[str, list[int]] | None = None,
 ) -> ScoredGroup:
     """Validate the decoded `group` stored at `key` and re-score it (see the module docstring).
