@@ -180,14 +180,14 @@ def with_fields(cfg: PnyxConfig, values: dict[str, Any]) -> PnyxConfig:
     """A copy of `cfg` with the dotted fields of `values` set (`{"store.url": ...}`), validated; they count
     as given (`given_fields`), as do the fields `cfg` was given. The loaded config is immutable: this is how
     a command fills in what it decides (a store URL, a run name)."""
-    over: dict[str, Any] = {}
+    data = given_fields(cfg)
     for dotted, value in values.items():
-        node = over
+        node = data
         *path, name = dotted.split(".")
         for part in path:
             node = node.setdefault(part, {})
-        node[name] = value
-    return config_from_dict(merge_dicts(given_fields(cfg), over), source=f"setting {', '.join(values)}")
+        node[name] = value  # the value as a whole: a dict given here replaces, it does not merge
+    return config_from_dict(data, source=f"setting {', '.join(values)}")
 
 
 def overlay_changed(base: PnyxConfig | dict[str, Any], given: PnyxConfig) -> PnyxConfig:

@@ -1,8 +1,8 @@
 """The configuration tree itself: `PnyxConfig` and its sections, every field with its bounds and its doc.
 
 Each field is documented once (the docstring under it) and carries its bounds in its type; a section
-forbids unknown fields and validates assignments. Nothing here rewrites a sibling field. Layering
-(defaults → TOML file → dotted CLI flags), errors and derived values are in `pnyx.config`, which
+forbids unknown fields and is immutable (`pnyx.config.with_fields` makes a changed copy). Nothing here
+rewrites a sibling field. Layering (defaults → TOML file → dotted CLI flags), errors and derived values are in `pnyx.config`, which
 re-exports every section: import them from there. Knows nothing about torch, models or stores.
 """
 
@@ -17,7 +17,7 @@ Prob = Annotated[float, Field(ge=0, le=1)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
 
 class StoreConfig(_Section):

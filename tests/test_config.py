@@ -5,8 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from pnyx.config import PnyxConfig, load_config, overlay_changed, parse_overrides, to_toml
+from pnyx.config import (
+    PnyxConfig,
+    config_from_dict,
+    load_config,
+    overlay_changed,
+    parse_overrides,
+    to_toml,
+    with_fields,
+)
 from pnyx.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,9 +105,28 @@ def test_resume_overlay_takes_a_field_given_back_at_its_default_value():
     assert merged.trainer.lr == default_lr and merged.run.steps == 40
 
 
-def test_resume_overlay_takes_a_field_assigned_on_a_default_section():
+def test_resume_overlay_takes_a_field_set_on_a_default_section():
     stored = load_config(None, ["--store.url=/old", "--run.steps=40"])
-    given = PnyxConfig()
-    given.store.url = "/new"  # as `--store` does on the command line
+    given = with_fields(PnyxConfig(), {"store.url": "/new"})  # as `--store` does on the command line
     merged = overlay_changed(stored, given)
     assert merged.store.url == "/new" and merged.run.steps == 40
+
+
+def test_the_loaded_config_is_immutable_and_with_fields_makes_a_validated_copy():
+    cfg = load_config(None, ["--env.kwargs.digits=2"])
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.trainer.lr = 1e-3  # type: ignore[misc]
+    other = with_fields(cfg, {"trainer.lr": 1e-3, "env.kwargs": {}})
+    assert other.trainer.lr == 1e-3 and other.env.kwargs == {} and cfg.env.kwargs == {"digits": 2}
+    with pytest.raises(ConfigError, match="lr"):
+        with_fields(cfg, {"trainer.lr": -1.0})
+
+
+def test_checks_set_under_trainer_move_to_security_with_a_warning(caplog):
+    cfg = load_config(None, ["--trainer.plausibility_z=6", "--trainer.lr=0.001"])
+    assert cfg.security.plausibility_z == 6.0 and cfg.trainer.lr == 0.001
+    assert "moved from [trainer] to [security]" in caplog.text
+    old_run = PnyxConfig().model_dump(mode="json")
+    old_run.pop("security")
+    old_run["trainer"]["quarantine_min"] = 7  # a run.json written before the security section
+    assert config_from_dict(old_run).security.quarantine_min == 7

@@ -66,7 +66,7 @@ def test_judge_uses_a_bound_that_grows_with_staleness():
 
 
 def test_quarantine_rules_need_a_minimum_count_and_a_rate():
-    q = QuarantineSettings(rate=0.2, min_faults=5)
+    q = QuarantineSettings(quarantine_rate=0.2, quarantine_min=5)
     assert quarantine_reason({"groups": 10, "implausible": 4}, None, q) is None  # under the minimum
     assert quarantine_reason({"groups": 100, "implausible": 5}, None, q) is None  # under the rate
     assert quarantine_reason({"groups": 20, "implausible": 5}, None, q) is not None
@@ -106,7 +106,7 @@ def test_reject_reward_lies_drops_every_lying_group_and_judges_it_once(tmp_path)
     counts = ing.cursor.by_key[LIAR.fingerprint]
     assert counts["reward_lie"] == 4 and counts["lie_dropped"] == 4
     assert "4 of 4 groups" in (
-        quarantine_reason(counts, None, QuarantineSettings(rate=0.2, min_faults=4)) or ""
+        quarantine_reason(counts, None, QuarantineSettings(quarantine_rate=0.2, quarantine_min=4)) or ""
     )
     assert LIAR.fingerprint not in ing.cursor.quarantined  # default minimum: 5 faults
     _put(store, make_group(0, "liar", 4, task_index=4, claimed=[0.0, 1.0]), LIAR)
@@ -290,7 +290,7 @@ def test_trainer_config_feeds_the_checks_and_caps():
     )
     s, c = ingest_settings(cfg), check_settings(cfg)
     assert (c.lp_gap_base, c.plausibility_z, s.max_key_share) == (0.2, 5.0, 0.25)
-    assert s.quarantine is not None and s.quarantine.min_faults == 9 and s.checks == c
+    assert s.quarantine is not None and s.quarantine.quarantine_min == 9 and s.checks == c
 
 
 def test_status_shows_quarantined_keys():

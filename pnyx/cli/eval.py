@@ -82,13 +82,15 @@ def _sampling(cfg: PnyxConfig, flags: dict[str, Any]) -> dict[str, Any]:
     return {k: flags[k] if flags.get(k) is not None else v for k, v in defaults.items()}
 
 
-def _switch_env(cfg: PnyxConfig, env: str | None) -> None:
-    """Point `cfg` at environment `env`; the config's env options belong to its own env, so they are dropped
-    (with a note) when `env` is another one."""
+def _switch_env(cfg: PnyxConfig, env: str | None) -> PnyxConfig:
+    """`cfg` pointed at environment `env`; the config's env options belong to its own env, so they are
+    dropped (with a note) when `env` is another one."""
     import typer
 
+    from pnyx.config import with_fields
+
     if env is None or env == cfg.env.name:
-        return
+        return cfg
     if cfg.env.kwargs or cfg.env.system_prompt is not None:
         typer.secho(
             f"pnyx: note: --env {env} is not the config's environment ({cfg.env.name}); its env.kwargs and "
@@ -96,7 +98,7 @@ def _switch_env(cfg: PnyxConfig, env: str | None) -> None:
             fg=typer.colors.YELLOW,
             err=True,
         )
-    cfg.env.name, cfg.env.kwargs, cfg.env.system_prompt = env, {}, None
+    return with_fields(cfg, {"env.name": env, "env.kwargs": {}, "env.system_prompt": None})
 
 
 def eval_main(
@@ -127,7 +129,7 @@ def eval_main(
     """
 
     from pnyx.cli.common import fail
-    from pnyx.config import load_config, resolve_env_kwargs
+    from pnyx.config import load_config, resolve_env_kwargs, with_fields
     from pnyx.errors import ConfigError, PnyxError, UntrustedWeightsError
     from pnyx.eval.runner import VersionEvaluator, evaluate_model, heldout_tasks, quiet_transformers
     from pnyx.models.source import resolve_model_path
@@ -152,7 +154,7 @@ def eval_main(
     try:
         if store is not None:
             weights, cfg = _run_config(store, extra, trust)
-            _switch_env(cfg, env)
+            cfg = _switch_env(cfg, env)
             from pnyx.models import resolve_run_model
 
             run_store = weights.store
@@ -190,8 +192,8 @@ def eval_main(
 
             cfg = load_config(config, extra)
             if model is not None:
-                cfg.model.path = model
-            _switch_env(cfg, env)
+                cfg = with_fields(cfg, {"model.path": model})
+            cfg = _switch_env(cfg, env)
             where = device or cfg.model.device
             check_engine(engine_name, where)  # before the model loads
             path = resolve_model_path(cfg)

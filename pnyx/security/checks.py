@@ -194,9 +194,9 @@ class CheckSettings:
 class QuarantineSettings:
     """When a key is quarantined (None switches a rule off)."""
 
-    rate: float | None = QUARANTINE_RATE
-    min_faults: int = QUARANTINE_MIN
-    key_z: float | None = KEY_Z_LIMIT
+    quarantine_rate: float | None = QUARANTINE_RATE
+    quarantine_min: int = QUARANTINE_MIN
+    quarantine_key_z: float | None = KEY_Z_LIMIT
     key_z_min_groups: int = KEY_Z_MIN_GROUPS
     key_z_min_shift: float = KEY_Z_MIN_SHIFT
 
@@ -291,10 +291,10 @@ def quarantine_reason(
     calibrated_center`; without it, 0 everywhere): the key's statistic is judged against what honest drift
     explains, over the groups whose bucket is calibrated."""
     bad, total = faults(counts), judged(counts)
-    if q.rate is not None and bad >= q.min_faults and bad >= q.rate * total:
+    if q.quarantine_rate is not None and bad >= q.quarantine_min and bad >= q.quarantine_rate * total:
         which = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k in FAULTS and v)
         return f"{bad} of {total} groups faulty ({which})"
-    if ev is not None and q.key_z is not None:
+    if ev is not None and q.quarantine_key_z is not None:
         for c, sides in ((center, (-1, 1)), (_or_zero(center), (1,))):
             # Groups of buckets the run has not calibrated are judged only on the upper side, with
             # centre 0: honest drift only lowers z, so a key above it is above any honest centre.
@@ -302,7 +302,7 @@ def quarantine_reason(
             if c is None and center is not None or n < q.key_z_min_groups:
                 continue
             kz, shift = ev.key_z(c), ev.mean_shift(c)
-            if any(side * kz > q.key_z and side * shift >= q.key_z_min_shift for side in sides):
+            if any(side * kz > q.quarantine_key_z and side * shift >= q.key_z_min_shift for side in sides):
                 mean = ev.z_sum / ev.n
                 return (
                     f"implausible sampling over {n} groups (key z {kz:+.1f}: mean z {mean:+.2f} where honest "

@@ -44,7 +44,9 @@ def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
         max_new_tokens=w.max_new_tokens,
         checks=check_settings(cfg),
         quarantine=QuarantineSettings(
-            rate=sec.quarantine_rate, min_faults=sec.quarantine_min, key_z=sec.quarantine_key_z
+            quarantine_rate=sec.quarantine_rate,
+            quarantine_min=sec.quarantine_min,
+            quarantine_key_z=sec.quarantine_key_z,
         ),
         max_key_share=sec.max_key_share,
         flood_limit=flood_limit(cfg),
