@@ -162,7 +162,7 @@ def given_fields(cfg: BaseModel) -> dict[str, Any]:
     """The fields that were given (in a file, an override or by assignment) as nested JSON values.
 
     A field counts because it was set, whatever its value: one set back to its default is still given.
-    Sections are walked even when the section itself was not set, so `cfg.store.url = ...` on a default
+    Sections are walked even when the section itself was not set, so a field `with_fields` set on a default
     section counts too.
     """
     out: dict[str, Any] = {}
