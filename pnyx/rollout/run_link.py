@@ -13,8 +13,8 @@ thread asks the link for newer weights (`swap`), hands it groups (`send`: number
 It owns stopping (`request_stop`, signal-safe: it sets events only) and the end: the courier's final flush
 and heartbeat, and the `WorkerSummary`.
 
-Knows nothing about models, envs or generation: what it reports comes from `Progress`, what it paces by
-from `Supply`.
+Knows nothing about models, envs or generation: what it reports comes from the worker's `Progress`, and the
+demands it reads go to the worker's `Supply`.
 """
 
 from __future__ import annotations
@@ -55,9 +55,7 @@ class RunLink:
         self.opts = opts
         self.progress = progress
         self.stop_event = threading.Event()
-        self._wake = (
-            threading.Event()
-        )  # ends the generating thread's `pause`: spool space, a new demand, a stop
+        self._wake = threading.Event()  # ends the generating thread's `pause`: spool space, demand, a stop
         self.manifest: RunManifest | None = None
         """The run's run.json (None before `read_run`)."""
         self.cfg: PnyxConfig | None = None
