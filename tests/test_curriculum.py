@@ -144,11 +144,11 @@ def test_worker_with_curriculum_on_makes_most_groups_at_the_informative_level(tm
     worker = Worker(store, WorkerOptions(worker_id="w1"))
     worker.join()
     try:
-        worker.engine = SkillEngine(worker.tokenizer, {1: 1.0, 2: 0.5})
+        worker.gen.engine = SkillEngine(worker.gen.tokenizer, {1: 1.0, 2: 0.5})
         for _ in range(30):
             worker.step()
         end = time.monotonic() + 60
-        while len(worker.spool) and time.monotonic() < end:  # the courier uploads in the background
+        while len(worker.link.spool) and time.monotonic() < end:  # the courier uploads in the background
             time.sleep(0.05)
     finally:
         worker.close()
@@ -156,4 +156,4 @@ def test_worker_with_curriculum_on_makes_most_groups_at_the_informative_level(tm
     env = get_env("arith", digits=[1, 2, 3, 4], ops=["+"])
     late = Counter(env.task(g.task_id).meta["digits"] for g in sorted(groups, key=lambda g: g.seq)[60:])
     assert len(groups) == 120 and late[2] / sum(late.values()) > 0.6
-    assert worker.curriculum.pass_rate("3+") == 0.0 and worker.curriculum.pass_rate("1+") == 1.0
+    assert worker.gen.curriculum.pass_rate("3+") == 0.0 and worker.gen.curriculum.pass_rate("1+") == 1.0

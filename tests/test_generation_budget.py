@@ -53,7 +53,7 @@ def test_worker_generates_with_the_budget_recorded_in_run_json(tmp_path, tiny_mo
     run = make_run(str(tmp_path / "run"), tiny_model_dir, max_new_tokens=3)  # arith's own budget is 64
     worker = Worker(run.store, WorkerOptions(worker_id="w1", max_groups=2))
     worker.run()
-    assert worker.max_new_tokens == 3
+    assert worker.gen.max_new_tokens == 3
     lengths = [len(s.tokens) for _, g in rollout_groups(run.store) for s in g.samples]
     assert lengths and max(lengths) <= 3
 

@@ -65,8 +65,8 @@ def join(url: str, model: str | None = None) -> Worker:
     try:
         worker.join()
     finally:
-        if worker.syncer is not None:
-            worker.syncer.stop()
+        if worker.link.syncer is not None:
+            worker.link.syncer.stop()
     return worker
 
 
@@ -82,7 +82,7 @@ def test_worker_with_a_byte_identical_copy_of_the_model_joins(tmp_path, tiny_mod
     url = str(tmp_path / "run")
     start_run(url, str(tiny_model_dir))
     copy = shutil.copytree(tiny_model_dir, tmp_path / "copy")
-    assert join(url, str(copy)).version == 0
+    assert join(url, str(copy)).progress.version == 0
 
 
 def test_worker_whose_weights_differ_is_refused_at_join_naming_the_file(tmp_path, tiny_model_dir):
@@ -109,7 +109,7 @@ def test_worker_resolves_the_runs_commit_even_after_main_moved(tmp_path, hf_home
     make_hub_cache(hf_home, "org/tiny", tiny_model_dir)
     start_run(url, "org/tiny")
     make_hub_cache(hf_home, "org/tiny", make_tiny_model_dir(tmp_path / "v2", seed=1))  # a new push to main
-    assert join(url).version == 0  # resolving main instead of the run's commit would be refused
+    assert join(url).progress.version == 0  # resolving main instead of the run's commit would be refused
 
 
 def test_worker_without_the_runs_hub_model_is_refused_with_how_to_fetch_it(tmp_path, hf_home, tiny_model_dir):

@@ -270,23 +270,23 @@ def test_worker_keeps_generating_from_the_last_signed_version_beside_a_forgery(t
     run = make_run(str(tmp_path / "run"), tiny_model_dir)
     worker = Worker(run.store, WorkerOptions(worker_id="w1", max_groups=4, keys_dir=str(tmp_path / "keys")))
     worker.join()
-    real = worker.engine.generate
+    real = worker.gen.engine.generate
     calls = [0]
 
     def generate(prompt_ids, params):
         if calls[0] == 0:  # mid-cohort: a forged v1 that chains onto v0 appears, and the syncer polls it
             shadow = open_store("memory://")
-            forger = Publisher(shadow, signer=Signer(Ed25519PrivateKey.generate(), worker.run_id))
+            forger = Publisher(shadow, signer=Signer(Ed25519PrivateKey.generate(), worker.link.run_id))
             forger.publish(0, run.state(0))
             forger.publish(1, run.state(1))
             for meta in shadow.list(layout.weights_dir(1)):
                 run.store.put(meta.key, shadow.get(meta.key))
             assert Syncer(run.store).poll() == 1  # a reader without the pinned key would take it
-            worker.syncer.prefetch_once()
+            worker.link.syncer.prefetch_once()
         calls[0] += 1
         return real(prompt_ids, params)
 
-    worker.engine.generate = generate
+    worker.gen.engine.generate = generate
     summary = worker.run()
     groups = [g for _, g in rollout_groups(run.store)]
     assert len(groups) == 4 and calls[0] >= 2

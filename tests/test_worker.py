@@ -30,7 +30,7 @@ def _one_thread():
 
 def _on_generate(worker: Worker, hook):
     """Run `hook(call_index)` at the start of every engine generate call, then generate for real."""
-    real = worker.engine.generate
+    real = worker.gen.engine.generate
     calls = [0]
 
     def generate(prompt_ids, params):
@@ -38,7 +38,7 @@ def _on_generate(worker: Worker, hook):
         calls[0] += 1
         return real(prompt_ids, params)
 
-    worker.engine.generate = generate
+    worker.gen.engine.generate = generate
     return calls
 
 
@@ -52,11 +52,11 @@ def test_worker_joins_from_run_json_and_uploads_valid_groups(store_url, tiny_mod
     groups = rollout_groups(run.store)
     assert summary.groups_uploaded == 4 and len(groups) == 4
     env = get_env("arith", digits=1)
-    tokenizer = worker.tokenizer
+    tokenizer = worker.gen.tokenizer
     reference = run.model_at(0)
     for key, g in groups:
         assert layout.parse_rollout_key(key) == (0, "w1", g.seq)
-        assert (g.policy_version, g.weights_digest, g.run_id) == (0, run.digests[0], worker.run_id)
+        assert (g.policy_version, g.weights_digest, g.run_id) == (0, run.digests[0], worker.link.run_id)
         assert len(g.samples) == 4 and g.env == "arith"
         task = env.task(g.task_id)
         for s in g.samples:
@@ -79,7 +79,7 @@ def test_group_never_spans_two_versions(tmp_path, tiny_model_dir):
     def publish_mid_cohort(call: int) -> None:
         if call == 0:  # v1 appears, verified and staged, while the first cohort is being generated
             run.publish(1)
-            assert worker.syncer.prefetch_once() == 1
+            assert worker.link.syncer.prefetch_once() == 1
 
     _on_generate(worker, publish_mid_cohort)
     worker.run()
@@ -113,7 +113,7 @@ def test_corrupted_newer_version_is_never_used(tmp_path, tiny_model_dir):
             # Hold this cohort until the prefetch thread has tried (and refused) v1, so the test does not
             # depend on thread scheduling on a loaded machine.
             deadline = time.monotonic() + 120
-            while not worker.syncer.failures and time.monotonic() < deadline:
+            while not worker.link.syncer.failures and time.monotonic() < deadline:
                 time.sleep(0.05)
 
     _on_generate(worker, publish_corrupt)
@@ -122,7 +122,7 @@ def test_corrupted_newer_version_is_never_used(tmp_path, tiny_model_dir):
     groups = [g for _, g in rollout_groups(run.store)]
     assert len(groups) == 6
     assert {(g.policy_version, g.weights_digest) for g in groups} == {(0, run.digests[0])}
-    assert worker.syncer.failures, "the worker never even tried the corrupted version"
+    assert worker.link.syncer.failures, "the worker never even tried the corrupted version"
     assert summary.versions == [0]
 
 
@@ -140,7 +140,7 @@ def test_store_outage_spools_groups_and_uploads_all_after_recovery(tmp_path, tin
             faulty.fail_when(lambda op, key: op == "put" and key.startswith(layout.ROLLOUTS_PREFIX))
         if call == 2:  # uploads run in the courier thread: end the outage once it has given up at least once
             deadline = time.monotonic() + 60
-            while not worker.spool.stats.failed_flushes and time.monotonic() < deadline:
+            while not worker.link.spool.stats.failed_flushes and time.monotonic() < deadline:
                 time.sleep(0.02)
             faulty.clear()
 
@@ -149,7 +149,7 @@ def test_store_outage_spools_groups_and_uploads_all_after_recovery(tmp_path, tin
 
     keys = [k for k, _ in rollout_groups(run.store)]
     seqs = sorted(layout.parse_rollout_key(k)[2] for k in keys)
-    assert faulty.injected > 0 and worker.spool.stats.failed_flushes > 0
+    assert faulty.injected > 0 and worker.link.spool.stats.failed_flushes > 0
     assert seqs == list(range(6)), "a group was lost or duplicated"
     assert summary.groups_uploaded == 6 and summary.groups_pending == 0 and summary.groups_dropped == 0
 
@@ -162,7 +162,7 @@ def test_restarted_worker_continues_after_its_highest_seq(tmp_path, tiny_model_d
 
     seqs = sorted(layout.parse_rollout_key(k)[2] for k, _ in rollout_groups(run.store))
     assert seqs == [0, 1, 2, 3]
-    assert again.spool.stats.collisions == 0
+    assert again.link.spool.stats.collisions == 0
 
 
 def test_late_worker_cold_joins_newest_version_via_anchor_and_deltas(tmp_path, tiny_model_dir):
@@ -172,8 +172,8 @@ def test_late_worker_cold_joins_newest_version_via_anchor_and_deltas(tmp_path, t
     worker = Worker(run.store, WorkerOptions(worker_id="late", max_groups=2))
     worker.run()
 
-    assert worker.versions_used[0] == 5
-    route = worker.syncer.last_route
+    assert worker.progress.versions_used[0] == 5
+    route = worker.link.syncer.last_route
     assert route.kind == "cold" and [m.version for m in route.steps] == [3, 4, 5]
     groups = [g for _, g in rollout_groups(run.store)]
     assert len(groups) == 2 and {(g.policy_version, g.weights_digest) for g in groups} == {
@@ -225,9 +225,12 @@ def test_back_pressure_waits_for_the_next_version_instead_of_making_stale_groups
     try:
         worker.step()  # one cohort of 2 groups at v0: the cap is reached
         worker.step()  # must wait, not generate
-        assert worker.status == "waiting" and worker.spool.stats.uploaded + len(worker.spool) == 2
+        assert (
+            worker.progress.status == "waiting"
+            and worker.link.spool.stats.uploaded + len(worker.link.spool) == 2
+        )
         run.publish(1)
-        assert worker.syncer.prefetch_once() == 1
+        assert worker.link.syncer.prefetch_once() == 1
         worker.step()  # swaps to v1 and generates again
         wait_for(lambda: len(rollout_groups(run.store)) == 4, 60, "the courier's uploads")
     finally:
@@ -256,7 +259,7 @@ def test_screening_worker_generates_the_screens_pick_and_records_its_cost(tmp_pa
     picks: list[list[str]] = []
     pools: list[list[str]] = []
     worker.join()
-    real_pick = worker.screen.pick
+    real_pick = worker.gen.screen.pick
 
     def pick(pool, n, params):
         chosen = real_pick(pool, n, params)
@@ -264,9 +267,9 @@ def test_screening_worker_generates_the_screens_pick_and_records_its_cost(tmp_pa
         picks.append([t.id for t in chosen])
         return chosen
 
-    worker.screen.pick = pick
+    worker.gen.screen.pick = pick
     summary = worker.run()
-    assert summary.groups_uploaded == 4 and worker.screen.enabled
+    assert summary.groups_uploaded == 4 and worker.gen.screen.enabled
     assert pools and all(len(pool) == 4 * len(chosen) for pool, chosen in zip(pools, picks, strict=True))
     assert all(set(chosen) <= set(pool) for pool, chosen in zip(pools, picks, strict=True))
     uploaded = {g.task_id for _, g in rollout_groups(run.store)}

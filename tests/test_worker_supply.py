@@ -57,7 +57,7 @@ def test_zero_variance_groups_are_skipped_counted_and_leave_no_gap_in_seqs(tmp_p
     run = make_run(str(tmp_path / "run"), tiny_model_dir, skip_zero_variance=True, supply_control=False)
     worker = Worker(run.store, WorkerOptions(worker_id="w1", max_groups=4, spool_dir=str(tmp_path / "spool")))
     worker.join()
-    worker.env = MixedRewards(worker.env)
+    worker.gen.env = MixedRewards(worker.gen.env)
     summary = worker.run()
 
     groups = [g for _, g in rollout_groups(run.store)]
@@ -73,15 +73,15 @@ def test_worker_waits_for_the_trainers_demand_then_makes_one_more_step(tmp_path,
     run = make_run(str(tmp_path / "run"), tiny_model_dir, supply_lead=1.25)
     worker = Worker(run.store, WorkerOptions(worker_id="w1", spool_dir=str(tmp_path / "spool")))
     worker.join()
-    made = lambda: worker.spool.stats.uploaded + len(worker.spool)  # noqa: E731
+    made = lambda: worker.link.spool.stats.uploaded + len(worker.link.spool)  # noqa: E731
     try:
         for _ in range(8):
             worker.step()
         assert made() == 10  # before any demand: the lead, 1.25 steps of 8
         worker.step()
-        assert made() == 10 and worker.status == "waiting" and "supply" in worker.detail
+        assert made() == 10 and worker.progress.status == "waiting" and "supply" in worker.progress.detail
         _write_demand(run.store, version=1, waiting=10)  # the trainer stepped; its queue is on target
-        wait_for(lambda: worker.throttle.version == 1, 30, "the courier to read the demand")
+        wait_for(lambda: worker.supply.throttle.version == 1, 30, "the courier to read the demand")
         for _ in range(8):
             worker.step()
         assert made() == 18  # exactly one more step of 8

@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 from types import FrameType
-from typing import Any
 
 from pnyx.cli.common import fail, setup_logging
 from pnyx.errors import ConfigError, PnyxError
@@ -56,7 +55,7 @@ def worker_main(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    from pnyx.rollout.worker import Worker, WorkerOptions
+    from pnyx.rollout.worker import Worker, WorkerOptions, WorkerSummary
     from pnyx.store import open_store
 
     try:
@@ -74,15 +73,16 @@ def worker_main(
     except (ConfigError, ValueError) as e:
         raise fail(str(e)) from None
 
-    outcome: dict[str, Any] = {}
+    summaries: list[WorkerSummary] = []  # what the worker thread returned, or
+    errors: list[BaseException] = []  # what it raised
     finished = threading.Event()
     stop_by: list[float] = []  # the hard deadline, once a stop was asked for
 
     def body() -> None:
         try:
-            outcome["summary"] = worker.run()
+            summaries.append(worker.run())
         except BaseException as e:  # noqa: BLE001 - reported by the main thread below
-            outcome["error"] = e
+            errors.append(e)
         finally:
             finished.set()
 
@@ -100,14 +100,15 @@ def worker_main(
     threading.Thread(target=body, name="pnyx-worker", daemon=True).start()
     while not finished.wait(0.2):  # short waits: signal handlers run in this thread between them
         if stop_by and time.monotonic() > stop_by[0]:
-            pending = len(worker.spool) if worker.spool is not None else 0
-            where = worker.spool.folder if worker.spool is not None else "(not joined yet)"
+            spool = worker.link.spool
+            pending = len(spool) if spool is not None else 0
+            where = spool.folder if spool is not None else "(not joined yet)"
             log.warning(
                 "worker %s: the store did not answer in time; exiting with %d group(s) kept in %s for the next start",
                 worker.worker_id, pending, where,
             )  # fmt: skip
             _exit(0)
-    error = outcome.get("error")
+    error = errors[0] if errors else None
     if isinstance(error, ConfigError):
         fail(str(error))
         _exit(2)
@@ -116,7 +117,7 @@ def worker_main(
         _exit(1)
     if error is not None:
         raise error
-    summary = outcome["summary"]
+    summary = summaries[0]
     log.info(
         "worker %s %s: uploaded=%d pending=%d skipped_zero_variance=%d expired=%d dropped=%d rollouts=%d versions=%s",
         summary.worker_id, summary.status, summary.groups_uploaded, summary.groups_pending,

@@ -24,13 +24,15 @@ cohort; the wait doubles at each grant (up to a minute) and resets with the next
 is therefore always fed; a dead one costs at most a cohort per minute per worker. Before the first demand
 (the trainer has not stepped yet, or is too old to write one) the target is `lead × B`, then the same grants.
 
-Knows nothing about the store, models or threads: the owner feeds it demands, counts and a clock, under its
-own lock.
+`Throttle` knows nothing about the store, models or threads: its owner feeds it demands, counts and a
+clock. `Supply` is a throttle behind a lock, shared by a worker's two threads: the courier feeds it the
+demands it reads, the generating thread asks it for an allowance and counts what it made.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -169,3 +171,36 @@ class Throttle:
             f"supply: made {self.made}/{self.target:.0f} trainer v={self.version} waiting={self.waiting} "
             f"share=1/{self.workers} quota={self.quota:.1f}/step"
         )
+
+
+class Supply:
+    """A `Throttle` behind a lock, for a worker's courier thread (`observe`, `poll_interval`, `expired`) and
+    its generating thread (`allowance`, `note_made`)."""
+
+    def __init__(self, throttle: Throttle):
+        self.throttle = throttle
+        """The control law; read it only for display or tests (its fields change under the lock)."""
+        self._lock = threading.Lock()
+
+    def observe(self, demand: Demand) -> bool:
+        """`Throttle.observe`: True if `demand` was news (a newer version)."""
+        with self._lock:
+            return self.throttle.observe(demand)
+
+    def note_made(self, groups: int) -> None:
+        with self._lock:
+            self.throttle.note_made(groups)
+
+    def allowance(self) -> tuple[int, float, str]:
+        """(groups this worker may make now, seconds to wait before asking again when 0, a line for the
+        heartbeat's detail), read together."""
+        with self._lock:
+            return self.throttle.allowance(), self.throttle.wait_hint(), self.throttle.describe()
+
+    def poll_interval(self, default_s: float) -> float:
+        with self._lock:
+            return self.throttle.poll_interval(default_s)
+
+    def expired(self, version: int) -> bool:
+        with self._lock:
+            return self.throttle.expired(version)

@@ -31,176 +31,162 @@ the courier makes one final flush bounded by `final_flush_s` and writes a heartb
 "stopped"; whatever is not uploaded stays on disk for the next start of this worker id. Puts are atomic in
 every backend, so even SIGKILL never leaves a partial object.
 
-The `Worker` builds on `WorkerLink` (`worker_link.py`: stopping, the courier's callbacks for supply
-control, seq numbers and re-keying, the heartbeat record, the end and its summary); this module joins the
-run and runs the generating loop. Knows nothing about training.
+The `Worker` runs the generating loop and owns named collaborators: `link` (a `RunLink`, `run_link.py`:
+everything it does with the store: joining, the weights syncer, the spool, the courier thread, the
+heartbeat, stopping and the end), `progress` (`worker_state.Progress`: what the heartbeat reports),
+`gen` (a `Generation`: env, tokenizer, engine, screen, curriculum, made at join) and `supply` (`Supply`,
+`throttle.py`: the trainer's demand, shared with the courier). Knows nothing about training.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
-import time
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pnyx.errors import ConfigError, IntegrityError
+from pnyx.errors import IntegrityError
 from pnyx.protocol import layout
-from pnyx.rollout.courier import Courier
-from pnyx.rollout.joining import cold_join, default_worker_id, read_run_manifest, resume_seq
+from pnyx.protocol.records import RolloutGroup
+from pnyx.rollout.joining import default_worker_id
+from pnyx.rollout.run_link import RunLink
 from pnyx.rollout.screen import Screen
-from pnyx.rollout.spool import Spool, spool_folder
-from pnyx.rollout.throttle import Throttle
-from pnyx.rollout.worker_link import WorkerLink
-from pnyx.rollout.worker_state import Status, Throughput, WorkerOptions, WorkerSummary
-from pnyx.security.keys import load_or_create_key, worker_key_path
-from pnyx.security.signing import Signer
+from pnyx.rollout.throttle import Supply, Throttle
+from pnyx.rollout.worker_state import Progress, Status, WorkerOptions, WorkerSummary
 from pnyx.store import Store
-from pnyx.weights.syncer import Syncer
-from pnyx.weights.trust import pin_trainer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from pnyx.config import PnyxConfig
+    from pnyx.envs import Environment
+    from pnyx.rollout.curriculum import Curriculum
+    from pnyx.rollout.engines.base import WorkerEngine
 
 log = logging.getLogger("pnyx.worker")
 
-__all__ = ["Status", "Worker", "WorkerOptions", "WorkerSummary"]
+__all__ = ["Generation", "Status", "Worker", "WorkerOptions", "WorkerSummary"]
 
 
-class Worker(WorkerLink):
+@dataclass
+class Generation:
+    """What a worker generates with, made at join from run.json and this machine's model folder."""
+
+    env: Environment
+    tokenizer: PreTrainedTokenizerBase
+    engine: WorkerEngine
+    """Holds the verified weights the worker loaded last (`Worker._load`)."""
+    screen: Screen
+    """Picks each cohort's tasks from a larger pool (off unless worker.screen > 1)."""
+    curriculum: Curriculum | None
+    """Samples tasks by their recent pass rates (None: worker.curriculum off)."""
+    max_new_tokens: int
+    """The run's generation budget per turn."""
+
+
+class Worker:
     """One rollout worker of one run. Call `run` (or `join` + `step`) from one thread; `request_stop` from any."""
 
     def __init__(self, store: Store, options: WorkerOptions | None = None):
-        self.store = store
         self.opts = options or WorkerOptions()
-        self.worker_id = layout.check_name(self.opts.worker_id or default_worker_id(), "worker id")
-        self.stop_event = threading.Event()
-        self.status: Status = "starting"
-        self.detail = ""
-        self.version: int | None = None
-        self.digest = ""
-        self.versions_used: list[int] = []
-        self.rollouts = 0
-        self.tokens = 0
-        self.skipped_zero_variance = 0
-        self.generate_s = 0.0  # seconds generating cohorts (the screening's cost is measured against it)
-        self.screen: Screen | None = None  # made at join
-        self.started_at = time.time()
-        self._seq = 0
-        self._seq_lock = threading.Lock()  # seqs are also taken by the courier (re-keying a collision)
-        self._lock = threading.Lock()  # the throttle, shared with the courier
-        self._wake = threading.Event()  # wakes the generating thread: spool space, a new demand, a stop
-        self._joined = False
-        self._throughput = Throughput()
-        self._last_heartbeat = 0.0
-        self._stop_reason = ""
+        worker_id = layout.check_name(self.opts.worker_id or default_worker_id(), "worker id")
+        self.progress = Progress()
+        self.link = RunLink(store, worker_id, self.opts, self.progress)
+        self.cfg: PnyxConfig | None = None  # the run's, from run.json at join
+        self.gen: Generation | None = None  # made at join
+        self.supply: Supply | None = None  # made at join
         self.version_cap: int | None = None  # groups made per policy version before waiting for the next
         self._made: dict[int, int] = {}  # groups spooled per policy version (for version_cap)
         self._kept_frac = 1.0  # recent share of groups not skipped as zero-variance (sizes throttled cohorts)
-        self.spool: Spool | None = None
-        self.syncer: Syncer | None = None
-        self.signer: Signer | None = None
-        self.throttle: Throttle | None = None
-        self.courier: Courier | None = None
+        self._joined = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.link.worker_id
+
+    # -- control (any thread) --
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Ask the worker to stop (`RunLink.request_stop`); signal-safe."""
+        self.link.request_stop(reason)
+
+    @property
+    def stopping(self) -> bool:
+        return self.link.stopping
+
+    def close(self) -> None:
+        """Stop the background threads without a goodbye (for callers that used `join` + `step` only)."""
+        self.link.close()
 
     # -- joining --
 
     def join(self) -> None:
         """Read run.json, load model + tokenizer + env, cold-join the weights, find the resume seq, start the
         courier (the store thread)."""
-        from pnyx.config import config_from_dict, resolve_env_kwargs, resolve_max_new_tokens
+        from pnyx.config import resolve_env_kwargs, resolve_max_new_tokens
         from pnyx.envs import get_env
         from pnyx.models import load_tokenizer, resolve_run_model
+        from pnyx.protocol.rules import worker_version_cap
         from pnyx.rollout.curriculum import Curriculum
         from pnyx.rollout.engines import check_engine, make_engine
 
-        self._set_status("starting", "reading run.json")
-        manifest = read_run_manifest(self.store, self.opts.join_timeout_s, self.stop_event)
-        self.run_id = manifest.run_id
-        self.trust = pin_trainer(manifest, self.opts.trust, self.opts.keys_dir)  # ConfigError: refuse to join
-        key, created = load_or_create_key(worker_key_path(self.opts.keys_dir))
-        self.signer = Signer(key)  # signs every group; the trainer binds this worker's name to it
-        log.info(
-            "worker %s: signing groups with key %s%s", self.worker_id, self.signer.fingerprint,
-            " (created)" if created else "",
-        )  # fmt: skip
-        self.cfg = config_from_dict(manifest.config)
-        from pnyx.protocol.rules import worker_version_cap
-
-        self.version_cap = worker_version_cap(self.cfg)  # half the run's flood limit (docs/security.md)
-        if self.opts.int8 and not self.cfg.worker.int8:
-            raise ConfigError(
-                "--int8: this run's trainer does not publish the int8 actor plane. Start the run with "
-                "--worker.int8=true (the trainer then publishes it next to the bf16 weights), or drop --int8."
-            )
-        engine = self.opts.engine or self.cfg.worker.engine
-        check_engine(engine, self.opts.device)  # fail before loading anything when the engine cannot run here
-        self.env = get_env(self.cfg.env.name, **resolve_env_kwargs(self.cfg))
-        self.max_new_tokens = resolve_max_new_tokens(self.cfg.worker.max_new_tokens, self.env)  # run.json's
-        self.curriculum = Curriculum(self.env) if self.cfg.worker.curriculum else None
+        self.progress.set("starting", "reading run.json")
+        self.cfg = cfg = self.link.read_run()  # ConfigError: refuse to join
+        self.version_cap = worker_version_cap(cfg)  # half the run's flood limit (docs/security.md)
+        engine_name = self.opts.engine or cfg.worker.engine
+        check_engine(
+            engine_name, self.opts.device
+        )  # fail before loading anything when the engine cannot run here
+        env = get_env(cfg.env.name, **resolve_env_kwargs(cfg))
+        max_new_tokens = resolve_max_new_tokens(cfg.worker.max_new_tokens, env)  # run.json's
+        curriculum = Curriculum(env) if cfg.worker.curriculum else None
+        manifest = self.link.manifest
+        model = manifest.model if manifest is not None else None
         path = resolve_run_model(
-            manifest.model or {}, self.cfg.model.path, self.cfg.model.revision, self.opts.model_path
+            model or {}, cfg.model.path, cfg.model.revision, self.opts.model_path
         )  # the run's exact model on this machine, or a ConfigError saying what differs
-        self.tokenizer = load_tokenizer(path)
-        w = self.cfg.worker
-        self.plane = "int8" if (self.opts.int8 or w.int8) else "weights"
-        self.engine = make_engine(
-            engine, path, self.tokenizer, dtype=self.cfg.model.dtype, device=self.opts.device, plane=self.plane
+        tokenizer = load_tokenizer(path)
+        w = cfg.worker
+        engine = make_engine(
+            engine_name, path, tokenizer, dtype=cfg.model.dtype, device=self.opts.device, plane=self.link.plane
         )  # fmt: skip
-        self.screen = Screen(
-            self.env, self.engine, self.tokenizer, w.screen, w.group_size, start_above=w.screen_start_above
+        screen = Screen(env, engine, tokenizer, w.screen, w.group_size, start_above=w.screen_start_above)
+        self.gen = gen = Generation(env, tokenizer, engine, screen, curriculum, max_new_tokens)
+        self.supply = supply = Supply(
+            Throttle(cfg.trainer.groups_per_step, w.supply_lead, w.prompts_per_cohort)
         )
-        capacity = max(w.spool_max_groups, w.prompts_per_cohort)  # 0 in config: hold one cohort at most
-        folder = spool_folder(self.opts.spool_dir, self.run_id, self.worker_id)
-        self.spool = Spool(capacity, folder=folder, rekey=self._rekey)
-        self.throttle = Throttle(self.cfg.trainer.groups_per_step, w.supply_lead, w.prompts_per_cohort)
 
-        self._set_status("syncing", "cold join")
-        self._write_heartbeat()
-        self.syncer = syncer = Syncer(
-            self.store,
-            plane=self.plane,
-            max_backoff_s=self.opts.max_backoff_s,
-            poll_interval_s=w.poll_interval_s,
-            trust=self.trust,  # only weights the run's trainer key signed: fail-closed otherwise
-        )
-        version, tensors = cold_join(syncer, self.opts.join_timeout_s, w.poll_interval_s, self.stop_event)
-        self._load(version, tensors)
-        pending = [layout.parse_rollout_key(k) for k in self.spool.pending_keys()]
-        spooled = max((p[2] for p in pending if p and p[1] == self.worker_id), default=-1)
-        self._seq = max(resume_seq(self.store, self.worker_id, version), spooled + 1)
+        version = self.link.cold_join()
+        self._load(version)
+        seq = self.link.resume(version)
+        spool = self.link.spool
         log.info(
             "worker %s joined run %s: engine=%s env=%s v=%d digest=%s (%s proof) seq=%d spool=%s "
             "(%d left by a previous run)",
-            self.worker_id, self.run_id, self.engine.name, self.env.name, version, self.digest[:12],
-            self.engine.proof_kind, self._seq, folder, self.spool.stats.loaded,
+            self.worker_id, self.link.run_id, gen.engine.name, gen.env.name, version, self.progress.digest[:12],
+            gen.engine.proof_kind, seq, spool.folder if spool else None, spool.stats.loaded if spool else 0,
         )  # fmt: skip
-        syncer.start()  # background prefetch; swapped in only at cohort boundaries
-        self.courier = Courier(
-            self.store, self.spool, heartbeat=self._heartbeat_bytes,
-            heartbeat_key=layout.worker_heartbeat(self.worker_id), heartbeat_s=w.heartbeat_interval_s,
-            stop=self.stop_event, on_demand=self._take_demand, demand_poll_s=self._demand_poll_s,
-            expired=self._expired, on_progress=self._wake.set, flush_deadline_s=self.opts.flush_deadline_s,
-            final_flush_s=self.opts.final_flush_s, max_backoff_s=self.opts.max_backoff_s,
-        )  # fmt: skip
-        self.courier.start()
-        self._throughput.restart(self.rollouts, self.tokens)
+        self.link.start(supply)  # background prefetch; swapped in only at cohort boundaries
+        self.progress.throughput.restart(self.progress.rollouts, self.progress.tokens)
         self._joined = True
 
-    def _load(self, version: int, tensors: dict[str, Any]) -> None:
+    def _load(self, version: int) -> None:
         """Apply verified version `version` to the engine in place (only ever called between cohorts).
 
         The engine writes the tensors that changed into its resident model and proves the result against
-        the version's manifest (`pnyx.rollout.engines.base`); `tensors` (the syncer's torch view) is not
-        needed: engines read the syncer's verified bits, which they never write.
+        the version's manifest (`pnyx.rollout.engines.base`), reading the syncer's verified bits, which it
+        never writes.
         """
-        syncer = self.syncer
-        if syncer is None:
-            raise RuntimeError("the worker applies weights only after joining (no syncer yet)")
-        proof = self.engine.update(version, syncer.state, syncer.manifest)
+        syncer = self.link.syncer
+        if syncer is None or self.gen is None:
+            raise RuntimeError("the worker applies weights only after joining (no syncer or engine yet)")
+        proof = self.gen.engine.update(version, syncer.state, syncer.manifest)
         if proof.chain_digest != syncer.digest:
             raise IntegrityError(
                 f"v{version}: the engine proved {proof.chain_digest}, the syncer holds {syncer.digest}"
             )
-        self.version, self.digest = version, proof.chain_digest
-        self.versions_used.append(version)
+        self.progress.version, self.progress.digest = version, proof.chain_digest
+        self.progress.versions_used.append(version)
 
     # -- the loop --
 
@@ -214,15 +200,14 @@ class Worker(WorkerLink):
         except InterruptedError:
             log.info("worker %s stopped before it joined", self.worker_id)
         except BaseException as e:
-            self._set_status("error", f"{type(e).__name__}: {e}"[:500])
-            self._end_courier(self.opts.final_flush_s)
+            self.progress.set("error", f"{type(e).__name__}: {e}"[:500])
+            self.link.end_courier(self.opts.final_flush_s)
             raise
         finally:
-            if self.syncer is not None:
-                self.syncer.stop(timeout_s=1.0)  # a fetch in flight is abandoned (daemon thread)
-            if getattr(self, "engine", None) is not None:
-                self.engine.close()
-        return self._shutdown()
+            self.link.stop_prefetch()
+            if self.gen is not None:
+                self.gen.engine.close()
+        return self.link.shutdown()
 
     def step(self) -> None:
         """One cohort boundary: maybe swap weights, then (if supply control and the spool allow) generate one
@@ -231,124 +216,102 @@ class Worker(WorkerLink):
         from pnyx.protocol.rules import is_zero_variance
         from pnyx.rollout.cohort import CohortSpec, generate_cohort, sampling_params
 
-        if (
-            self.spool is None
-            or self.syncer is None
-            or self.courier is None
-            or self.throttle is None
-            or self.screen is None
-            or self.version is None
-        ):
+        link, gen, supply, cfg, spool = self.link, self.gen, self.supply, self.cfg, self.link.spool
+        if not self._joined or gen is None or supply is None or cfg is None or spool is None:
             raise RuntimeError("Worker.step() before join(): call run() or join() first")
-        self.courier.check()  # re-raises a fatal error of the store thread
-        fresh = self.syncer.swap()  # re-raises a fatal error of the prefetch thread
+        fresh = link.swap()  # re-raises a fatal error of the store or prefetch thread
         if fresh is not None:
-            self._load(*fresh)
-            log.info("worker %s swapped to v=%d digest=%s", self.worker_id, self.version, self.digest[:12])
-        w = self.cfg.worker
+            self._load(fresh)
+            log.info("worker %s swapped to v=%d digest=%s", self.worker_id, fresh, self.progress.digest[:12])
+        progress = self.progress
+        version = progress.version
+        if version is None:
+            raise RuntimeError("Worker.step() before join(): call run() or join() first")
+        w = cfg.worker
         cap = self.version_cap
-        if cap is not None and self._groups_at_version() >= cap:
-            self._set_status("waiting", f"v={self.version}: {cap} groups made, waiting for the next version")
-            self._pause(w.poll_interval_s)
+        if cap is not None and self._made.get(version, 0) >= cap:
+            progress.set("waiting", f"v={version}: {cap} groups made, waiting for the next version")
+            link.pause(w.poll_interval_s)
             return
         n = w.prompts_per_cohort
-        if len(self.spool) + n > self.spool.max_groups:
+        if len(spool) + n > spool.max_groups:
             # never generate what could not be spooled; the courier is retrying the store
-            self._set_status("waiting", f"store unreachable, {len(self.spool)} group(s) spooled")
-            self._pause(1.0)
+            progress.set("waiting", f"store unreachable, {len(spool)} group(s) spooled")
+            link.pause(1.0)
             return
         if w.supply_control:
-            with self._lock:
-                allowed, hint, why = (
-                    self.throttle.allowance(),
-                    self.throttle.wait_hint(),
-                    self.throttle.describe(),
-                )
+            allowed, hint, why = supply.allowance()
             if allowed <= 0:
-                self._set_status("waiting", why)
-                self._pause(hint)
+                progress.set("waiting", why)
+                link.pause(hint)
                 return
             # prompts for `allowed` uploadable groups, given how many recently had zero variance
             n = min(n, math.ceil(allowed / max(0.25, self._kept_frac)))
         if self.opts.max_groups is not None:
-            n = min(n, self.opts.max_groups - self.spool.accounted())
+            n = min(n, self.opts.max_groups - spool.accounted())
             if n <= 0:  # the quota is spooled: wait for the courier to upload it
-                self._set_status("uploading", f"pending={len(self.spool)}")
-                self._pause(0.5)
+                progress.set("uploading", f"pending={len(spool)}")
+                link.pause(0.5)
                 return
-        seed = stable_hash(self.cfg.run.seed, self.worker_id, self._seq, self.skipped_zero_variance) % (2**31)
+        seed = stable_hash(cfg.run.seed, self.worker_id, link.next_seq, progress.skipped_zero_variance) % (
+            2**31
+        )
         spec = CohortSpec(
-            run_id=self.run_id, worker_id=self.worker_id, version=self.version, digest=self.digest,
+            run_id=link.run_id, worker_id=self.worker_id, version=version, digest=progress.digest,
             group_size=w.group_size, temperature=w.temperature, top_p=w.top_p, top_k=w.top_k,
-            max_new_tokens=self.max_new_tokens, seed=seed,
+            max_new_tokens=gen.max_new_tokens, seed=seed,
         )  # fmt: skip
-        pool_n = self.screen.pool_size(n)
-        if self.curriculum is not None:
-            pool = self.curriculum.sample(seed, pool_n)
+        pool_n = gen.screen.pool_size(n)
+        if gen.curriculum is not None:
+            pool = gen.curriculum.sample(seed, pool_n)
         else:
-            pool = self.env.sample("train", seed=seed, n=pool_n)
-        tasks = self.screen.pick(pool, n, sampling_params(spec, self.env))
-        self._set_status("generating", f"v={self.version} tasks={n}")
-        result = generate_cohort(self.engine, self.tokenizer, self.env, tasks, spec, lambda: 0)
-        self.generate_s += result.gen_seconds
-        if self.curriculum is not None:
-            self.curriculum.observe(tasks, result.groups)
-        kept = self._spool_groups(result.groups)
+            pool = gen.env.sample("train", seed=seed, n=pool_n)
+        tasks = gen.screen.pick(pool, n, sampling_params(spec, gen.env))
+        progress.screen_s, progress.tasks_screened = gen.screen.seconds, gen.screen.scored
+        progress.set("generating", f"v={version} tasks={n}")
+        result = generate_cohort(gen.engine, gen.tokenizer, gen.env, tasks, spec, lambda: 0)
+        progress.generate_s += result.gen_seconds
+        if gen.curriculum is not None:
+            gen.curriculum.observe(tasks, result.groups)
+        kept = self._spool_groups(result.groups, version, supply, skip_zero_variance=w.skip_zero_variance)
         zero = sum(is_zero_variance([s.reward for s in g.samples]) for g in result.groups)
-        self.screen.observe(zero, len(result.groups))
+        gen.screen.observe(zero, len(result.groups))
         self._kept_frac = 0.8 * self._kept_frac + 0.2 * kept / max(1, len(result.groups))
-        self.rollouts += sum(len(g.samples) for g in result.groups)
-        self.tokens += result.tokens
-        self._throughput.update(self.rollouts, self.tokens)
+        progress.rollouts += sum(len(g.samples) for g in result.groups)
+        progress.tokens += result.tokens
+        progress.throughput.update(progress.rollouts, progress.tokens)
         rewards = [s.reward for g in result.groups for s in g.samples]
         log.info(
             "worker=%s v=%d groups=%d pending=%d skipped=%d reward=%.3f rollouts/s=%.2f tok/s=%.1f",
-            self.worker_id, self.version, self.spool.stats.uploaded, len(self.spool), self.skipped_zero_variance,
-            sum(rewards) / max(1, len(rewards)), *self._throughput.rates,
+            self.worker_id, version, spool.stats.uploaded, len(spool), progress.skipped_zero_variance,
+            sum(rewards) / max(1, len(rewards)), *progress.throughput.rates,
         )  # fmt: skip
         if kept:
-            self._set_status("uploading", f"v={self.version} pending={len(self.spool)}")
+            progress.set("uploading", f"v={version} pending={len(spool)}")
 
-    def _spool_groups(self, groups: list[Any]) -> int:
-        """Number and spool the groups worth uploading; skip (and count) zero-variance ones. Returns how many
-        were spooled."""
-        import msgspec
-
-        from pnyx.protocol import encode_group
+    def _spool_groups(
+        self, groups: list[RolloutGroup], version: int, supply: Supply, *, skip_zero_variance: bool
+    ) -> int:
+        """Hand the groups worth uploading to the link (which numbers, signs and spools them); skip (and count)
+        zero-variance ones. Returns how many were spooled."""
         from pnyx.protocol.rules import is_zero_variance  # the trainer's own test: same verifier, same drop
 
-        # called by step() only, after join(): the parts below exist
-        assert self.spool is not None and self.courier is not None and self.throttle is not None
-        assert self.version is not None
-        kept = 0
+        kept: list[RolloutGroup] = []
         for group in groups:
-            if self.cfg.worker.skip_zero_variance and is_zero_variance([s.reward for s in group.samples]):
-                self.skipped_zero_variance += 1
+            if skip_zero_variance and is_zero_variance([s.reward for s in group.samples]):
+                self.progress.skipped_zero_variance += 1
                 continue
-            group = msgspec.structs.replace(group, seq=self._next_seq())  # seqs stay contiguous
-            self.spool.add(
-                layout.rollout_key(group.policy_version, self.worker_id, group.seq),
-                encode_group(group, signer=self.signer),
-            )
-            kept += 1
+            kept.append(group)  # in order: seqs stay contiguous
         if kept:
-            self._made[self.version] = self._made.get(self.version, 0) + kept
-            with self._lock:
-                self.throttle.note_made(kept)
-            self.courier.wake()
-        return kept
-
-    def _pause(self, seconds: float) -> None:
-        """Wait up to `seconds`, returning early on a stop, spool progress or a new demand."""
-        self._wake.wait(seconds)
-        self._wake.clear()
-
-    def _groups_at_version(self) -> int:
-        return self._made.get(self.version, 0) if self.version is not None else 0
+            self._made[version] = self._made.get(version, 0) + len(kept)
+            supply.note_made(len(kept))
+            self.link.send(kept)
+        return len(kept)
 
     def _quota_reached(self) -> bool:
+        spool = self.link.spool
         return (
             self.opts.max_groups is not None
-            and self.spool is not None
-            and (self.spool.stats.uploaded >= self.opts.max_groups)
+            and spool is not None
+            and spool.stats.uploaded >= self.opts.max_groups
         )

@@ -1,4 +1,5 @@
-"""A worker's settings, what it reports when it ends, and its throughput meter (`pnyx.rollout.worker`).
+"""A worker's settings, its progress (what its heartbeat reports), what it reports when it ends, and its
+throughput meter (`pnyx.rollout.worker`).
 
 Plain data: knows nothing about the store, models or the worker loop.
 """
@@ -89,3 +90,38 @@ class Throughput:
             rates if old == (0.0, 0.0) else tuple(0.5 * a + 0.5 * b for a, b in zip(old, rates, strict=True))
         )
         self._window = (now, rollouts, tokens)
+
+
+@dataclass
+class Progress:
+    """What a worker reports: its status, the weights it holds, its counters. The `Worker` writes it (its
+    `RunLink` sets the join's "syncing" and the end's "stopped"); the link reads it for the heartbeat (on the
+    courier thread, so a field may be one update late) and for the `WorkerSummary`."""
+
+    status: Status = "starting"
+    detail: str = ""
+    """One line on what the status means now (the heartbeat's `detail`)."""
+    version: int | None = None
+    """The policy version the engine holds (None before the cold join)."""
+    digest: str = ""
+    """That version's chain digest, as the engine proved it."""
+    versions_used: list[int] = field(default_factory=list)
+    """Every version loaded, in order."""
+    rollouts: int = 0
+    """Completions generated (skipped groups included)."""
+    tokens: int = 0
+    """Tokens generated."""
+    skipped_zero_variance: int = 0
+    """Groups not uploaded because all their samples got the same reward."""
+    generate_s: float = 0.0
+    """Seconds generating cohorts (the screening's cost is measured against it)."""
+    screen_s: float = 0.0
+    """Seconds scoring candidate tasks (`Screen.seconds`)."""
+    tasks_screened: int = 0
+    """Candidate tasks scored (`Screen.scored`)."""
+    started_at: float = field(default_factory=time.time)
+    throughput: Throughput = field(default_factory=Throughput)
+
+    def set(self, status: Status, detail: str = "") -> None:
+        self.status = status
+        self.detail = detail
