@@ -5,7 +5,8 @@ documented once (the docstring under it) and carries its bounds in its type; thi
 and holds the layering (`load_config`, `parse_overrides`, `config_from_dict`, the resume overlay) and the
 derived values. Nothing rewrites a sibling field; derived values (the default store URL of `pnyx run`, the
 shipped model's path) are computed in `resolve_*` functions, in one explicit place. Knows nothing about
-torch, models or stores: importing this module is cheap, so `pnyx --help` stays instant.
+models or stores; imports torch only inside `resolve_device`, so importing this module is cheap and
+`pnyx --help` stays instant.
 
 The resolved config is written into the run (`run.json`) by the trainer when it creates the run; workers
 read sampling settings from there, so a worker needs only the store URL.
@@ -159,7 +160,7 @@ def config_from_dict(data: dict[str, Any], source: str = "run.json") -> PnyxConf
 
 
 def given_fields(cfg: BaseModel) -> dict[str, Any]:
-    """The fields that were given (in a file, an override or by assignment) as nested JSON values.
+    """The fields that were given (in a file, an override or through `with_fields`) as nested JSON values.
 
     A field counts because it was set, whatever its value: one set back to its default is still given.
     Sections are walked even when the section itself was not set, so a field `with_fields` set on a default

@@ -179,7 +179,8 @@ class TrainerConfig(_Section):
 
 class SecurityConfig(_Section):
     """What the trainer accepts from untrusted workers (docs/security.md): the per-group sampling checks,
-    quarantine of signing keys, and the share of a batch one key may take. Read by the trainer alone."""
+    quarantine of signing keys, and the share of a batch one key may take. Read by the trainer; workers read
+    only `flood_limit`, to stay at half of it (`pnyx.protocol.rules.worker_version_cap`)."""
 
     lp_gap_base: Annotated[float, Field(gt=0)] | None = 0.03
     """Logprob-gap check (docs/security.md): a group whose mean |claimed − trainer| behaviour logprob over

@@ -1,6 +1,6 @@
 """`pnyx envs ...`: list the registered environments and show sample tasks with a scored ideal answer.
 
-Knows nothing about models or the store and never imports torch. The lead mounts `app` as `pnyx envs`.
+Knows nothing about models or the store and never imports torch. `pnyx/cli/__init__.py` mounts `app` as `pnyx envs`.
 """
 
 from __future__ import annotations

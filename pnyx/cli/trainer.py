@@ -1,4 +1,4 @@
-"""`pnyx trainer`: the body of the command (the lead's `pnyx/cli/__init__.py` mounts it).
+"""`pnyx trainer`: the body of the command (`pnyx/cli/__init__.py` mounts it).
 
 Runs one run's trainer until the step budget, Ctrl-C/SIGTERM (clean stop: the current step finishes,
 publishes and checkpoints) or no data for `trainer.max_wait_s`. Exit codes: 0 done, 2 bad config,

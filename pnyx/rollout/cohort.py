@@ -101,7 +101,8 @@ def generate_cohort(
 ) -> CohortResult:
     """Generate `spec.group_size` completions per task, score each with `env`, return one group per task.
 
-    `next_seq()` is called once per group, in task order, to number it. Token ids, behaviour logprobs and
+    `next_seq()` is called once per group, in task order, to number it (the worker passes a placeholder:
+    its `Sealer` numbers the groups it spools). Token ids, behaviour logprobs and
     loss masks come from the engine unchanged (tool tokens carry mask 0 and logprob 0.0).
     """
     from pnyx.models import render_prompt

@@ -3,8 +3,9 @@
 The loop, the publisher and the checkpointer call `point(name, version)` at: `after_step` (optimizer step
 done), `before_manifest` (payload uploaded, manifest not written), `after_publish` (published, before
 metrics and checkpoint) and `during_checkpoint` (this rank's checkpoint shards uploaded, not committed).
-Nothing is registered in production: `point` is then a no-op. `decode` is the group decoder the trainer's
-ingestor uses (a harness may wrap it, e.g. to slow every fetch down). Knows nothing about training.
+Nothing is registered in production: `point` is then a no-op. `decoder(decode)` returns the group decoder
+the trainer's ingestor uses, wrapped by what a harness registered with `wrap_decode` (e.g. to slow every fetch
+down). Knows nothing about training.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -66,8 +66,7 @@ from pnyx.protocol import layout
 from pnyx.protocol.codec import frame_signer
 from pnyx.protocol.records import RolloutGroup
 from pnyx.protocol.rules import is_zero_variance
-from pnyx.security.calibration import Allowances, Drift, ProbeRow
-from pnyx.security.checks import GroupEvidence
+from pnyx.security.calibration import Allowances, ProbeRow
 from pnyx.security.keys import fingerprint
 from pnyx.store import Store
 from pnyx.train.ingest_state import Cursor, IngestSettings
@@ -183,6 +182,8 @@ class Ingestor:
             ready=self._ready,
             outcomes=self._outcomes,
         )
+        self.commit = self.planner.commit
+        """`BatchPlanner.commit`: record that one step consumed these groups (each once)."""
 
     @property
     def settings(self) -> IngestSettings:
@@ -408,8 +409,9 @@ class Ingestor:
                     return plan.chosen  # the store is failing: the caller backs off and asks again
 
     def poll(self, version: int) -> int:
-        """List the whole window and fetch every waiting key (exhaustive: for tests and tools, never the
-        trainer loop, whose cost must not follow the backlog). Returns `available(version)`."""
+        """List the whole window and fetch every waiting key (exhaustive: its cost follows the backlog).
+        Returns `available(version)`. The trainer loop calls it after each publish, for the demand's count
+        of usable groups waiting; tests and tools call it too."""
         self.listing.sweep(version)
         self.listing.refresh(version, full=True)
         with self._lock:
@@ -512,16 +514,3 @@ class Ingestor:
     def probe(self) -> list[ProbeRow]:
         """`BatchPlanner.probe`: the rows the next step's drift probe re-forwards."""
         return self.planner.probe()
-
-    def commit(
-        self,
-        keys: Iterable[str],
-        groups: Iterable[ScoredGroup] = (),
-        rejected: Mapping[str, str] | None = None,
-        evidence: Mapping[str, GroupEvidence] | None = None,
-        allowances: Allowances | None = None,
-        drift: Drift | None = None,
-        version: int | None = None,
-    ) -> None:
-        """`BatchPlanner.commit`: record that one step consumed these groups (each once)."""
-        self.planner.commit(keys, groups, rejected, evidence, allowances, drift, version)

@@ -21,7 +21,8 @@ from pnyx.train.advantages import AdvantageMode
 
 @dataclass(frozen=True)
 class IngestSettings:
-    """The filters of ingestion (from the config's `algorithm` section)."""
+    """The filters of ingestion (`pnyx.train.settings.ingest_settings`: the config's `algorithm` and `security`
+    sections, and the run's sampling settings from `worker`)."""
 
     max_staleness: int = 3
     max_reuse: int = 1

@@ -123,7 +123,7 @@ class KeyLedger:
 
     def check_flood(self, fp: str, version: int, n: int) -> None:
         """Quarantine `fp` once it has more groups listed at `version` than the flood limit (caller holds
-        the lock). Honest workers stop at half the limit (`pnyx.train.settings.worker_version_cap`)."""
+        the lock). Honest workers stop at half the limit (`pnyx.protocol.rules.worker_version_cap`)."""
         limit = self.settings.flood_limit
         if limit is None or n <= limit or fp in self.cursor.quarantined or self.settings.quarantine is None:
             return

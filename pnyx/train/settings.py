@@ -1,5 +1,5 @@
-"""The config's `algorithm` and `security` sections turned into the settings the step and the ingestor take
-(one place; each setting keeps its config name).
+"""The config's `algorithm` and `security` sections (and the run's sampling settings from `worker`) turned
+into the settings the step and the ingestor take (one place; each setting keeps its config name).
 
 `loss_settings` feeds `train_step` (the trainer loop and every swarm node); `ingest_settings` feeds the
 trainer's `Ingestor`. Knows nothing about the loop, the store or models; imports no torch itself beyond

@@ -78,10 +78,12 @@ def train_step(
 
     `checks` (with `policy_version`): the sampling checks of `pnyx.security.checks` on every group, from
     this step's own forward (the entropy's second moment is the only extra work). A failing group is
-    rejected **before the optimizer step**: its rows are forwarded and back-propagated once more with the
-    opposite sign (the only extra forward, paid for rejected groups alone), and the gradient is rescaled
-    to the batch-global normaliser without them, so the update is the one of the batch without those
-    groups (up to floating-point summation). If every group fails, no optimizer step is taken.
+    rejected **before the optimizer step**: a group whole in one micro-batch is judged before that
+    micro-batch's backward and weighs 0 in it; a group split across micro-batches is judged on its merged
+    evidence after them, and its micro-batches are forwarded and back-propagated once more with the
+    opposite sign (the only extra forward, paid for rejected split groups alone). The gradient is then
+    rescaled to the batch-global normaliser without the rejected groups, so the update is the one of the
+    batch without them (up to floating-point summation). If every group fails, no optimizer step is taken.
     `probe` (with the checks): rows held out from the step, forwarded before and after the update to
     measure its drift (`StepStats.drift`; None when no step is taken); with `Allowances` and no probe,
     rows of the batch itself stand in.

@@ -14,6 +14,8 @@ An engine owns a model in memory and does four things:
   `pnyx.rollout.episodes`, on the KV cache of the engine's `decoder()` where it has one (torch), else
   re-prefilling each turn through `generate`;
 - `name`: recorded in every rollout group, so the trainer can report its logprob gap per engine.
+Optional, with defaults here: `decoder()` (the decode loop tool turns continue on; None), `reference_logprobs`
+(pre-rollout screening; None: cannot score) and `close()` (release processes or memory; nothing).
 
 The proof. The manifest of a version lists every tensor's xxh3-128 digest (of its bits in the published
 dtype), the state digest over them, and the chain digest `H(parent || payload || state)`. After an update
