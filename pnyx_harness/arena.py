@@ -192,7 +192,7 @@ class Arena:
         """Freeze the verdict of every upload the trainer has reached a decision on."""
         ing = self.trainer.parts.ingestor
         assert ing is not None  # the trainer started
-        with ing._lock:
+        with ing.shared.lock:
             rejected = dict(ing.cursor.rejected)
             uses = dict(ing.cursor.uses)
         for u in self.uploads:

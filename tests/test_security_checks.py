@@ -178,7 +178,7 @@ def test_step_rejections_and_evidence_are_counted_per_key_at_commit(tmp_path):
     ing.commit([liar_more], rejected={liar_more: "logprob_gap"})
     assert LIAR.fingerprint in ing.cursor.quarantined  # 5 of 7 judged groups failed
     # its fetched, unused groups went with it; the honest key's stay
-    assert not any(g.signer == LIAR.fingerprint for g in ing._ready.values())
+    assert not any(g.signer == LIAR.fingerprint for g in ing.shared.ready.values())
     ing.commit(keys[6:], evidence=ev)
     assert HONEST.fingerprint not in ing.cursor.quarantined
     assert ing.cursor.evidence[HONEST.fingerprint].n == 6
@@ -210,7 +210,7 @@ def test_a_name_squatter_cannot_get_the_honest_owner_quarantined(tmp_path):
     assert all(ing.cursor.rejected.get(k) == "id_theft" for k in victim)
     assert ing.cursor.by_key[HONEST.fingerprint]["id_theft"] == 8
     assert HONEST.fingerprint not in ing.cursor.quarantined
-    assert own in ing._ready  # its groups under its other name are still trained on
+    assert own in ing.shared.ready  # its groups under its other name are still trained on
 
 
 # --- per-key caps ---------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ from pnyx.security.keys import fingerprint
 from pnyx.store import Store
 from pnyx.train.ingest_state import Cursor, IngestSettings
 from pnyx.train.key_ledger import KeyLedger
-from pnyx.train.listing import SWEEP_GRACE_S, WindowListings
+from pnyx.train.listing import SWEEP_GRACE_S, Shared, WindowListings
 from pnyx.train.planner import BatchPlanner
 from pnyx.train.pool import DaemonPool
 from pnyx.train.ranking import Plan
@@ -134,7 +134,6 @@ class Ingestor:
         self.store = store
         self.env = env
         self.detokenize = detokenize
-        self._settings = settings if settings is not None else IngestSettings()
         self.run_id = run_id
         self.vocab_size = vocab_size
         self.render = render
@@ -142,12 +141,11 @@ class Ingestor:
         self.decode = decode
         self.fetch_workers = fetch_workers
         self.require_signatures = require_signatures
-        self._cursor = cursor if cursor is not None else Cursor()
-        self._lock = threading.RLock()  # the one lock of the listings, the cursor and the fetched groups
+        self.shared = Shared(cursor if cursor is not None else Cursor(), settings or IngestSettings())
+        """The one lock, the cursor, the settings and the fetched groups, shared with the collaborators."""
         self._selecting = threading.RLock()  # held by `select`: listings merge before or after it
         # After close(), results of abandoned calls no longer touch the state.
         self._closed = threading.Event()
-        self._ready: dict[str, ScoredGroup] = {}  # fetched, valid groups by key, until consumed or dropped
         self._futures: dict[str, Future] = {}  # key -> its fetch in flight
         self._outcomes: deque[str] = deque(maxlen=OUTCOMES)  # "ok", "zv_hard/easy/flat", or a reason
         self._pool: DaemonPool | None = None
@@ -155,51 +153,29 @@ class Ingestor:
         self.fetched = 0
         """Records fetched so far by this process."""
         self.listing = WindowListings(
-            store,
-            self._cursor,
-            self._settings,
-            lock=self._lock,
-            selecting=self._selecting,
-            closed=self._closed,
-            ready=self._ready,
-            sweep_grace_s=sweep_grace_s,
+            store, self.shared, selecting=self._selecting, closed=self._closed, sweep_grace_s=sweep_grace_s
         )
-        self.ledger = KeyLedger(
-            self.listing,
-            self._cursor,
-            self._settings,
-            lock=self._lock,
-            ready=self._ready,
-            in_flight=self._futures,
-        )
+        self.ledger = KeyLedger(self.listing, self.shared, in_flight=self._futures)
         self.listing.gate = self.ledger  # built second: it rejects through the listing
-        self.planner = BatchPlanner(
-            self.listing,
-            self.ledger,
-            self._cursor,
-            self._settings,
-            lock=self._lock,
-            ready=self._ready,
-            outcomes=self._outcomes,
-        )
+        self.planner = BatchPlanner(self.listing, self.ledger, self.shared, outcomes=self._outcomes)
         self.commit = self.planner.commit
         """`BatchPlanner.commit`: record that one step consumed these groups (each once)."""
 
     @property
     def settings(self) -> IngestSettings:
         """The filters and caps of ingestion (read-only: the collaborators were built with them)."""
-        return self._settings
+        return self.shared.settings
 
     @property
     def cursor(self) -> Cursor:
         """The ingestion state persisted with every checkpoint (shared by the three collaborators)."""
-        return self._cursor
+        return self.shared.cursor
 
     @cursor.setter
     def cursor(self, cursor: Cursor) -> None:
         """Replace the cursor (a resumed run's, `pnyx.train.resume`) in the ingestor and its collaborators."""
-        with self._lock:
-            self._cursor = self.listing.cursor = self.ledger.cursor = self.planner.cursor = cursor
+        with self.shared.lock:
+            self.shared.cursor = cursor
 
     # --- admission: fetch, decode, validate, re-score -------------------------------------------------
 
@@ -208,7 +184,7 @@ class Ingestor:
         try:
             scored = self.load(key)
         except RecordRejected as e:
-            with self._lock:
+            with self.shared.lock:
                 if (
                     not self._closed.is_set()
                     and key not in self.cursor.rejected
@@ -219,15 +195,15 @@ class Ingestor:
                     self._outcomes.append(e.reason)
             return
         except NotFoundError:  # listed, then deleted by someone else: nothing to train on or count
-            with self._lock:
+            with self.shared.lock:
                 parsed = layout.parse_rollout_key(key)
                 if parsed is not None and parsed[0] in self.listing.versions:
                     self.listing.versions[parsed[0]].remove_pending(key)
             return
         finally:
-            with self._lock:
+            with self.shared.lock:
                 self.fetched += 1
-        with self._lock:
+        with self.shared.lock:
             if (
                 self._closed.is_set()
                 or key in self.cursor.rejected
@@ -257,15 +233,15 @@ class Ingestor:
                 self._outcomes.append("zv_hard" if r <= 0 else "zv_easy" if r >= 1 else "zv_flat")
                 return
             self._outcomes.append("ok")
-            self._ready[key] = scored
+            self.shared.ready[key] = scored
 
     def cursor_json(self) -> bytes:
         """The cursor as JSON, taken under the lock (background fetches keep filing results meanwhile)."""
-        with self._lock:
+        with self.shared.lock:
             return self.cursor.to_json()
 
     def _pool_get(self) -> DaemonPool:
-        with self._lock:
+        with self.shared.lock:
             if self._pool is None:
                 self._pool = DaemonPool(self.fetch_workers, "pnyx-ingest")
             return self._pool
@@ -284,9 +260,9 @@ class Ingestor:
         keys = list(dict.fromkeys(keys))
         pool = self._pool_get()
         futures: dict[str, Future] = {}
-        with self._lock:
+        with self.shared.lock:
             for key in keys:
-                if key in self._ready or key in self.cursor.rejected:
+                if key in self.shared.ready or key in self.cursor.rejected:
                     continue
                 fut = self._futures.get(key)
                 if fut is None:
@@ -312,13 +288,13 @@ class Ingestor:
         return failed
 
     def _forget_future(self, key: str) -> None:
-        with self._lock:
+        with self.shared.lock:
             self._futures.pop(key, None)
 
     def close(self) -> None:
         """Stop the fetch threads (queued fetches are cancelled; one in flight is abandoned and its result
         ignored, so the cursor no longer changes behind a final checkpoint)."""
-        with self._lock:
+        with self.shared.lock:
             self._closed.set()
             pool, self._pool = self._pool, None
         if pool is not None:
@@ -353,7 +329,7 @@ class Ingestor:
             raise
         scored.signer = signer
         if signer:
-            with self._lock:  # a valid group binds its name to its key, unless another key was first
+            with self.shared.lock:  # a valid group binds its name to its key, unless another key was first
                 bound = self.cursor.keys.get(parsed[1])
                 if bound is None:
                     bound = self.cursor.keys[parsed[1]] = signer
@@ -366,7 +342,7 @@ class Ingestor:
         """The fingerprint of the key that signed `data`, checked before anything is decoded: the frame's
         signature, then the name's binding. Raises RecordRejected("unsigned" | "bad_signature" | "id_theft")."""
         fp = fingerprint(frame_signer(data))
-        with self._lock:
+        with self.shared.lock:
             bound = self.cursor.keys.get(worker)
             if fp in self.cursor.quarantined and (bound is None or bound == fp):
                 if bound is None:  # its later groups under this name: never fetched
@@ -414,14 +390,14 @@ class Ingestor:
         of usable groups waiting; tests and tools call it too."""
         self.listing.sweep(version)
         self.listing.refresh(version, full=True)
-        with self._lock:
+        with self.shared.lock:
             keys = [
                 k
                 for v in self.listing.window(version)
                 if v in self.listing.versions
                 for ks in self.listing.versions[v].pending.values()
                 for k in ks
-                if k not in self._ready
+                if k not in self.shared.ready
             ]
         self.fetch(keys)
         return self.planner.available(version)
@@ -430,9 +406,9 @@ class Ingestor:
 
     def backlog(self, version: int) -> dict[str, int]:
         """Keys in the window by state: `waiting` (listed, not fetched), `fetched` (valid, in memory)."""
-        with self._lock:
+        with self.shared.lock:
             low = self.listing.low(version)
-            fetched = sum(1 for g in self._ready.values() if g.version >= low)
+            fetched = sum(1 for g in self.shared.ready.values() if g.version >= low)
             waiting = self.listing.waiting_from(version, low) - fetched
             return {
                 "waiting": max(0, waiting),
@@ -444,7 +420,7 @@ class Ingestor:
     def zero_variance(self) -> dict[str, Any]:
         """Share of the recently scored groups whose samples all got the same reward (`frac`, None while
         fewer than 16 were scored) and whether those mostly failed (`kind` "hard") or succeeded ("easy")."""
-        with self._lock:
+        with self.shared.lock:
             scored = [o for o in self._outcomes if o == "ok" or o.startswith("zv_")]
         if len(scored) < 16:
             return {"frac": None, "kind": None}
@@ -454,7 +430,7 @@ class Ingestor:
 
     def stats(self) -> dict[str, Any]:
         """Cumulative counters for the step log: drops by reason, reward disagreements per worker."""
-        with self._lock:
+        with self.shared.lock:
             return {
                 "drops": dict(self.cursor.drops),
                 "disagreements": dict(self.cursor.disagreements),

@@ -16,14 +16,12 @@ or the method takes it where it says so). Knows nothing about torch, the store o
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from pnyx.security.checks import FAULTS, quarantine_reason, summary
-from pnyx.train.ingest_state import Cursor, IngestSettings
-from pnyx.train.listing import WindowListings
+from pnyx.train.listing import Shared, WindowListings
 from pnyx.train.rescore import REWARD_TOL, ScoredGroup
 
 log = logging.getLogger("pnyx.train.ingest")
@@ -32,23 +30,12 @@ log = logging.getLogger("pnyx.train.ingest")
 class KeyLedger:
     """The books per signing key and quarantine (see the module docstring)."""
 
-    def __init__(
-        self,
-        listing: WindowListings,
-        cursor: Cursor,
-        settings: IngestSettings,
-        *,
-        lock: threading.RLock,
-        ready: dict[str, ScoredGroup],
-        in_flight: Container[str],
-    ) -> None:
+    def __init__(self, listing: WindowListings, shared: Shared, *, in_flight: Container[str]) -> None:
         self.listing = listing
         """Where quarantine files its rejections and whose per-version counts the flood limit reads."""
-        self.cursor = cursor
-        """The ingestor's cursor: its per-key counters, name bindings, evidence and quarantine."""
-        self.settings = settings
-        self._lock = lock
-        self._ready = ready  # the ingestor's fetched groups: a quarantined key's are rejected
+        self.shared = shared
+        """The ingestor's state: the cursor holds the per-key counters, name bindings, evidence and
+        quarantine; a quarantined key's fetched groups (`ready`) are rejected."""
         self._in_flight = in_flight  # keys being fetched now: judged when they land, not purged
         self._holding = False  # inside `holding_quarantine`: a fault quarantines no key until its end
 
@@ -66,10 +53,10 @@ class KeyLedger:
         """Book `g`'s re-scored samples and reward disagreements against its worker name and its key
         (caller holds the lock)."""
         w = g.worker_id
-        self.cursor.scored[w] = self.cursor.scored.get(w, 0) + len(g.rewards)
+        self.shared.cursor.scored[w] = self.shared.cursor.scored.get(w, 0) + len(g.rewards)
         bad = sum(abs(a - b) > REWARD_TOL for a, b in zip(g.worker_rewards, g.rewards, strict=True))
         if bad:
-            self.cursor.disagreements[w] = self.cursor.disagreements.get(w, 0) + bad
+            self.shared.cursor.disagreements[w] = self.shared.cursor.disagreements.get(w, 0) + bad
         self.count_key(g.signer, "scored", len(g.rewards))
         if bad:
             self.count_key(g.signer, "disagreements", bad)
@@ -79,18 +66,23 @@ class KeyLedger:
         """Add `n` to key `fingerprint`'s counter `what` ("": unsigned, not counted); a fault may quarantine
         the key (caller holds the lock)."""
         if fingerprint:
-            counts = self.cursor.by_key.setdefault(fingerprint, {})
+            counts = self.shared.cursor.by_key.setdefault(fingerprint, {})
             counts[what] = counts.get(what, 0) + n
             if what in FAULTS and not self._holding:
                 self.check_quarantine(fingerprint)
 
     def check_quarantine(self, fp: str) -> None:
         """Quarantine `fp` if its counters or evidence cross the settings' rates (caller holds the lock)."""
-        q = self.settings.quarantine
-        if q is None or not fp or fp in self.cursor.quarantined or fp in self.settings.trusted_keys:
+        q = self.shared.settings.quarantine
+        if (
+            q is None
+            or not fp
+            or fp in self.shared.cursor.quarantined
+            or fp in self.shared.settings.trusted_keys
+        ):
             return
         why = quarantine_reason(
-            self.cursor.by_key.get(fp, {}), self.cursor.evidence.get(fp), q, self._center()
+            self.shared.cursor.by_key.get(fp, {}), self.shared.cursor.evidence.get(fp), q, self._center()
         )
         if why is not None:
             self.quarantine(fp, why)
@@ -99,19 +91,21 @@ class KeyLedger:
         """The run's honest z per (engine, staleness) now (`calibration.Allowances.center`)."""
         from pnyx.security.calibration import Allowances, centers
 
-        return Allowances(self.settings.checks, z_center=centers(self.cursor.calibration)).calibrated_center
+        return Allowances(
+            self.shared.settings.checks, z_center=centers(self.shared.cursor.calibration)
+        ).calibrated_center
 
     def quarantine(self, fp: str, why: str) -> None:
         """Quarantine key `fp` now: its fetched groups and the listed keys of the names bound to it are
         rejected as `quarantined` (counted, never downloaded), and so is everything it uploads later."""
-        with self._lock:
-            if fp in self.cursor.quarantined:
+        with self.shared.lock:
+            if fp in self.shared.cursor.quarantined:
                 return
-            self.cursor.quarantined[fp] = why
+            self.shared.cursor.quarantined[fp] = why
             log.warning("ingest: quarantined worker key %s: %s", fp, why)
-            for key in [k for k, g in self._ready.items() if g.signer == fp]:
+            for key in [k for k, g in self.shared.ready.items() if g.signer == fp]:
                 self.listing.reject(key, "quarantined")
-            for name in [n for n, bound in self.cursor.keys.items() if bound == fp]:
+            for name in [n for n, bound in self.shared.cursor.keys.items() if bound == fp]:
                 self.purge_name(name)
 
     def purge_name(self, worker: str) -> None:
@@ -124,10 +118,15 @@ class KeyLedger:
     def check_flood(self, fp: str, version: int, n: int) -> None:
         """Quarantine `fp` once it has more groups listed at `version` than the flood limit (caller holds
         the lock). Honest workers stop at half the limit (`pnyx.protocol.rules.worker_version_cap`)."""
-        limit = self.settings.flood_limit
-        if limit is None or n <= limit or fp in self.cursor.quarantined or self.settings.quarantine is None:
+        limit = self.shared.settings.flood_limit
+        if (
+            limit is None
+            or n <= limit
+            or fp in self.shared.cursor.quarantined
+            or self.shared.settings.quarantine is None
+        ):
             return
-        if fp in self.settings.trusted_keys:
+        if fp in self.shared.settings.trusted_keys:
             return  # the user's own worker: its version cap keeps it under the limit anyway
         self.count_key(fp, "flood")
         self.quarantine(
@@ -145,29 +144,31 @@ class KeyLedger:
 
     def quarantined_name(self, worker: str) -> bool:
         """The name is bound to a quarantined key (caller holds the lock)."""
-        bound = self.cursor.keys.get(worker)
-        return bound is not None and bound in self.cursor.quarantined
+        bound = self.shared.cursor.keys.get(worker)
+        return bound is not None and bound in self.shared.cursor.quarantined
 
     def key_report(self, limit: int | None = None) -> dict[str, dict[str, Any]]:
         """Per signing key: its counters, its plausibility evidence (`key_z`, `mean_z`, groups checked),
         the worker names bound to it and whether it is quarantined (and why): for `pnyx status` and the
         attack benchmark. `limit`: at most that many keys, quarantined ones first, then by faults."""
-        with self._lock:
+        with self.shared.lock:
             center = self._center()
             names: dict[str, list[str]] = {}
-            for name, fp in self.cursor.keys.items():
+            for name, fp in self.shared.cursor.keys.items():
                 names.setdefault(fp, []).append(name)
             out = {}
             for fp in sorted(
-                set(self.cursor.by_key) | set(self.cursor.evidence) | set(self.cursor.quarantined)
+                set(self.shared.cursor.by_key)
+                | set(self.shared.cursor.evidence)
+                | set(self.shared.cursor.quarantined)
             ):
-                counts = self.cursor.by_key.get(fp, {})
+                counts = self.shared.cursor.by_key.get(fp, {})
                 out[fp] = {
-                    **summary(counts, self.cursor.evidence.get(fp), center),
+                    **summary(counts, self.shared.cursor.evidence.get(fp), center),
                     "counts": dict(counts),
                     "names": sorted(names.get(fp, [])),
-                    "quarantined": self.cursor.quarantined.get(fp),
-                    "trusted": fp in self.settings.trusted_keys,
+                    "quarantined": self.shared.cursor.quarantined.get(fp),
+                    "trusted": fp in self.shared.settings.trusted_keys,
                 }
         if limit is not None and len(out) > limit:
             order = sorted(out, key=lambda fp: (out[fp]["quarantined"] is None, -out[fp]["faults"], fp))

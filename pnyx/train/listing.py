@@ -163,25 +163,34 @@ class OpenGate:
         return None
 
 
+@dataclass
+class Shared:
+    """What the ingestor and its three collaborators share (the listing, the key ledger, the planner): one
+    lock over all of it, the cursor (replaced whole on resume), the settings, and the fetched groups."""
+
+    cursor: Cursor
+    settings: IngestSettings
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    ready: dict[str, ScoredGroup] = field(default_factory=dict)
+    """Fetched, valid groups by key, until consumed or dropped."""
+
+
 class WindowListings:
     """The window's listings and the sweep of versions that left it (see the module docstring)."""
 
     def __init__(
         self,
         store: Store,
-        cursor: Cursor,
-        settings: IngestSettings,
+        shared: Shared,
         *,
-        lock: threading.RLock,
         selecting: threading.RLock,
         closed: threading.Event,
-        ready: dict[str, ScoredGroup],
         sweep_grace_s: float = SWEEP_GRACE_S,
     ) -> None:
         self.store = store
-        self.cursor = cursor
-        """The ingestor's cursor: read for uses and rejections, written by `reject`, `drop` and the sweep."""
-        self.settings = settings
+        self.shared = shared
+        """The ingestor's state; its cursor is read for uses and rejections, written by `reject`, `drop` and
+        the sweep."""
         self.sweep_grace_s = sweep_grace_s
         """A version that left the window is swept this long after (uploads that land late still count)."""
         self.gate: KeyGate = OpenGate()
@@ -191,10 +200,8 @@ class WindowListings:
         """Version -> its listing, for the versions in the window and those not swept yet."""
         self.listed = 0
         """Keys listed so far by this process (all versions)."""
-        self._lock = lock
         self._selecting = selecting  # held by `Ingestor.select`: listings merge before or after it
         self._closed = closed  # set by `Ingestor.close`: listings that land afterwards are not merged
-        self._ready = ready  # the ingestor's fetched groups: a rejected or swept key leaves them
         self._left_at: dict[int, float] = {}  # version -> monotonic time it was first seen below the window
 
     def window(self, version: int) -> range:
@@ -203,7 +210,7 @@ class WindowListings:
 
     def low(self, version: int) -> int:
         """The oldest version in the window of the trainer at `version`."""
-        return max(0, version - self.settings.max_staleness)
+        return max(0, version - self.shared.settings.max_staleness)
 
     def _listing(self, version: int) -> VersionListing:
         lst = self.versions.get(version)
@@ -214,14 +221,14 @@ class WindowListings:
     def note_published(self, version: int) -> None:
         """`version` is being or was just published: no group of it can exist yet (a worker generates from
         verified weights only), so its prefix counts as listed, empty, now."""
-        with self._lock:
+        with self.shared.lock:
             lst = self._listing(version)
             if lst.listed_at is None:
                 lst.listed_at = lst.full_at = time.monotonic()
 
     def list_version(self, version: int, full: bool = False) -> int:
         """List one version's prefix (incrementally unless `full`); returns how many new keys it found."""
-        with self._lock:
+        with self.shared.lock:
             start_after = self._listing(version).start_after(layout.now_ms(), full)
         return self._file(
             {version: list_keys(self.store, version, start_after)}, {version: start_after is None}
@@ -230,7 +237,7 @@ class WindowListings:
     def list_span(self, first: int, last: int) -> int:
         """List versions first..last with one paged listing (stores that list in key order): `first`
         incrementally, the newer ones from their start (they are young: few keys). Returns new keys."""
-        with self._lock:
+        with self.shared.lock:
             start_after = self._listing(first).start_after(layout.now_ms(), False)
         listings = list_range(self.store, first, last + 1, start_after=start_after)
         return self._file(listings, {v: v > first or start_after is None for v in listings})
@@ -240,9 +247,9 @@ class WindowListings:
         Waits while a selection runs, so a selection ranks one listing, not one that changes under it."""
         now = time.monotonic()
         new = 0
-        with self._selecting, self._lock:
+        with self._selecting, self.shared.lock:
             for version, keys in listings.items():
-                if self._closed.is_set() or version < self.cursor.swept_below:
+                if self._closed.is_set() or version < self.shared.cursor.swept_below:
                     continue  # closed, or swept while we listed (counted there)
                 lst = self._listing(version)
                 for key in keys:
@@ -259,7 +266,7 @@ class WindowListings:
         lst.seen.add(key)
         parsed = layout.parse_rollout_key(key)
         if parsed is None or parsed[0] != lst.version:
-            if key not in self.cursor.rejected:
+            if key not in self.shared.cursor.rejected:
                 self.reject(key, "bad_key")
             return
         stamp = layout.rollout_stamp(key)
@@ -269,18 +276,21 @@ class WindowListings:
         other = lst.ids.get(ident)
         if other is not None:
             # Two keys for one group: the first listed stays unless the other was consumed already.
-            keep, dup = (key, other) if self.cursor.uses.get(key, 0) > 0 else (other, key)
+            keep, dup = (key, other) if self.shared.cursor.uses.get(key, 0) > 0 else (other, key)
             lst.ids[ident] = keep
-            if dup not in self.cursor.rejected:
+            if dup not in self.shared.cursor.rejected:
                 lst.remove_pending(dup)
-                self._ready.pop(dup, None)
+                self.shared.ready.pop(dup, None)
                 self.reject(dup, "duplicate")
             if keep is other:
                 return
         else:
             self._count_listed(lst, parsed[1])
         lst.ids[ident] = key
-        if key in self.cursor.rejected or self.cursor.uses.get(key, 0) >= self.settings.max_reuse:
+        if (
+            key in self.shared.cursor.rejected
+            or self.shared.cursor.uses.get(key, 0) >= self.shared.settings.max_reuse
+        ):
             return
         if self.gate.quarantined_name(parsed[1]):
             self.reject(key, "quarantined")  # counted from the listing, never downloaded
@@ -290,7 +300,7 @@ class WindowListings:
     def _count_listed(self, lst: VersionListing, worker: str) -> None:
         """One more distinct group of `worker` listed at `lst.version`, and of the key its name is bound to."""
         lst.counts[worker] = lst.counts.get(worker, 0) + 1
-        fp = self.cursor.keys.get(worker)
+        fp = self.shared.cursor.keys.get(worker)
         if fp:
             n = lst.by_key[fp] = lst.by_key.get(fp, 0) + 1
             self.gate.check_flood(fp, lst.version, n)
@@ -305,7 +315,7 @@ class WindowListings:
         new = 0
         now = time.monotonic()
         versions = list(range(version, self.low(version) - 1, -1))[:depth]
-        with self._lock:
+        with self.shared.lock:
             rescan = {v: full or self._rescan_due(v, now) for v in versions}
         if (
             len(versions) >= 2
@@ -328,7 +338,7 @@ class WindowListings:
 
     def waiting_from(self, version: int, low: int) -> int:
         """Listed keys still waiting to be trained on, of versions `low`..`version`."""
-        with self._lock:
+        with self.shared.lock:
             return sum(self.versions[v].waiting for v in range(low, version + 1) if v in self.versions)
 
     # --- sweep: versions that left the window ---------------------------------------------------------
@@ -341,11 +351,11 @@ class WindowListings:
         their prefixes (1 request per 1,000 keys, not one per version)."""
         low = self.low(version)
         now = time.monotonic()
-        with self._lock:
-            for key in [k for k, g in self._ready.items() if g.version < low]:
-                del self._ready[key]  # never trained on again; the sweep counts it
+        with self.shared.lock:
+            for key in [k for k, g in self.shared.ready.items() if g.version < low]:
+                del self.shared.ready[key]  # never trained on again; the sweep counts it
             due = []
-            for v in range(self.cursor.swept_below, low):
+            for v in range(self.shared.cursor.swept_below, low):
                 left = self._left_at.setdefault(v, now)
                 if now - left < self.sweep_grace_s and v >= low - SWEEP_MAX_LAG:
                     break
@@ -361,9 +371,9 @@ class WindowListings:
             listings = list_range(self.store, due[0], due[-1] + 1)
         else:
             return  # wait for a fuller batch
-        with self._lock:
+        with self.shared.lock:
             for v in due:
-                if not self._closed.is_set() and v >= self.cursor.swept_below:
+                if not self._closed.is_set() and v >= self.shared.cursor.swept_below:
                     self._account(v, listings.get(v, []))
 
     def _account(self, version: int, keys: list[str]) -> None:
@@ -372,28 +382,28 @@ class WindowListings:
             if key not in lst.seen:
                 self._merge(lst, key)  # counts junk and duplicates first seen now
         for key in lst.seen:
-            if self.cursor.uses.get(key, 0) == 0 and key not in self.cursor.rejected:
+            if self.shared.cursor.uses.get(key, 0) == 0 and key not in self.shared.cursor.rejected:
                 self.drop("stale")
         prefix = layout.rollouts_dir(version)
-        for d in (self.cursor.uses, self.cursor.rejected, self._ready):
+        for d in (self.shared.cursor.uses, self.shared.cursor.rejected, self.shared.ready):
             for k in [k for k in d if k.startswith(prefix)]:
                 del d[k]
         self._left_at.pop(version, None)
-        self.cursor.swept_below = version + 1
+        self.shared.cursor.swept_below = version + 1
 
     # --- rejections: the cursor's record of keys never to be trained on -----------------------------
 
     def drop(self, reason: str) -> None:
         """Count one drop for `reason` (caller holds the lock)."""
-        self.cursor.drops[reason] = self.cursor.drops.get(reason, 0) + 1
+        self.shared.cursor.drops[reason] = self.shared.cursor.drops.get(reason, 0) + 1
 
     def reject(self, key: str, reason: str, detail: str = "") -> None:
         """File `key` as rejected for `reason`: counted, out of the pending set and the fetched groups, never
         fetched again (caller holds the lock)."""
-        self.cursor.rejected[key] = reason
+        self.shared.cursor.rejected[key] = reason
         self.drop(reason)
         parsed = layout.parse_rollout_key(key)
         if parsed is not None and parsed[0] in self.versions:
             self.versions[parsed[0]].remove_pending(key)
-        self._ready.pop(key, None)
+        self.shared.ready.pop(key, None)
         log.debug("rejected %s: %s %s", key, reason, detail)

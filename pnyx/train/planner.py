@@ -17,16 +17,14 @@ Thread-safe through the lock it is given (the ingestor's). Knows nothing about t
 from __future__ import annotations
 
 import math
-import threading
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 
 from pnyx.protocol import layout
 from pnyx.security.calibration import Allowances, Drift, ProbeRow, choose_probe, derive
 from pnyx.security.checks import GroupEvidence, KeyEvidence, add_evidence
-from pnyx.train.ingest_state import Cursor, IngestSettings
 from pnyx.train.key_ledger import KeyLedger
-from pnyx.train.listing import WindowListings
+from pnyx.train.listing import Shared, WindowListings
 from pnyx.train.ranking import Plan, ranked
 from pnyx.train.rescore import ScoredGroup
 
@@ -36,25 +34,15 @@ class BatchPlanner:
     module docstring)."""
 
     def __init__(
-        self,
-        listing: WindowListings,
-        ledger: KeyLedger,
-        cursor: Cursor,
-        settings: IngestSettings,
-        *,
-        lock: threading.RLock,
-        ready: dict[str, ScoredGroup],
-        outcomes: deque[str],
+        self, listing: WindowListings, ledger: KeyLedger, shared: Shared, *, outcomes: deque[str]
     ) -> None:
         self.listing = listing
         """The window's pending keys, ranked by `plan`; a consumed key leaves them."""
         self.ledger = ledger
         """Where `commit` books counters per key and which keys it quarantines."""
-        self.cursor = cursor
-        """The ingestor's cursor: `commit` writes its use counts, evidence and calibration."""
-        self.settings = settings
-        self._lock = lock
-        self._ready = ready  # the ingestor's fetched groups (what `plan` can choose from)
+        self.shared = shared
+        """The ingestor's state: `plan` chooses from its fetched groups (`ready`); `commit` writes the
+        cursor's use counts, evidence and calibration."""
         self._outcomes = outcomes  # the ingestor's recent admission outcomes ("ok" or why not)
 
     def _extra(self, n: int) -> int:
@@ -70,7 +58,7 @@ class BatchPlanner:
         `max_key_share`). A group over the share cap is deferred, not skipped: once the ranking is
         exhausted, deferred groups fill the places no other key could (in ranking order)."""
         exclude = frozenset(exclude)
-        s = self.settings
+        s = self.shared.settings
         cap = s.max_groups_per_prompt
         share = self._share(version, n)
         chosen: list[ScoredGroup] = []
@@ -84,7 +72,7 @@ class BatchPlanner:
             if g is None:
                 unknown.append(item)
                 parsed = layout.parse_rollout_key(item)
-                fp = self.cursor.keys.get(parsed[1]) if parsed is not None else None
+                fp = self.shared.cursor.keys.get(parsed[1]) if parsed is not None else None
                 if fp:
                     per_key[fp] += 1
                 return
@@ -99,12 +87,12 @@ class BatchPlanner:
                 used[(g.signer, g.version)] += 1
             chosen.append(g)
 
-        with self._lock:
+        with self.shared.lock:
             used = self._used_per_key_version() if s.max_groups_per_key_version is not None else None
             below = self._extra(n) if extra is None else extra  # places below the top worth fetching
             for item in ranked(
                 self.listing.versions,
-                self.cursor.uses,
+                self.shared.cursor.uses,
                 version,
                 self.listing.low(version),
                 s.max_reuse,
@@ -112,7 +100,7 @@ class BatchPlanner:
             ):
                 if isinstance(item, int):
                     return Plan(chosen, unknown, more, item)
-                g = self._ready.get(item)
+                g = self.shared.ready.get(item)
                 if len(chosen) + len(unknown) >= n:
                     if below <= 0:
                         break
@@ -122,7 +110,7 @@ class BatchPlanner:
                     continue
                 if g is None and share is not None:
                     parsed = layout.parse_rollout_key(item)
-                    fp = self.cursor.keys.get(parsed[1]) if parsed is not None else None
+                    fp = self.shared.cursor.keys.get(parsed[1]) if parsed is not None else None
                     if fp and per_key[fp] >= share:
                         deferred.append(item)  # its key is at the cap: not fetched unless needed
                         continue
@@ -131,19 +119,19 @@ class BatchPlanner:
                 for item in deferred:  # the ranking is exhausted: places no other key can fill now
                     if len(chosen) + len(unknown) >= n:
                         break
-                    take(item, self._ready.get(item), fill=True)
+                    take(item, self.shared.ready.get(item), fill=True)
         return Plan(chosen, unknown, more, None)
 
     def _share(self, version: int, n: int) -> int | None:
         """Places of a batch of `n` one key may take while others can fill the rest (None: no cap)."""
-        s = self.settings
+        s = self.shared.settings
         if s.max_key_share is None or n >= 1 << 30:
             return None
         if s.max_key_share != "fair":
             return math.ceil(s.max_key_share * n)
-        with self._lock:  # keys (or, before their first fetch, names) with groups waiting in the window
+        with self.shared.lock:  # keys (or, before their first fetch, names) with groups waiting in the window
             keys = {
-                self.cursor.keys.get(name) or f"name:{name}"
+                self.shared.cursor.keys.get(name) or f"name:{name}"
                 for v in self.listing.window(version)
                 if v in self.listing.versions
                 for name, pending in self.listing.versions[v].pending.items()
@@ -155,7 +143,7 @@ class BatchPlanner:
         self, g: ScoredGroup, per_key: Counter[str], used: Counter[tuple[str, int]] | None
     ) -> bool:
         """The hard per-key caps allow one more group of `g`'s key (caller holds the lock)."""
-        s = self.settings
+        s = self.shared.settings
         if not g.signer:
             return True
         if s.max_groups_per_key_step is not None and per_key[g.signer] >= s.max_groups_per_key_step:
@@ -167,10 +155,10 @@ class BatchPlanner:
         """(key fingerprint, version) -> groups of that key and version consumed so far (from the uses of
         the window's keys and the names' bindings; caller holds the lock)."""
         out: Counter[tuple[str, int]] = Counter()
-        for k, n in self.cursor.uses.items():
+        for k, n in self.shared.cursor.uses.items():
             parsed = layout.parse_rollout_key(k)
             if n > 0 and parsed is not None:
-                fp = self.cursor.keys.get(parsed[1])
+                fp = self.shared.cursor.keys.get(parsed[1])
                 if fp is not None:
                     out[(fp, parsed[0])] += 1
         return out
@@ -182,13 +170,18 @@ class BatchPlanner:
     def allowances(self, version: int) -> Allowances:
         """The sampling checks' allowances for a step from `version`: the settings' floors widened by what
         the run measured (`pnyx.security.calibration.derive`)."""
-        with self._lock:
-            return derive(self.settings.checks, self.cursor.calibration, version, self.settings.max_staleness)
+        with self.shared.lock:
+            return derive(
+                self.shared.settings.checks,
+                self.shared.cursor.calibration,
+                version,
+                self.shared.settings.max_staleness,
+            )
 
     def probe(self) -> list[ProbeRow]:
         """The rows the next step's drift probe re-forwards."""
-        with self._lock:
-            return list(self.cursor.calibration.probe)
+        with self.shared.lock:
+            return list(self.shared.cursor.calibration.probe)
 
     def commit(
         self,
@@ -215,23 +208,23 @@ class BatchPlanner:
         rejected = rejected or {}
         evidence = evidence or {}
         touched: set[str] = set()
-        calib = self.cursor.calibration
+        calib = self.shared.cursor.calibration
         if allowances is None:
             allowances = self.allowances(version if version is not None else 0)
-        with self._lock:
+        with self.shared.lock:
             with (
                 self.ledger.holding_quarantine()
             ):  # until the batch is booked (its keys are used, not rejected)
                 for k in keys:
-                    g = by_key.get(k) or self._ready.get(k)
+                    g = by_key.get(k) or self.shared.ready.get(k)
                     if g is not None:
                         self.ledger.count_scored(g)
                         ev = evidence.get(k)
                         if ev is not None and g.signer:
-                            kev = self.cursor.evidence.setdefault(g.signer, KeyEvidence())
+                            kev = self.shared.cursor.evidence.setdefault(g.signer, KeyEvidence())
                             add_evidence(kev, ev, allowances)
                             if ev.tokens:
-                                trusted = g.signer in self.settings.trusted_keys
+                                trusted = g.signer in self.shared.settings.trusted_keys
                                 calib.note_group(ev.engine, ev.staleness, ev.gap, ev.z, trusted)
                         reason = rejected.get(k)
                         if reason is not None:
@@ -241,16 +234,16 @@ class BatchPlanner:
                             touched.add(g.signer)
                     elif k in rejected:
                         self.listing.drop(rejected[k])
-                    self.cursor.uses[k] = self.cursor.uses.get(k, 0) + 1
-                    self.cursor.consumed += 1
-                    if self.cursor.uses[k] >= self.settings.max_reuse:
-                        self._ready.pop(k, None)
+                    self.shared.cursor.uses[k] = self.shared.cursor.uses.get(k, 0) + 1
+                    self.shared.cursor.consumed += 1
+                    if self.shared.cursor.uses[k] >= self.shared.settings.max_reuse:
+                        self.shared.ready.pop(k, None)
                         parsed = layout.parse_rollout_key(k)
                         if parsed is not None and parsed[0] in self.listing.versions:
                             self.listing.versions[parsed[0]].remove_pending(k)
                 if version is not None:
                     calib.note_drift(version, drift)
-                    chosen = [g for k in keys if (g := by_key.get(k) or self._ready.get(k)) is not None]
-                    calib.probe = choose_probe(chosen, rejected, self.settings.trusted_keys)
+                    chosen = [g for k in keys if (g := by_key.get(k) or self.shared.ready.get(k)) is not None]
+                    calib.probe = choose_probe(chosen, rejected, self.shared.settings.trusted_keys)
             for fp in sorted(touched):
                 self.ledger.check_quarantine(fp)
