@@ -85,10 +85,15 @@ def create_signed_run(store: Any, config: dict[str, Any], info: dict[str, Any]) 
 
 
 def make_run(
-    url: str, model_dir: Path, anchor_every: int = 20, trainer: dict[str, Any] | None = None, **worker: Any
+    url: str,
+    model_dir: Path,
+    anchor_every: int = 20,
+    trainer: dict[str, Any] | None = None,
+    security: dict[str, Any] | None = None,
+    **worker: Any,
 ) -> TinyRun:
-    """run.json (via the trainer's init_run) + version 0 in the store at `url` (`trainer`: overrides of
-    the run's trainer section, which workers read too)."""
+    """run.json (via the trainer's init_run) + version 0 in the store at `url` (`trainer`, `security`:
+    overrides of those sections of the run, which workers read too)."""
     import torch
 
     from pnyx.config import load_config
@@ -104,6 +109,7 @@ def make_run(
             "env": {"name": "arith", "kwargs": {"digits": 1}},
             "worker": worker_settings(**worker),
             "trainer": trainer or {},
+            "security": security or {},
         }
     )
     model = load_model(model_dir)
