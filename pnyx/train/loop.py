@@ -54,7 +54,7 @@ from pnyx.train.progress import Progress, format_line, reward_parts
 from pnyx.train.resume import restore
 from pnyx.train.settings import check_settings, loss_settings
 from pnyx.train.step import StepStats, train_step
-from pnyx.train.trainer_setup import TrainerParts, load_parts, open_run
+from pnyx.train.trainer_setup import TrainerParts, attach_run, load_parts, open_run
 from pnyx.weights.manifest import WeightManifest
 
 T = TypeVar("T")
@@ -120,12 +120,8 @@ class Trainer:
     def load(self, run: RunManifest) -> None:
         """Load the parts for the existing `run` without joining it or restoring a checkpoint: the weights
         are the base model's. For replaying recorded steps by hand (the distributed replay tests)."""
-        from pnyx.weights.trust import run_verifier
-
         self._parts = load_parts(self.cfg, self.store, self.steps, run)
-        self.cfg, self.manifest, self.trust = self._parts.cfg, run, run_verifier(run)
-        self._parts.digests.trust = self.trust
-        self._parts.ingestor.run_id = run.run_id
+        self.cfg, self.manifest, self.trust = self._parts.cfg, run, attach_run(self._parts, run)
 
     def publish(self, version: int, force_anchor: bool = False) -> WeightManifest:
         """Publish the current weights as `version` (every rank takes part; rank 0 commits)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,7 +97,9 @@ class Publishing:
     model: torch.nn.Module
     dtype: torch.dtype
 
+    @cached_property
     def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """name -> (published dtype, global shape) of the whole state: fixed for the run, computed once."""
         from pnyx.train.distributed import state_layout
 
         return state_layout(self.model, self.dtype)
@@ -105,11 +108,11 @@ class Publishing:
         """The published cast of the tensors this rank publishes (all of them in one process); on CPU."""
         from pnyx.train.distributed import gather_published
 
-        return gather_published(self.model, self.dtype, self.publisher.needs(self.layout()))
+        return gather_published(self.model, self.dtype, self.publisher.needs(self.layout))
 
     def publish(self, version: int, force_anchor: bool = False) -> WeightManifest:
         """Publish the current weights as `version` (every rank takes part; rank 0 commits)."""
-        return self.publisher.publish(version, self.tensors(), force_anchor, self.layout())
+        return self.publisher.publish(version, self.tensors(), force_anchor, self.layout)
 
 
 @dataclass
@@ -237,6 +240,15 @@ class OpenRun:
     (None: none yet)."""
 
 
+def attach_run(parts: TrainerParts, run: RunManifest) -> Verifier:
+    """Point the parts at `run`: the ingestor checks its run id and the digests its trainer key signed.
+    Returns that key's verifier."""
+    trust = run_verifier(run)
+    parts.digests.trust = trust
+    parts.ingestor.run_id = run.run_id
+    return trust
+
+
 def open_run(cfg: PnyxConfig, store: Store, resume: bool, steps: int | None) -> OpenRun:
     """Load the parts and create the run (publish v0) or join it to resume (`resume.restore` then replays)."""
     from pnyx.weights.manifest import latest_version
@@ -270,9 +282,7 @@ def open_run(cfg: PnyxConfig, store: Store, resume: bool, steps: int | None) -> 
             "trainer: %d trusted worker key(s), never quarantined, calibrating the checks: %s",
             len(trusted), ", ".join(trusted),
         )  # fmt: skip
-    trust = run_verifier(manifest)
-    parts.digests.trust = trust
-    parts.ingestor.run_id = manifest.run_id
+    trust = attach_run(parts, manifest)
     if resume:
         published = dist.broadcast(latest_version(store, trust) if dist.is_main else None)
         return OpenRun(parts, budget, manifest, trust, published)
