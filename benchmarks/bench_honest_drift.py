@@ -68,7 +68,7 @@ def _buckets(sums: dict[str, dict[str, float]], last: dict[str, Any]) -> Any:
 def table(sums: dict[str, dict[str, float]], last: dict[str, Any]) -> list[str]:
     lines = [
         "engine/s  groups  gap_mean  gap_max  bound_min(derived)  floor   z_mean  z_sd   z_min   z_max  "
-        "za_mean  za_sd  za_min  za_max  rejected(derived)  rejected(fixed floors)"
+        "za_mean  za_sd  za_min  za_max  rejected(derived)  kept(exact re-check)  rejected(fixed floors)"
     ]
     for engine, s, b, n, bound in _buckets(sums, last):
         floor = 0.03 + 0.25 * s
@@ -76,7 +76,8 @@ def table(sums: dict[str, dict[str, float]], last: dict[str, Any]) -> list[str]:
             f"{engine + '/' + str(s):8s}  {int(n):6d}  {b['gap_sum'] / n:8.4f}  {b['gap_max']:7.4f}  {bound:18.4f}  {floor:5.2f}  "
             f"{b['z_sum'] / n:+6.3f}  {_sd(b['z_sum'], b['z_sq'], n):5.3f}  {b['z_min']:+6.2f}  {b['z_max']:+6.2f}  "
             f"{b['za_sum'] / n:+7.3f}  {_sd(b['za_sum'], b['za_sq'], n):5.3f}  {b['za_min']:+6.2f}  {b['za_max']:+6.2f}  "
-            f"{int(b['rejects']):6d} ({100 * b['rejects'] / n:.2f}%)  {int(b['fixed_rejects']):6d} ({100 * b['fixed_rejects'] / n:.2f}%)"
+            f"{int(b['rejects']):6d} ({100 * b['rejects'] / n:.2f}%)  {int(b.get('rejudged', 0)):6d}  "
+            f"{int(b['fixed_rejects']):6d} ({100 * b['fixed_rejects'] / n:.2f}%)"
         )
     return lines
 
@@ -85,16 +86,17 @@ def markdown(sums: dict[str, dict[str, float]], last: dict[str, Any]) -> list[st
     """The same table as markdown (what docs/security.md quotes)."""
     out = [
         "| engine / staleness | groups | gap mean | gap max | derived bound (min over steps) | fixed floor | z mean "
-        "(sd) | z min | centred z mean (sd) | rejected, derived | rejected, fixed floors |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "(sd) | z min | centred z mean (sd) | rejected, derived | failed derived, kept by the exact re-check | "
+        "rejected, fixed floors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for engine, s, b, n, bound in _buckets(sums, last):
         out.append(
             f"| {engine} / {s} | {int(n)} | {b['gap_sum'] / n:.4f} | {b['gap_max']:.4f} | {bound:.3f} | "
             f"{0.03 + 0.25 * s:.2f} | {b['z_sum'] / n:+.2f} ({_sd(b['z_sum'], b['z_sq'], n):.2f}) | "
             f"{b['z_min']:+.2f} | {b['za_sum'] / n:+.2f} ({_sd(b['za_sum'], b['za_sq'], n):.2f}) | "
-            f"{int(b['rejects'])} ({100 * b['rejects'] / n:.1f}%) | {int(b['fixed_rejects'])} "
-            f"({100 * b['fixed_rejects'] / n:.1f}%) |"
+            f"{int(b['rejects'])} ({100 * b['rejects'] / n:.1f}%) | {int(b.get('rejudged', 0))} | "
+            f"{int(b['fixed_rejects'])} ({100 * b['fixed_rejects'] / n:.1f}%) |"
         )
     return out
 

@@ -6,11 +6,13 @@ step it prints: the changed fraction, delta bytes / full bf16 bytes, the entropy
 delta's ratio to it, the same positions encoded with new values instead of differences (and the ratio),
 encode and decode GB/s of the full state next to a memcpy of the same bytes (decode twice: into fresh
 arrays, as a one-step sync does, and into the arrays of the state rebuilt one step earlier, as every later
-step of a multi-step route does and as a preallocated memcpy does), and the int8 plane's code change
+step of a multi-step route does and as a preallocated memcpy does), the same round trip with the numpy
+kernels on the same step when the compiled ones are in force (`pnyx.weights.kernels`; "vs numpy" is their
+time over the compiled kernels' time, both into reused arrays), and the int8 plane's code change
 fraction and delta size. At the end: the cold join time (anchor + all deltas) from the store.
 
     python benchmarks/bench_pulse.py                       # ~100M params, 11 versions (anchor + 10 deltas)
-    python benchmarks/bench_pulse.py --hidden 256 --layers 2 --vocab 4096 --steps 4   # a quick look
+    python benchmarks/bench_pulse.py --hidden 256 --heads 4 --kv-heads 2 --layers 2 --vocab 4096 --steps 4  # a quick look
 
 Knows nothing about RL; the model is only a realistic source of weight updates.
 """
@@ -42,6 +44,9 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--level", type=int, default=1, help="zstd level of the delta frames (publisher and codec)"
     )
+    p.add_argument(
+        "--no-baseline", action="store_true", help="skip timing the numpy kernels beside the compiled ones"
+    )
     p.add_argument("--store", type=str, default=None, help="local folder for the store (default: a temp dir)")
     return p.parse_args()
 
@@ -66,7 +71,7 @@ def main() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from pnyx.store import open_store
-    from pnyx.weights import Publisher, Syncer
+    from pnyx.weights import Publisher, Syncer, kernels
     from pnyx.weights import int8 as q8
     from pnyx.weights.apply import apply_delta
     from pnyx.weights.bits import from_torch
@@ -109,13 +114,14 @@ def main() -> None:
     print(
         f"model: Qwen2 {nparams / 1e6:.1f}M params ({len(old)} tensors), full bf16 state {full / 1e6:.1f} MB, "
         f"int8 plane {full8 / 1e6:.1f} MB; AdamW lr={args.lr:g}, batch {args.batch}x{args.seq}, "
-        f"{args.threads} threads, codec threads {args.codec_threads or default_threads()}, zstd level {args.level}; "
+        f"{args.threads} threads, codec threads {args.codec_threads or default_threads()}, zstd level {args.level}, "
+        f"PULSE kernels {kernels.KERNELS}; "
         f"store {folder}"
     )
     hdr = (
         f"{'step':>4} {'changed':>8} {'delta/full':>10} {'bound/full':>10} {'delta/bound':>11} "
         f"{'values/full':>11} {'delta/values':>12} {'enc GB/s':>8} {'dec GB/s':>8} {'dec reuse':>9} {'memcpy':>7} "
-        f"{'rt/memcpy':>9} {'rt reuse':>8} {'int8 chg':>8} {'int8 d/full':>11} {'train s':>7} {'pub s':>6}"
+        f"{'rt/memcpy':>9} {'rt reuse':>8} {'vs numpy':>8} {'int8 chg':>8} {'int8 d/full':>11} {'train s':>7} {'pub s':>6}"
     )
     print(hdr)
     rows = []
@@ -144,6 +150,20 @@ def main() -> None:
         for got in (rebuilt, reused):
             if any(not np.array_equal(got[k].data, new[k].data) for k in new):
                 raise SystemExit("round trip is not bit-exact")
+        base_rt = float("nan")  # the numpy kernels on the same step, into the same (reused) arrays
+        if kernels.KERNELS == "numba" and not args.no_baseline:
+            kernels.use("numpy")
+            t = time.perf_counter()
+            np_chunks = list(encode_delta(old, new, level=args.level, threads=ct))
+            np_enc_s = time.perf_counter() - t
+            target = {k: tb.data for k, tb in reused.items() if tb is not old.get(k)}
+            t = time.perf_counter()
+            np_dec = apply_delta(old, np_chunks, expected_of(new), reuse=target, threads=ct)
+            np_dec_s = time.perf_counter() - t
+            kernels.use("numba")
+            if np_chunks != chunks or any(not np.array_equal(np_dec[k].data, new[k].data) for k in new):
+                raise SystemExit("the numpy and numba kernels disagree")
+            base_rt = (enc_s + reuse_s) and (np_enc_s + np_dec_s) / (enc_s + reuse_s)
         spare = {k: tb.data for k, tb in rebuilt.items() if tb is not old.get(k)}
         delta = sum(map(len, chunks))
         values = sum(map(len, encode_delta(old, new, mode="value", level=args.level)))
@@ -170,6 +190,7 @@ def main() -> None:
             mem=mem,
             rt=(full / (enc_s + dec_s) / 1e9) / mem,
             rt_r=(full / (enc_s + reuse_s) / 1e9) / mem,
+            vs_np=base_rt,
             int8=int8_changed,
             int8_d=int8_delta / full8,
         )
@@ -177,7 +198,7 @@ def main() -> None:
         print(
             f"{step:>4} {100 * r['changed']:>7.3f}% {100 * r['delta']:>9.3f}% {100 * r['bound']:>9.3f}% "
             f"{r['d_bound']:>11.3f} {100 * r['values']:>10.3f}% {r['d_values']:>12.3f} {r['enc']:>8.2f} "
-            f"{r['dec']:>8.2f} {r['dec_r']:>9.2f} {r['mem']:>7.2f} {r['rt']:>9.3f} {r['rt_r']:>8.3f} {100 * r['int8']:>7.3f}% "
+            f"{r['dec']:>8.2f} {r['dec_r']:>9.2f} {r['mem']:>7.2f} {r['rt']:>9.3f} {r['rt_r']:>8.3f} {r['vs_np']:>7.2f}x {100 * r['int8']:>7.3f}% "
             f"{100 * r['int8_d']:>10.3f}% {train_s:>7.2f} {pub_s:>6.2f}",
             flush=True,
         )
@@ -200,7 +221,7 @@ def main() -> None:
         f"delta/bound {med['d_bound']:.3f} (goal <= 1.2)  delta/values {med['d_values']:.3f} (goal <= 0.65)  "
         f"enc {med['enc']:.2f} GB/s dec {med['dec']:.2f} GB/s (into reused arrays {med['dec_r']:.2f}) "
         f"memcpy {med['mem']:.2f} GB/s  round trip/memcpy {med['rt']:.3f} (reused arrays {med['rt_r']:.3f}; "
-        f"goal >= 0.25)  int8 codes changed {100 * med['int8']:.3f}% "
+        f"goal >= 0.5; {med['vs_np']:.2f}x the numpy kernels' round trip)  int8 codes changed {100 * med['int8']:.3f}% "
         f"int8 delta {100 * med['int8_d']:.3f}% of the int8 plane"
     )
 

@@ -193,6 +193,11 @@ class SecurityConfig(_Section):
     """Token-plausibility check: |z_adj| beyond this drops a group (`implausible`); z_adj is the group's z
     corrected for the policy's measured drift since it was sampled, ~N(0,1) for honest sampling at the
     claimed settings (docs/security.md). None: off."""
+    rejudge: bool = True
+    """A group the step's checks would drop is judged again under the exact published weights of the
+    version it claims (a second fp32 copy of the model, built at the first need; `pnyx.train.rejudge`),
+    and kept if it passes there: the drift allowances cannot tell a stale group of a prompt the trainer
+    just trained on from a dishonest one, an exact forward can. False: the step's verdict is final."""
     trusted_keys: list[str] = []
     """Fingerprints of your own workers' keys (`pnyx worker` prints its key's at start): never quarantined
     (their faulty groups are still dropped), and their groups calibrate the checks' allowances per engine.

@@ -341,15 +341,20 @@ def centers(calib: Calibration) -> dict[str, float]:
 
 
 def evidence_summary(
-    evidence: Mapping[str, Any], a: Allowances, rejected: Mapping[str, str] | None = None
+    evidence: Mapping[str, Any],
+    a: Allowances,
+    rejected: Mapping[str, str] | None = None,
+    rejudged: Mapping[str, str] | None = None,
 ) -> dict[str, dict[str, float]]:
     """One step's checked groups summed per `engine/staleness` (for the metrics, and the honest-drift
     tables of `benchmarks/bench_honest_drift.py`): groups, gap sum and max, raw z and z_adj sums, squares
     and extremes, and how many the derived allowances (`rejects`) and the fixed floors alone
-    (`fixed_rejects`) reject."""
+    (`fixed_rejects`) reject, and how many the derived allowances failed but the exact re-check under the
+    published weights kept (`rejudged`; such a group is not in `rejects`)."""
     from pnyx.security.checks import Z_CLAMP, judge
 
     rejected = rejected or {}
+    rejudged = rejudged or {}
     out: dict[str, dict[str, float]] = {}
     for key, ev in sorted(evidence.items()):
         if not ev.tokens:
@@ -359,7 +364,7 @@ def evidence_summary(
             {
                 "n": 0, "tokens": 0, "gap_sum": 0.0, "gap_max": 0.0, "z_sum": 0.0, "z_sq": 0.0,
                 "z_min": Z_CLAMP, "z_max": -Z_CLAMP, "za_sum": 0.0, "za_sq": 0.0, "za_min": Z_CLAMP,
-                "za_max": -Z_CLAMP, "rejects": 0, "fixed_rejects": 0,
+                "za_max": -Z_CLAMP, "rejects": 0, "fixed_rejects": 0, "rejudged": 0,
             },
         )  # fmt: skip
         z = _clamp(ev.z)
@@ -375,6 +380,7 @@ def evidence_summary(
         b["za_sq"] += za * za
         b["za_min"], b["za_max"] = min(b["za_min"], za), max(b["za_max"], za)
         b["rejects"] += key in rejected
+        b["rejudged"] += key in rejudged
         b["fixed_rejects"] += judge(ev, a.floors) is not None
     return {k: {f: round(v, 6) for f, v in b.items()} for k, b in out.items()}
 

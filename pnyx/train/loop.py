@@ -160,6 +160,7 @@ class Trainer:
             compute_dtype=self.parts.compute_dtype,
             checks=batch.checks if batch.checks is not None else check_settings(self.cfg),
             probe=batch.probe,
+            rejudge=self.parts.rejudge,
         )
 
     def _wait_for_batch(self) -> list[ScoredGroup] | None:
@@ -212,7 +213,7 @@ class Trainer:
             self.parts.digests.note(target, m)
             self.parts.ingestor.note_published(target)
             self.parts.ingestor.commit(
-                batch.keys, batch.groups, stats.rejected, stats.evidence, batch.checks, stats.drift,
+                batch.keys, batch.groups, stats.rejected, stats.verdict_evidence, batch.checks, stats.drift,
                 self.version,
             )  # fmt: skip
             self.parts.prefetcher.ahead(target)
@@ -317,6 +318,7 @@ class Trainer:
             "prefetch_busy_s": round(self.parts.prefetcher.busy_s, 3),
             "lp_gap_engine": s.lp_gap_engine,
             "rejected": dict(Counter(s.rejected.values())),
+            "rejudged": dict(Counter(s.rejudged.values())),
             "undo_s": round(s.undo_s, 4),
             "probe_s": round(s.probe_s, 4),
             "calibration": self._calibration(r),
@@ -330,7 +332,7 @@ class Trainer:
         from pnyx.security.calibration import evidence_summary
 
         out = r.checks.to_metrics(self.cfg.algorithm.max_staleness)
-        out["groups"] = evidence_summary(r.stats.evidence, r.checks, r.stats.rejected)
+        out["groups"] = evidence_summary(r.stats.evidence, r.checks, r.stats.rejected, r.stats.rejudged)
         d = r.stats.drift
         out["probe"] = (
             None if d is None else {"drift": round(d.a, 6), "tokens": d.tokens, "held_out": d.held_out}

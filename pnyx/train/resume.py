@@ -77,7 +77,13 @@ def restore(t: Resumable, published: int | None) -> None:
         stats = t.train_batch(batch)
         if t.parts.dist.is_main:
             t.parts.ingestor.commit(
-                batch.keys, batch.groups, stats.rejected, stats.evidence, batch.checks, stats.drift, v - 1
+                batch.keys,
+                batch.groups,
+                stats.rejected,
+                stats.verdict_evidence,
+                batch.checks,
+                stats.drift,
+                v - 1,
             )
             kind = read_manifest(t.store, v, t.trust).kind
             checkpoint.write_metrics(

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +44,10 @@ from pnyx.train.ingest import ScoredGroup
 from pnyx.train.losses import LossSettings, LossTerms, policy_terms, token_weights
 from pnyx.train.microbatch import Row, assign_micro_batches, build_rows, plan_micro_batches
 from pnyx.train.stepstats import PartialStats, StepStats
+
+Rejudge = Callable[[list[Row], int], Mapping[str, GroupEvidence]]
+"""(one group's rows, the version they claim) -> that group's evidence from a forward under exactly the
+published weights of that version (`pnyx.train.rejudge.Rejudge`): a check with no drift in it."""
 
 
 def make_optimizer(
@@ -69,6 +73,7 @@ def train_step(
     compute_dtype: torch.dtype | None = None,
     checks: Limits | None = None,
     probe: Sequence[Row] | None = None,
+    rejudge: Rejudge | None = None,
 ) -> StepStats:
     """Accumulate the loss of `groups` over micro-batches, clip, and take one AdamW step.
 
@@ -84,6 +89,12 @@ def train_step(
     opposite sign (the only extra forward, paid for rejected split groups alone). The gradient is then
     rescaled to the batch-global normaliser without the rejected groups, so the update is the one of the
     batch without them (up to floating-point summation). If every group fails, no optimizer step is taken.
+    `rejudge` (with the checks): a group the step's own forward would reject is judged once more, before
+    its verdict takes effect, on a forward under the exact published weights of the version it claims
+    (`pnyx.train.rejudge`); it is kept if it passes there, with that evidence (`StepStats.rejudged`,
+    `StepStats.exact`). The master forward judges through drift allowances (the trainer's fp32 masters are
+    not the bf16 weights sampled from, and a stale group was sampled from an older policy); the exact
+    forward has no drift to allow for, so a group failing there is dishonest, not drifted.
     `probe` (with the checks): rows held out from the step, forwarded before and after the update to
     measure its drift (`StepStats.drift`; None when no step is taken); with `Allowances` and no probe,
     rows of the batch itself stand in.
@@ -97,7 +108,7 @@ def train_step(
     """
     t0 = time.perf_counter()
     st = _setup(model, groups, settings, micro_batch_tokens, max_len, ref_logprobs, policy_version, dist,
-                compute_dtype, checks)  # fmt: skip
+                compute_dtype, checks, rejudge)  # fmt: skip
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -115,7 +126,9 @@ def train_step(
     total = PartialStats()
     for p in dist.all_gather(part) if dist is not None else [part]:
         total.merge(p)
-    late = _judge_rest(total.evidence, total.rejected, st.checks) if st.checks is not None else {}
+    done = {**total.rejected, **total.rejudged}  # judged already: rejected, or kept by the exact re-check
+    late = _judge_rest(total.evidence, done, st.checks) if st.checks is not None else {}
+    late = _rejudged(st, late, total)  # every rank the same: the same groups, the same published weights
     undo_s = _undo(st, late)
     rejected = {**total.rejected, **late}
     step = _rescale(model, st, rejected)
@@ -235,6 +248,7 @@ class _Step:
     policy_version: int | None
     checks: Limits | None
     """The limits, when `train_step` got both `checks` and `policy_version`; else None."""
+    rejudge: Rejudge | None
     rank: int
     world: int
 
@@ -250,6 +264,7 @@ def _setup(
     dist: Dist | None,
     compute_dtype: torch.dtype | None,
     checks: Limits | None,
+    rejudge: Rejudge | None = None,
 ) -> _Step:
     """The step's state for this batch, model and rank. ValueError for a batch it cannot train on (no
     completion tokens; `kl_coef > 0` without reference logprobs)."""
@@ -269,7 +284,7 @@ def _setup(
         fwd=fwd, rows=rows, plan=plan_micro_batches(rows, micro_batch_tokens), n_seq=len(rows),
         n_tok=sum(sum(r.loss_mask) for r in rows), rows_of=Counter(r.key for r in rows), settings=settings,
         max_len=max_len, ref=ref_logprobs if settings.kl_coef > 0 else None, policy_version=policy_version,
-        checks=checks if policy_version is not None else None, rank=rank, world=world,
+        checks=checks if policy_version is not None else None, rejudge=rejudge, rank=rank, world=world,
     )  # fmt: skip
 
 
@@ -299,7 +314,7 @@ def _forward_backward(st: _Step, rows: list[Row], scale: float, part: PartialSta
     w = token_weights(mb.lmask, st.settings.aggregation, st.n_seq, st.n_tok, st.max_len)
     if st.checks is not None and part is not None:
         here = _evidence(mb, st.policy_version)
-        part.rejected.update(_judge_whole(here, st.rows_of, st.checks))
+        part.rejected.update(_rejudged(st, _judge_whole(here, st.rows_of, st.checks), part))
         _add_evidence(part.evidence, here)
         drop = [k for k, r in enumerate(rows) if r.key in part.rejected]
         if drop:  # judged here: the group weighs nothing in this backward
@@ -394,6 +409,24 @@ def _judge_rest(
     group that passed in its micro-batch is judged again on the same sums."""
     rest = sorted(k for k in evidence if k not in rejected)
     return {k: r for k in rest if (r := judge(evidence[k], checks)) is not None}
+
+
+def _rejudged(st: _Step, failing: Mapping[str, str], part: PartialStats) -> dict[str, str]:
+    """The groups of `failing` that stay rejected once judged again under the exact published weights
+    they claim (all of them without `st.rejudge`); those that pass there go to `part.rejudged` (with the
+    reason they were failing for) and their exact evidence to `part.exact`."""
+    if st.rejudge is None or st.checks is None or not failing:
+        return dict(failing)
+    out: dict[str, str] = {}
+    for key, reason in failing.items():
+        rows = [r for r in st.rows if r.key == key]
+        exact = st.rejudge(rows, rows[0].version).get(key)
+        if exact is not None and judge(exact, st.checks) is None:
+            part.rejudged[key] = reason
+            part.exact[key] = exact
+        else:
+            out[key] = reason
+    return out
 
 
 # --- stage 3 after the micro-batches: undo, rescale, clip ---------------------------------------------------

@@ -46,6 +46,11 @@ class StepStats:
     rejected: dict[str, str] = field(default_factory=dict)
     """Group key -> reason (`logprob_gap`, `implausible`) for the groups the checks removed from this
     step: their contribution was taken out of the gradient before the optimizer step."""
+    rejudged: dict[str, str] = field(default_factory=dict)
+    """Group key -> the reason the step's own forward would have dropped it for, for the groups kept because
+    they passed when judged again under the exact published weights they claim (`train_step(rejudge=)`)."""
+    exact: dict[str, GroupEvidence] = field(default_factory=dict)
+    """The evidence of the `rejudged` groups from that exact forward (staleness 0: no drift in it)."""
     undo_s: float = 0.0
     """Seconds spent removing rejected groups (a forward and backward of their rows; 0 when none)."""
     drift: Drift | None = None
@@ -54,6 +59,12 @@ class StepStats:
     (`pnyx.security.calibration`). None when no probe was taken."""
     probe_s: float = 0.0
     """Seconds the drift probe took (two forwards of its rows, no gradient)."""
+
+    @property
+    def verdict_evidence(self) -> dict[str, GroupEvidence]:
+        """The evidence each group's verdict rests on (the exact forward's for a re-judged group): what
+        its key's running statistics and the calibration are fed."""
+        return {**self.evidence, **self.exact} if self.exact else self.evidence
 
     @property
     def tokens_per_s(self) -> float:
@@ -78,6 +89,8 @@ class PartialStats:
     eng_n: Counter[str] = field(default_factory=Counter)
     evidence: dict[str, GroupEvidence] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
+    rejudged: dict[str, str] = field(default_factory=dict)
+    exact: dict[str, GroupEvidence] = field(default_factory=dict)
 
     def merge(self, o: PartialStats) -> None:
         self.loss += o.loss
@@ -92,6 +105,8 @@ class PartialStats:
         self.eng_sum.update(o.eng_sum)
         self.eng_n.update(o.eng_n)
         self.rejected.update(o.rejected)
+        self.rejudged.update(o.rejudged)
+        self.exact.update(o.exact)
         for k, ev in o.evidence.items():
             mine = self.evidence.get(k)
             if mine is None:
@@ -134,6 +149,8 @@ class PartialStats:
             lp_gap_engine={e: self.eng_sum[e] / self.eng_n[e] for e in sorted(self.eng_n) if self.eng_n[e]},
             evidence=self.evidence,
             rejected=rejected,
+            rejudged=dict(sorted(self.rejudged.items())),
+            exact=self.exact,
             undo_s=undo_s,
             drift=drift,
             probe_s=probe_s,

@@ -34,6 +34,7 @@ from pnyx.train.distributed import Dist
 from pnyx.train.ingest import Ingestor
 from pnyx.train.prefetch import Prefetcher
 from pnyx.train.reference import Reference
+from pnyx.train.rejudge import Rejudge
 from pnyx.train.schedule import Schedule
 from pnyx.train.settings import ingest_settings
 from pnyx.train.step import make_optimizer
@@ -137,6 +138,8 @@ class TrainerParts:
     digests: PublishedDigests
     ingestor: Ingestor
     prefetcher: Prefetcher
+    rejudge: Rejudge | None = None
+    """The exact re-check of groups the step would drop (`security.rejudge`), or None."""
 
 
 def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | None = None) -> TrainerParts:
@@ -216,6 +219,7 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         digests=digests,
         ingestor=ingestor,
         prefetcher=Prefetcher(ingestor, t.groups_per_step),
+        rejudge=Rejudge(store, model_dir) if cfg.security.rejudge else None,
     )
 
 
@@ -245,6 +249,8 @@ def attach_run(parts: TrainerParts, run: RunManifest) -> Verifier:
     Returns that key's verifier."""
     trust = run_verifier(run)
     parts.digests.trust = trust
+    if parts.rejudge is not None:
+        parts.rejudge.trust = trust
     parts.ingestor.run_id = run.run_id
     return trust
 

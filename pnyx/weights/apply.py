@@ -1,7 +1,7 @@
 """Applying PULSE delta chunks (`pnyx.weights.codec`'s format) onto a base state, bit-exact.
 
-Decoding copies each record's range from the base and patches it `APPLY_ELEMS` at a time, into arrays the
-caller may recycle (`reuse`); the base is never written. Knows nothing about the store, manifests or torch.
+Decoding copies each record's range from the base and patches it in the same pass (`kernels.patch`), into
+arrays the caller may recycle (`reuse`); the base is never written. Knows nothing about the store, manifests or torch.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ import numpy as np
 import zstandard
 
 from pnyx.errors import IntegrityError
+from pnyx.weights import kernels
 from pnyx.weights.bits import BitState, TensorBits, unsigned_dtype
 from pnyx.weights.codec import Record, _dctx, default_threads, read_header
-from pnyx.weights.pack import CODE_BITS, UINT, packed_len, unpack_codes, unplanes, unzigzag
+from pnyx.weights.pack import CODE_BITS, UINT, packed_len, unpack_codes, unplanes
 
-__all__ = ["APPLY_ELEMS", "DeltaApplier", "apply_delta"]
-
-APPLY_ELEMS = 1 << 20  # elements copied from the base and then patched while still in cache
+__all__ = ["DeltaApplier", "apply_delta"]
 
 
 class DeltaApplier:
@@ -150,14 +149,6 @@ class DeltaApplier:
             self.covered[r.name].append((r.start, r.start + r.count))
             return
         gaps = unplanes(gaps_raw, n, gw)
-        if n and int(gaps.max()) >= r.count:
-            raise IntegrityError(f"delta record for {r.name!r} points past its segment")
-        pos = gaps.astype(np.int64)
-        pos += 1
-        np.cumsum(pos, out=pos)
-        pos -= 1
-        if n and pos[-1] >= r.count:
-            raise IntegrityError(f"delta record for {r.name!r} points past its segment")
         codes = unpack_codes(codes_raw, n, bits).astype(flat.dtype)
         if r.esc_n:
             top = flat.dtype.type((1 << bits) - 1)
@@ -168,22 +159,21 @@ class DeltaApplier:
                 )
             exc = unplanes(memoryview(codes_raw)[packed_len(n, bits) :], r.esc_n, r.esc_width)
             codes[at] = top + exc.astype(flat.dtype)
-        if r.op == "diff":
-            codes += flat.dtype.type(1)
-            codes = unzigzag(codes)
         src = self._base_of(r)
         assert src is not None  # _target checked it
         src = src.reshape(-1)[r.start : r.start + r.count]
-        cuts = np.searchsorted(pos, np.arange(0, r.count, APPLY_ELEMS)[1:]).tolist()
-        lo = 0
-        for s, hi in zip(range(0, r.count, APPLY_ELEMS), [*cuts, n], strict=True):
-            np.copyto(seg[s : s + APPLY_ELEMS], src[s : s + APPLY_ELEMS])
-            p = pos[lo:hi]
+        try:
             if r.op == "value":
-                seg[p] = codes[lo:hi]
-            else:
-                seg[p] += codes[lo:hi]
-            lo = hi
+                kernels.check_gaps(gaps, r.count)
+                pos = np.cumsum(gaps.astype(np.int64) + 1) - 1
+                if n and pos[-1] >= r.count:
+                    raise IntegrityError("delta record points past its segment")
+                np.copyto(seg, src)
+                seg[pos] = codes
+            else:  # one pass: copy each block of the base and add the decoded changes while it is in cache
+                kernels.patch_codes(seg, src, gaps, codes)
+        except IntegrityError:
+            raise IntegrityError(f"delta record for {r.name!r} points past its segment") from None
         self.covered[r.name].append((r.start, r.start + r.count))
 
     def result(self) -> BitState:

@@ -31,6 +31,7 @@ import numpy as np
 import zstandard
 
 from pnyx.errors import IntegrityError
+from pnyx.weights import kernels
 from pnyx.weights.bits import TensorBits, unsigned_dtype
 from pnyx.weights.pack import (
     code_candidates,
@@ -119,16 +120,20 @@ def _encode_segment(
     w = b.dtype.itemsize
     if a is None:
         return "whole", len(b), 0, 8 * w, 0, 0, b"", cctx.compress(planes(b, w))
-    pos, new, base = changes(a, b)
-    n = len(pos)
+    if mode == "value":
+        pos, new, _ = changes(a, b)
+        if len(pos) == 0:
+            return None
+        gaps = gaps_of(pos)
+        gw = width_for(int(gaps.max()))
+        gframe = cctx.compress(planes(gaps, gw))
+        return "value", len(pos), gw, 8 * w, 0, 0, gframe, cctx.compress(planes(new, w))
+    gaps, codes = kernels.diff_codes(a, b)  # the one full-size pass (compiled where numba is installed)
+    n = len(gaps)
     if n == 0:
         return None
-    gaps = gaps_of(pos)
     gw = width_for(int(gaps.max()))
     gframe = cctx.compress(planes(gaps, gw))
-    if mode == "value":
-        return "value", n, gw, 8 * w, 0, 0, gframe, cctx.compress(planes(new, w))
-    codes = zigzag(new - base) - b.dtype.type(1)
     bits, esc_n, esc_w, cframe = code_candidates(codes, cctx)
     return "diff", n, gw, bits, esc_n, esc_w, gframe, cframe
 

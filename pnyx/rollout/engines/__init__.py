@@ -45,6 +45,9 @@ def check_engine(name: str, device: str = "cpu") -> None:
             )
             raise ConfigError(f"mlx is not installed: {extra}")
         try:
+            from pnyx.rollout.engines.mlx_blas import use_fast_blas
+
+            use_fast_blas()  # before mlx.core loads libmlx (see that module)
             import mlx.core as mx
 
             mx.array([0]).tolist()

@@ -26,7 +26,11 @@ import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+# isort: off
+import pnyx.rollout.engines.mlx_blas  # noqa: F401  before mlx.core: chooses the BLAS libmlx binds to
 import mlx.core as mx
+
+# isort: on
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
+# isort: off
+import pnyx.rollout.engines.mlx_blas  # noqa: F401  before mlx.core: chooses the BLAS libmlx binds to
 import mlx.core as mx
+# isort: on
 
 from pnyx.rollout.sampling import COMPACT_FRACTION, Completion, FinishReason, SamplingParams, StopMatcher
 

@@ -1,0 +1,65 @@
+"""The numba versions of `pnyx.weights.kernels` (imported only when numba is installed and in force).
+
+Module-level functions, so numba's on-disk cache (`cache=True`) finds them again in the next process; the
+contracts, the numpy twins and the bounds checks that make these safe to call are in `kernels.py`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(nogil=True, cache=True)
+def diff16(a, b, a64, b64, gaps, codes):  # pragma: no cover - compiled
+    k = 0
+    prev = -1
+    for j in range(a64.size):
+        if a64[j] != b64[j]:
+            for i in range(4 * j, 4 * j + 4):
+                x = np.int64(a[i])
+                y = np.int64(b[i])
+                if x != y:
+                    s = (y - x) & 0xFFFF  # the modular difference, as a signed 16-bit value
+                    if s >= 32768:
+                        s -= 65536
+                    gaps[k] = i - prev - 1
+                    codes[k] = (2 * s if s >= 0 else -2 * s - 1) - 1
+                    prev = i
+                    k += 1
+    for i in range(4 * a64.size, a.size):
+        x = np.int64(a[i])
+        y = np.int64(b[i])
+        if x != y:
+            s = (y - x) & 0xFFFF
+            if s >= 32768:
+                s -= 65536
+            gaps[k] = i - prev - 1
+            codes[k] = (2 * s if s >= 0 else -2 * s - 1) - 1
+            prev = i
+            k += 1
+    return k
+
+
+@njit(nogil=True, cache=True)
+def copy(dst, src):  # pragma: no cover - compiled; a loop of its own vectorizes like memcpy
+    for i in range(dst.size):
+        dst[i] = src[i]
+
+
+@njit(nogil=True, cache=True)
+def patch(dst, src, gaps, codes, block):  # pragma: no cover - compiled
+    n = dst.size
+    m = gaps.size
+    j = 0
+    p = np.int64(gaps[0]) if m else n
+    for s in range(0, n, block):
+        e = min(s + block, n)
+        copy(dst[s:e], src[s:e])
+        while j < m and p < e:
+            c = np.int64(codes[j]) + 1
+            dst[p] = src[p] + ((c >> 1) ^ (-(c & 1)))  # unzigzag, wrapped to dst's width on store
+            j += 1
+            if j < m:
+                p += np.int64(gaps[j]) + 1
+    return j == m

@@ -1,0 +1,133 @@
+"""The exact re-check (`pnyx.train.rejudge`): a group the step's own forward would drop is judged again
+under the published weights of the version it claims.
+
+The scene is the one measured on SmolLM2 with a fast worker: an honest group sampled at v0 on a prompt the
+step v0 -> v1 trained on hard, judged at v1. The master forward sees its logprobs moved far and rejects it;
+under the exact v0 weights it is as plausible as a fresh group, so it is kept. A temperature liar on the
+same prompt fails both ways.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pnyx.protocol import layout
+from pnyx.security.checks import CheckSettings
+from pnyx.train.ingest import IngestSettings
+
+
+@pytest.fixture
+def scene(tmp_path):
+    import torch
+    from worker_support import create_signed_run
+
+    from pnyx.config import shipped_model_path
+    from pnyx.envs import get_env
+    from pnyx.models import load_model, load_tokenizer
+    from pnyx.rollout.cohort import CohortSpec, generate_cohort
+    from pnyx.rollout.engines import make_engine
+    from pnyx.rollout.sampling import SamplingParams
+    from pnyx.store import open_store
+    from pnyx.train.losses import LossSettings
+    from pnyx.train.rescore import rescore
+    from pnyx.train.step import make_optimizer, train_step
+    from pnyx.weights import Publisher, Syncer
+    from pnyx.weights.trust import run_verifier
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model_dir = shipped_model_path()
+    env = get_env("arith")
+    store = open_store(tmp_path / "run")
+    manifest, signer = create_signed_run(store, {"worker": {}, "env": {}}, {"vocab_size": 10})
+    master, tok = load_model(model_dir, dtype="float32"), load_tokenizer(model_dir)
+    pub = Publisher(store, anchor_every=20, signer=signer)
+
+    def cast() -> dict:
+        return {k: v.detach().to(torch.bfloat16) for k, v in master.state_dict().items()}
+
+    pub.publish(0, cast())
+    syncer = Syncer(store, trust=run_verifier(manifest))
+    syncer.sync(0)
+    engine = make_engine("torch", model_dir, tok)
+    engine.update(0, syncer.state, syncer.manifest)  # a worker: the published bf16 weights of v0
+
+    def words(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    task = env.sample("train", 5, 1)[0]
+    seq = iter(range(1 << 20))
+    spec = CohortSpec(manifest.run_id, "w", 0, syncer.digest or "", 8, 1.0, 1.0, 0, 16, 3)
+
+    def honest():
+        for _ in range(40):  # a group with signal (zero-variance ones are not kept)
+            res = generate_cohort(engine, tok, env, [task], spec, lambda: next(seq))
+            if res.groups:
+                g = res.groups[0]
+                return rescore(layout.rollout_key(0, "w", g.seq), g, env=env, detokenize=words,
+                               settings=IngestSettings())  # fmt: skip
+        raise AssertionError("no group with signal in 40 cohorts")
+
+    trained, stale = honest(), honest()
+    # the liar: samples at temperature 0.3, records those logprobs and claims the run's 1.0
+    cold = engine.generate(
+        [list(stale.group.prompt_tokens)] * 8, SamplingParams(0.3, max_new_tokens=16, seed=3)
+    )
+    liar = stale.group.__class__(**{f: getattr(stale.group, f) for f in stale.group.__struct_fields__})
+    liar.seq, liar.worker_id = 999, "liar"
+    liar.samples = [
+        s.__class__(tokens=c.tokens, logprobs=c.logprobs, loss_mask=[1] * len(c.tokens), reward=s.reward)
+        for s, c in zip(stale.group.samples, cold, strict=True)
+    ]
+    liar_scored = rescore(layout.rollout_key(0, "liar", 999), liar, env=env, detokenize=words,
+                          settings=IngestSettings())  # fmt: skip
+    opt = make_optimizer(master, 3e-3, (0.9, 0.999), 0.0)
+    for _ in range(3):  # the step v0 -> v1 trains hard on `trained`, the same prompt as `stale`
+        train_step(master, opt, [trained], LossSettings(), micro_batch_tokens=4096, grad_clip=1.0)
+    pub.publish(1, cast())
+    return store, manifest, model_dir, master, stale, liar_scored
+
+
+def judge_at_v1(scene, rejudge):
+    import torch
+
+    from pnyx.train.losses import LossSettings
+    from pnyx.train.step import train_step
+
+    _, _, _, master, stale, liar = scene
+    opt = torch.optim.SGD(master.parameters(), lr=0.0)
+    return train_step(
+        master, opt, [stale, liar], LossSettings(), micro_batch_tokens=4096, grad_clip=1.0,
+        policy_version=1, checks=CheckSettings(), rejudge=rejudge,
+    )  # fmt: skip
+
+
+def test_the_exact_recheck_keeps_the_honest_stale_group_and_still_rejects_the_liar(scene):
+    from pnyx.train.rejudge import Rejudge
+    from pnyx.weights.trust import run_verifier
+
+    store, manifest, model_dir, _, stale, liar = scene
+    without = judge_at_v1(scene, None)
+    assert without.rejected.get(stale.key) is not None  # the master forward's verdict: drifted too far
+    assert without.rejected.get(liar.key) is not None
+
+    rejudge = Rejudge(store, model_dir)
+    rejudge.trust = run_verifier(manifest)
+    stats = judge_at_v1(scene, rejudge)
+    assert stale.key not in stats.rejected
+    assert stats.rejudged == {stale.key: without.rejected[stale.key]}
+    exact = stats.exact[stale.key]
+    assert exact.staleness == 0 and exact.gap < 0.01  # under its own version: bf16 rounding only
+    assert abs(exact.z) < 4.5
+    assert stats.rejected.get(liar.key) is not None  # a liar fails under the exact weights too
+    assert stats.verdict_evidence[stale.key] is exact
+    assert rejudge.calls == 2
+
+
+def test_without_the_run_key_nothing_is_rejudged(scene):
+    from pnyx.train.rejudge import Rejudge
+
+    store, _, model_dir, _, stale, _ = scene
+    rejudge = Rejudge(store, model_dir)  # trust not set: the exact weights cannot be verified
+    stats = judge_at_v1(scene, rejudge)
+    assert stats.rejected.get(stale.key) is not None and not stats.rejudged
