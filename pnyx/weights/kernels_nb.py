@@ -10,34 +10,33 @@ import numpy as np
 from numba import njit
 
 
-@njit(nogil=True, cache=True)
-def diff16(a, b, a64, b64, gaps, codes):  # pragma: no cover - compiled
-    k = 0
-    prev = -1
-    for j in range(a64.size):
-        if a64[j] != b64[j]:
-            for i in range(4 * j, 4 * j + 4):
-                x = np.int64(a[i])
-                y = np.int64(b[i])
-                if x != y:
-                    s = (y - x) & 0xFFFF  # the modular difference, as a signed 16-bit value
-                    if s >= 32768:
-                        s -= 65536
-                    gaps[k] = i - prev - 1
-                    codes[k] = (2 * s if s >= 0 else -2 * s - 1) - 1
-                    prev = i
-                    k += 1
-    for i in range(4 * a64.size, a.size):
+@njit(nogil=True, cache=True, inline="always")
+def hits16(a, b, lo, hi, prev, k, gaps, codes):  # pragma: no cover - compiled
+    """Write the gap and code of every i in [lo, hi) where a[i] != b[i]; returns the new (prev, k)."""
+    for i in range(lo, hi):
         x = np.int64(a[i])
         y = np.int64(b[i])
         if x != y:
-            s = (y - x) & 0xFFFF
+            s = (y - x) & 0xFFFF  # the modular difference, as a signed 16-bit value
             if s >= 32768:
                 s -= 65536
             gaps[k] = i - prev - 1
             codes[k] = (2 * s if s >= 0 else -2 * s - 1) - 1
             prev = i
             k += 1
+    return prev, k
+
+
+@njit(nogil=True, cache=True)
+def diff16(a, b, a64, b64, gaps, codes):  # pragma: no cover - compiled
+    """Gaps and zigzag codes (minus one) where the uint16 arrays a, b differ; a64/b64: their first
+    4 * len(a64) elements viewed as uint64 (one compare per four elements). Returns how many were written."""
+    k = 0
+    prev = -1
+    for j in range(a64.size):
+        if a64[j] != b64[j]:
+            prev, k = hits16(a, b, 4 * j, 4 * j + 4, prev, k, gaps, codes)
+    prev, k = hits16(a, b, 4 * a64.size, a.size, prev, k, gaps, codes)  # the tail the view does not cover
     return k
 
 

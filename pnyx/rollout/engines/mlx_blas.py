@@ -1,9 +1,8 @@
 """Which BLAS mlx's CPU build multiplies with on Linux: an optimized one when the machine has it.
 
 mlx's Linux CPU wheel (`mlx-cpu`) bundles the netlib *reference* BLAS (`mlx_cpu.libs/libblas-*.so.3`), and
-every matmul goes through its `cblas_sgemm`. That is about 1-2 GFLOP/s: SmolLM2-135M then takes ~1 s per
-decode step of 8 rows, 18x slower than the same product through OpenBLAS on this machine
-(BENCHMARKS.md, "MLX on Linux"). `use_fast_blas` loads an optimized BLAS into the process's global symbol
+every matmul goes through its `cblas_sgemm`: SmolLM2-135M then decodes 13x slower than with the system's
+OpenBLAS on this machine (BENCHMARKS.md, "MLX on Linux: which BLAS"). `use_fast_blas` loads an optimized BLAS into the process's global symbol
 scope *before* `mlx.core` is first imported; the dynamic linker then binds libmlx's `cblas_*` symbols to
 it, because the global scope is searched before a library's own dependencies. Results are the same
 products computed by other kernels (float32 rounding may differ in the last bits, as between any two BLAS
@@ -73,8 +72,8 @@ def use_fast_blas() -> str | None:
     if path is None:
         if os.environ.get(ENV, "").strip().lower() != "bundled":
             log.info(
-                "mlx on Linux multiplies with its bundled reference BLAS (slow: ~1 s per SmolLM2 decode "
-                "step); apt-get install libopenblas0-pthread, or set %s to an optimized libblas",
+                "mlx on Linux multiplies with its bundled reference BLAS (~13x slower decoding); "
+                "apt-get install libopenblas0-pthread, or set %s to an optimized libblas",
                 ENV,
             )
         return None
