@@ -42,7 +42,7 @@ MICRO_BATCH_TOKENS = 8192
 
 
 class Rejudge:
-    """`step.Rejudge` over a run's store: `rejudge(rows, version)` -> {group key: exact evidence}.
+    """`judgement.Rejudge` over a run's store: `rejudge(rows, version)` -> {group key: exact evidence}.
 
     The model and the syncer are built at the first call (most runs never need them). `trust` is the run's
     trainer key (set when the run is created or joined, `trainer_setup.attach_run`); without it nothing is

@@ -8,7 +8,7 @@ pure); this module runs the forward, the backward and the optimizer.
 
 Stages, the first and third alternating micro-batch by micro-batch (a graph lives until its backward):
 1. forward and evidence (`_Forward.run`, also used by `measure_evidence` and the drift probe; `_evidence`);
-2. judgement (`_judge_whole` before a micro-batch's backward for the groups whole in it, `_judge_rest` on
+2. judgement (`judgement.py`: `judge_whole` before a micro-batch's backward for the groups whole in it, `judge_rest` on
    the evidence merged from every micro-batch and rank; pure, `security.checks.judge`);
 3. the update (`_forward_backward`: a rejected whole group weighs 0; `_undo`: a rejected split group's
    micro-batches replayed with the opposite sign; `_rescale`, `_clip`, AdamW).
@@ -32,22 +32,19 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pnyx.security.calibration import Allowances, Drift
-from pnyx.security.checks import GroupEvidence, Limits, judge
+from pnyx.security.checks import GroupEvidence, Limits
 from pnyx.train.distributed import Dist
 from pnyx.train.ingest import ScoredGroup
+from pnyx.train.judgement import Rejudge, judge_rest, judge_whole, keep_rejudged
 from pnyx.train.losses import LossSettings, LossTerms, policy_terms, token_weights
 from pnyx.train.microbatch import Row, assign_micro_batches, build_rows, plan_micro_batches
 from pnyx.train.stepstats import PartialStats, StepStats
-
-Rejudge = Callable[[list[Row], int], Mapping[str, GroupEvidence]]
-"""(one group's rows, the version they claim) -> that group's evidence from a forward under exactly the
-published weights of that version (`pnyx.train.rejudge.Rejudge`): a check with no drift in it."""
 
 
 def make_optimizer(
@@ -127,8 +124,8 @@ def train_step(
     for p in dist.all_gather(part) if dist is not None else [part]:
         total.merge(p)
     done = {**total.rejected, **total.rejudged}  # judged already: rejected, or kept by the exact re-check
-    late = _judge_rest(total.evidence, done, st.checks) if st.checks is not None else {}
-    late = _rejudged(st, late, total)  # every rank the same: the same groups, the same published weights
+    late = judge_rest(total.evidence, done, st.checks) if st.checks is not None else {}
+    late = keep_rejudged(st.rejudge, st.checks, st.rows, late, total)  # the same on every rank
     undo_s = _undo(st, late)
     rejected = {**total.rejected, **late}
     step = _rescale(model, st, rejected)
@@ -314,7 +311,8 @@ def _forward_backward(st: _Step, rows: list[Row], scale: float, part: PartialSta
     w = token_weights(mb.lmask, st.settings.aggregation, st.n_seq, st.n_tok, st.max_len)
     if st.checks is not None and part is not None:
         here = _evidence(mb, st.policy_version)
-        part.rejected.update(_rejudged(st, _judge_whole(here, st.rows_of, st.checks), part))
+        failing = judge_whole(here, st.rows_of, st.checks)
+        part.rejected.update(keep_rejudged(st.rejudge, st.checks, st.rows, failing, part))
         _add_evidence(part.evidence, here)
         drop = [k for k, r in enumerate(rows) if r.key in part.rejected]
         if drop:  # judged here: the group weighs nothing in this backward
@@ -384,49 +382,6 @@ def _accumulate(part: PartialStats, terms: LossTerms, mb: _MicroBatch, policy_ve
                 part.gap_n[r.worker] += row_n
                 part.eng_sum[r.engine] += row_sum  # pyright: ignore[reportArgumentType]
                 part.eng_n[r.engine] += row_n
-
-
-# --- stage 2: judgement (pure) --------------------------------------------------------------------------
-
-
-def _judge_whole(
-    here: Mapping[str, GroupEvidence], rows_of: Mapping[str, int], checks: Limits
-) -> dict[str, str]:
-    """Group key -> drop reason, for the failing groups of one micro-batch that lie wholly in it (their
-    evidence there is complete, so they are judged before its backward)."""
-    out: dict[str, str] = {}
-    for key, ev in here.items():
-        if ev.rows == rows_of[key] and (reason := judge(ev, checks)) is not None:
-            out[key] = reason
-    return out
-
-
-def _judge_rest(
-    evidence: Mapping[str, GroupEvidence], rejected: Mapping[str, str], checks: Limits
-) -> dict[str, str]:
-    """Group key -> drop reason, for the groups not yet rejected, from their evidence merged over every
-    micro-batch and rank, in key order. Only a group split across micro-batches can fail here: a whole
-    group that passed in its micro-batch is judged again on the same sums."""
-    rest = sorted(k for k in evidence if k not in rejected)
-    return {k: r for k in rest if (r := judge(evidence[k], checks)) is not None}
-
-
-def _rejudged(st: _Step, failing: Mapping[str, str], part: PartialStats) -> dict[str, str]:
-    """The groups of `failing` that stay rejected once judged again under the exact published weights
-    they claim (all of them without `st.rejudge`); those that pass there go to `part.rejudged` (with the
-    reason they were failing for) and their exact evidence to `part.exact`."""
-    if st.rejudge is None or st.checks is None or not failing:
-        return dict(failing)
-    out: dict[str, str] = {}
-    for key, reason in failing.items():
-        rows = [r for r in st.rows if r.key == key]
-        exact = st.rejudge(rows, rows[0].version).get(key)
-        if exact is not None and judge(exact, st.checks) is None:
-            part.rejudged[key] = reason
-            part.exact[key] = exact
-        else:
-            out[key] = reason
-    return out
 
 
 # --- stage 3 after the micro-batches: undo, rescale, clip ---------------------------------------------------
