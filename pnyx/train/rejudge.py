@@ -5,9 +5,9 @@ sampled from: the trainer computes with fp32 masters while workers sample from t
 and a group `s` versions behind was sampled from a policy `s` steps away. The allowances for that drift
 are derived from the run (`pnyx.security.calibration`), but drift is not uniform: a step that trains on a
 prompt moves the logprobs of exactly that prompt's completions furthest. Measured on SmolLM2-135M with a
-fast (MLX) worker that sampled the same one-digit sum in consecutive versions: a completion's logprob fell
-from -0.65 to -7.45 in one step, its group's z from +0.7 to -5.5, and 6 of 100 honest groups were dropped
-as `implausible` (docs/security.md, section 4).
+fast (MLX) worker that sampled the same one-digit sum in consecutive versions: groups whose z was -2.1 and
++0.2 under the weights they were sampled from showed -8.2 and -7.8 under the next version, and 6 of 120
+honest groups were dropped as `implausible` (docs/security.md, section 4; `benchmarks/bench_rejudge.py`).
 
 `Rejudge` is the exact check those groups get before their verdict takes effect: a second model in fp32
 (how CPU and MLX workers compute) loaded with the run's own published weights of the version the group

@@ -8,8 +8,9 @@ pure); this module runs the forward, the backward and the optimizer.
 
 Stages, the first and third alternating micro-batch by micro-batch (a graph lives until its backward):
 1. forward and evidence (`_Forward.run`, also used by `measure_evidence` and the drift probe; `_evidence`);
-2. judgement (`judgement.py`: `judge_whole` before a micro-batch's backward for the groups whole in it, `judge_rest` on
-   the evidence merged from every micro-batch and rank; pure, `security.checks.judge`);
+2. judgement (`judgement.py`: `judge_whole` before a micro-batch's backward for the groups whole in it,
+   `judge_rest` on the evidence merged from every micro-batch and rank, `keep_rejudged` for a failing
+   group's exact re-check; `security.checks.judge`);
 3. the update (`_forward_backward`: a rejected whole group weighs 0; `_undo`: a rejected split group's
    micro-batches replayed with the opposite sign; `_rescale`, `_clip`, AdamW).
 

@@ -1,7 +1,8 @@
 """Applying PULSE delta chunks (`pnyx.weights.codec`'s format) onto a base state, bit-exact.
 
-Decoding copies each record's range from the base and patches it in the same pass (`kernels.patch`), into
-arrays the caller may recycle (`reuse`); the base is never written. Knows nothing about the store, manifests or torch.
+Decoding copies each record's range from the base and patches it in the same pass (`kernels.patch_codes`),
+into arrays the caller may recycle (`reuse`); the base is never written. Knows nothing about the store,
+manifests or torch.
 """
 
 from __future__ import annotations
@@ -164,10 +165,7 @@ class DeltaApplier:
         src = src.reshape(-1)[r.start : r.start + r.count]
         try:
             if r.op == "value":
-                kernels.check_gaps(gaps, r.count)
-                pos = np.cumsum(gaps.astype(np.int64) + 1) - 1
-                if n and pos[-1] >= r.count:
-                    raise IntegrityError("delta record points past its segment")
+                pos = kernels.positions(gaps, r.count)
                 np.copyto(seg, src)
                 seg[pos] = codes
             else:  # one pass: copy each block of the base and add the decoded changes while it is in cache

@@ -13,7 +13,8 @@ numpy cannot fuse either pass:
 Both release the GIL: the codec's thread pool runs segments side by side on them.
 
 The compiled kernels are used when numba imports and `PNYX_PULSE_KERNELS` is not `numpy`; `KERNELS` says
-which are in force. numba compiles them at first use (a few seconds) and caches them on disk (`cache=True`).
+which are in force. numba compiles them at first use (a few seconds) and caches them on disk (`cache=True`);
+from the cache a process's first call still costs ~0.65 s (numba's import and start-up).
 The wire format does not depend on the choice: both versions produce and consume the same arrays
 (tests/test_weights_kernels.py compares them on the same inputs, hostile ones included). Knows nothing about
 chunks, zstd, tensors or the store.
@@ -31,13 +32,22 @@ from pnyx.errors import IntegrityError
 from pnyx.weights.pack import gaps_of, unzigzag, zigzag
 from pnyx.weights.scan import changes
 
-__all__ = ["KERNELS", "MIN_ELEMS", "PATCH_ELEMS", "check_gaps", "diff_codes", "patch_codes", "use"]
+__all__ = [
+    "KERNELS",
+    "MIN_ELEMS",
+    "PATCH_ELEMS",
+    "check_gaps",
+    "diff_codes",
+    "patch_codes",
+    "positions",
+    "use",
+]
 
 Kernels = Literal["numba", "numpy"]
 PATCH_ELEMS = 1 << 18  # elements copied and then patched while in cache (256K: 512 KB of bf16)
 MIN_ELEMS = 1 << 18
 """Segments smaller than this take the numpy path even with numba in force: a process's first compiled call
-costs ~1 s (numba's import and start-up, even from its cache), more than the numpy path spends on a small
+costs ~0.65 s (numba's import and start-up, even from its cache), more than the numpy path spends on a small
 model's whole state (the shipped tiny model's tensors are all below it)."""
 
 
@@ -45,6 +55,19 @@ def check_gaps(gaps: np.ndarray, n: int) -> None:
     """IntegrityError unless every gap is < n: then positions only grow and never overflow int64."""
     if len(gaps) and int(gaps.max()) >= n:
         raise IntegrityError("delta record points past its segment")
+
+
+def positions(gaps: np.ndarray, n: int) -> np.ndarray:
+    """The ascending positions (int64) the gaps reach in a segment of `n` elements; IntegrityError if any
+    falls outside it."""
+    check_gaps(gaps, n)
+    pos = gaps.astype(np.int64)
+    pos += 1
+    np.cumsum(pos, out=pos)  # < n * n: no overflow once every gap is < n
+    pos -= 1
+    if len(pos) and pos[-1] >= n:
+        raise IntegrityError("delta record points past its segment")
+    return pos
 
 
 # --- numpy ----------------------------------------------------------------------------------------------
@@ -61,13 +84,7 @@ def patch_codes_numpy(dst: np.ndarray, src: np.ndarray, gaps: np.ndarray, codes:
 
     Raises IntegrityError when a position falls outside dst (a hostile or corrupt record)."""
     n = dst.size
-    check_gaps(gaps, n)
-    pos = gaps.astype(np.int64)
-    pos += 1
-    np.cumsum(pos, out=pos)  # < n * n: no overflow once every gap is < n
-    pos -= 1
-    if len(pos) and pos[-1] >= n:
-        raise IntegrityError("delta record points past its segment")
+    pos = positions(gaps, n)
     delta = unzigzag(codes.astype(dst.dtype) + dst.dtype.type(1))
     cuts = np.searchsorted(pos, np.arange(0, n, PATCH_ELEMS)[1:]).tolist()
     lo = 0

@@ -1,10 +1,11 @@
 """Which BLAS mlx's CPU build multiplies with on Linux: an optimized one when the machine has it.
 
 mlx's Linux CPU wheel (`mlx-cpu`) bundles the netlib *reference* BLAS (`mlx_cpu.libs/libblas-*.so.3`), and
-every matmul goes through its `cblas_sgemm`: SmolLM2-135M then decodes 13x slower than with the system's
-OpenBLAS on this machine (BENCHMARKS.md, "MLX on Linux: which BLAS"). `use_fast_blas` loads an optimized BLAS into the process's global symbol
-scope *before* `mlx.core` is first imported; the dynamic linker then binds libmlx's `cblas_*` symbols to
-it, because the global scope is searched before a library's own dependencies. Results are the same
+every matmul goes through its `cblas_sgemm`: SmolLM2-135M then decodes 13x slower than with the
+system's OpenBLAS on this machine (BENCHMARKS.md, "MLX on Linux: which BLAS"). `use_fast_blas` loads an
+optimized BLAS into the process's global symbol scope *before* `mlx.core` is first imported; the dynamic
+linker then binds libmlx's `cblas_*` symbols to it, because the global scope is searched before a
+library's own dependencies. Results are the same
 products computed by other kernels (float32 rounding may differ in the last bits, as between any two BLAS
 builds); the behaviour logprobs the worker records are those of the kernels it ran, so the trainer's checks
 see them as they are.
@@ -13,7 +14,8 @@ Which library: `PNYX_MLX_BLAS` (a path to a shared library exporting `cblas_sgem
 mlx's own), else the system's OpenBLAS (Debian/Ubuntu: `apt-get install libopenblas0-pthread`), else
 mlx's bundled one with a one-time note saying how to get the fast path. macOS: nothing to do (mlx uses
 Accelerate and Metal). Importing this module makes the choice (the engine modules import it before
-`mlx.core`); `use_fast_blas` is idempotent. Knows nothing about models or pnyx's engines; imports no ML framework.
+`mlx.core`); `use_fast_blas` is idempotent. Knows nothing about models or pnyx's engines; imports no
+ML framework.
 """
 
 from __future__ import annotations
