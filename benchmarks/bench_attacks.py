@@ -59,17 +59,21 @@ NOT_ATTACKS = {"eager": "not an attack: honest content under the flood limit, he
 CHECK_SWITCHES = (
     "lp_gap_base", "plausibility_z", "quarantine_rate", "quarantine_key_z", "max_key_share", "flood_limit",
 )  # fmt: skip
-"""`trainer` settings of the trainer's content checks, quotas and quarantine (issue #15 items 3-4); None
+"""`[security]` settings of the trainer's content checks, quotas and quarantine (issue #15 items 3-4); None
 turns each off."""
 
 
 def defences_off() -> dict[str, Any]:
-    """Config overrides that turn the trainer's checks off (for the poisoner's undefended arm): empty on a
-    build whose trainer has none of them (then the defended and undefended trainers are the same)."""
-    from pnyx.config import TrainerConfig
+    """Config overrides that turn the trainer's checks off (for the poisoner's undefended arm), read from the
+    `[security]` section (since #24; they were `[trainer]` settings before): every switch of
+    `CHECK_SWITCHES` the build has is set to None, and reward lies are kept. Empty on a build that has none of
+    them (then the defended and undefended trainers are the same and the arm is skipped)."""
+    from pnyx.config_sections import SecurityConfig
 
-    off = {n: None for n in CHECK_SWITCHES if n in TrainerConfig.model_fields}
-    return {"trainer": off} if off else {}
+    off: dict[str, Any] = {n: None for n in CHECK_SWITCHES if n in SecurityConfig.model_fields}
+    if off and "reject_reward_lies" in SecurityConfig.model_fields:
+        off["reject_reward_lies"] = False
+    return {"security": off} if off else {}
 
 
 def parse() -> argparse.Namespace:
@@ -175,7 +179,7 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
     overrides: dict[str, Any] = {"trainer": {"groups_per_step": 8}}
     if name == "poisoner_undefended":
-        overrides = {"trainer": {**overrides["trainer"], **defences_off().get("trainer", {})}}
+        overrides = {**overrides, **defences_off()}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"bench-attacks-{name}-") as root:
         arena = Arena(Path(root), overrides)

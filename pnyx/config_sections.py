@@ -172,9 +172,11 @@ class TrainerConfig(_Section):
     device: str = "cpu"
     """Torch device for training: cpu, cuda, mps or auto."""
     tensorboard: bool = False
-    """Also write metrics to TensorBoard (needs `pnyx[tensorboard]`)."""
+    """Also write metrics to TensorBoard, under `./tensorboard/<run_id>` (needs `pnyx[tensorboard]`)."""
     wandb_project: str | None = None
     """Also log metrics to this Weights & Biases project (needs `pnyx[wandb]`)."""
+    trackio_project: str | None = None
+    """Also log metrics to this trackio project, local by default (needs `pnyx[trackio]`)."""
 
 
 class SecurityConfig(_Section):

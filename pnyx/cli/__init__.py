@@ -206,9 +206,18 @@ def status(
     trust: str | None = typer.Option(
         None, "--trust", help="Trainer key fingerprint run.json must name (default: run.json's)."
     ),
+    serve: bool = typer.Option(
+        False, "--serve", help="Serve a live web page of the run (learning curve, fleet, drops) until Ctrl-C."
+    ),
+    port: int = typer.Option(8765, "--port", min=0, max=65535, help="--serve: port (0: any free one)."),
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="--serve: address to bind (loopback by default; use an SSH tunnel)."
+    ),
 ):
     """Show a run's state from the store alone: versions, trainer metrics, workers and their heartbeats."""
-    _lazy("pnyx.cli.status", "status_main")(store=store, watch=watch, trust=trust)
+    _lazy("pnyx.cli.status", "status_main")(
+        store=store, watch=watch, trust=trust, serve=serve, host=host, port=port
+    )
 
 
 @app.command(name="config", context_settings=EXTRA_ARGS)

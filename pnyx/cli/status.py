@@ -5,7 +5,8 @@ trainer metrics, held-out pass@1 when the run folder holds eval records, and eve
 The version shown is the newest one run.json's trainer key (or `--trust`) signed; manifests it did not
 sign are listed as ignored, never shown as the run's version (`pnyx.cli.live.RunWatcher`). Knows nothing
 about the processes of the run; never writes to the store. `--watch` refreshes until Ctrl-C; without it,
-one snapshot is printed and the command exits.
+one snapshot is printed and the command exits. `--serve` serves the same watcher's snapshots as a live
+web page instead (`pnyx.cli.web`, docs/live-page.md), on loopback unless `--host` says otherwise.
 """
 
 from __future__ import annotations
@@ -15,8 +16,16 @@ import time
 REFRESH_S = 2.0
 
 
-def status_main(store: str, watch: bool, trust: str | None = None) -> None:
-    """Print the run's state once, or keep a live view refreshing every ~2 s until Ctrl-C (`watch`)."""
+def status_main(
+    store: str,
+    watch: bool,
+    trust: str | None = None,
+    serve: bool = False,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+) -> None:
+    """Print the run's state once, keep a live view refreshing every ~2 s until Ctrl-C (`watch`), or serve
+    it as a web page on `host`:`port` until Ctrl-C (`serve`)."""
     from rich.console import Console
     from rich.live import Live
 
@@ -37,6 +46,17 @@ def status_main(store: str, watch: bool, trust: str | None = None) -> None:
         snap = watcher.snapshot()
     except PnyxError as e:  # a store we cannot read, a broken run.json, or a key other than --trust
         raise fail(f"cannot read the run at {store}: {e}") from None
+    if serve:
+        from pnyx.cli.web import RunServer, SnapshotSource, serve_run
+
+        try:
+            server = RunServer(SnapshotSource(watcher), host, port)
+        except OSError as e:  # the port is taken, or the address is not this machine's
+            raise fail(
+                f"cannot serve on {host}:{port}: {e} (pick another --port, or 0 for any free one)"
+            ) from None
+        serve_run(server)
+        return
     if not watch:
         console.print(render(snap, title="pnyx status"))
         return

@@ -46,12 +46,14 @@ def trainer_main(cfg: PnyxConfig, resume: bool = False, steps: int | None = None
             trainer.start()
             sinks = []
             if rank == 0:
+                t = trainer.cfg.trainer
                 sinks = open_sinks(
-                    trainer.cfg.trainer.tensorboard,
-                    trainer.cfg.trainer.wandb_project,
-                    Path("tensorboard") / trainer.run_id,
-                    trainer.run_id,
-                    trainer.cfg.model_dump(mode="json"),
+                    tensorboard=t.tensorboard,
+                    wandb_project=t.wandb_project,
+                    trackio_project=t.trackio_project,
+                    logdir=Path("tensorboard") / trainer.run_id,
+                    run_id=trainer.run_id,
+                    config=trainer.cfg.model_dump(mode="json"),
                 )
             version = trainer.run(sinks)
         finally:

@@ -28,6 +28,7 @@ BUILTINS: dict[str, str] = {
     "arith": "pnyx.envs.arith:ArithEnv",
     "countdown": "pnyx.envs.countdown:CountdownEnv",
     "gsm8k": "pnyx.envs.gsm8k:Gsm8kEnv",
+    "qa": "pnyx.envs.qa:QAEnv",
     "searchqa": "pnyx.envs.searchqa:SearchQAEnv",
     "reasoning_gym": "pnyx.envs.rgym:ReasoningGymEnv",
 }
