@@ -156,8 +156,21 @@ def _in_force(folder: Path, example: str) -> None:
                 assert got[section][k] == v, (example, section, k, got[section][k], v)
 
 
-@pytest.mark.parametrize("example", ["arith-default.toml", "offpolicy-strict.toml", "searchqa.toml"])
+@pytest.mark.parametrize(
+    "example",
+    [
+        "arith-default.toml",
+        "offpolicy-strict.toml",
+        "searchqa.toml",
+        "verifiers/arith_single.toml",
+        "verifiers/search_tool.toml",
+    ],
+)
 def test_an_example_config_runs_in_a_short_form(example, tmp_path):
+    if example.startswith("verifiers/"):
+        pytest.importorskip("verifiers", reason="the verifiers examples need pip install 'pnyx[verifiers]'")
+        # their env target is a path relative to where `pnyx run` starts, as documented: the repository root
+        (tmp_path / "examples").symlink_to(EXAMPLES)
     folder, _ = _short(example, tmp_path)
     _in_force(folder, example)
     assert not _status(folder).get("quarantined")

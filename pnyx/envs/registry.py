@@ -8,7 +8,8 @@ A user's package adds an environment by declaring, in its pyproject.toml,
 Knows nothing about any particular environment: built-ins are listed as import paths and imported only
 when asked for, so `pnyx envs list` stays cheap. A built-in name wins over an entry point of the same name.
 `get_env` hands the options every environment has (`system_prompt`, `format_reward`) to
-`Environment.configure` and the rest to the environment's constructor.
+`Environment.configure` and the rest to the environment's constructor. A name `verifiers:<target>` is
+not listed: it loads that `verifiers` environment (imported only then).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pnyx.envs.base import BASE_OPTIONS, Environment
 from pnyx.errors import ConfigError, EnvironmentNotFound
 
 ENTRY_POINT_GROUP = "pnyx.envs"
+VERIFIERS_PREFIX = "verifiers:"
+"""A name `verifiers:<target>` loads a `verifiers` environment (`pnyx.envs.verifiers`)."""
 
 BUILTINS: dict[str, str] = {
     "arith": "pnyx.envs.arith:ArithEnv",
@@ -58,7 +61,15 @@ def _load(target: str) -> Callable[..., Environment]:
 
 
 def get_factory(name: str) -> Callable[..., Environment]:
-    """The class (or factory) registered under `name`, without building it."""
+    """The class (or factory) registered under `name`, without building it. `verifiers:<module | path.py>`
+    names a `verifiers` environment (`pnyx.envs.verifiers`)."""
+    if name.startswith(VERIFIERS_PREFIX):
+        target = name[len(VERIFIERS_PREFIX) :]
+        if not target:
+            raise ConfigError("verifiers: needs a target: --env.name=verifiers:<module or path.py>[:attr]")
+        from pnyx.envs.verifiers import factory
+
+        return factory(target)
     if name in BUILTINS:
         return _load(BUILTINS[name])
     if name in _registered:
