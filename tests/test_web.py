@@ -76,6 +76,7 @@ def run(tmp_path_factory) -> Iterator[dict[str, Any]]:
             rollouts_per_s=2.5,
             tokens_per_s=90.0,
             status="generating",
+            engine="mlx",
         )  # fmt: skip  (an hour ahead: still fresh when the browser test runs)
         arena.store.put(layout.worker_heartbeat("honest-1"), encode_json(hb))
         yield {
@@ -121,6 +122,7 @@ def test_json_endpoint_returns_the_runs_numbers(run):
     assert [(e["version"], e["pass@1"]) for e in d["curve"]["evals"]] == run["evals"]
     [w] = d["fleet"]["workers"]
     assert (w["id"], w["state"], w["version"], w["groups"]) == ("honest-1", "live", 3, 15)
+    assert w["engine"] == "mlx"  # what the worker's heartbeat says it generates with
     assert w["lp_gap"] is not None  # the trainer's measured gap for this worker's groups, joined by name
     assert list(d["fleet"]["engines"]) == ["torch"]
     assert d["summary"]["supply_groups_per_s"] == pytest.approx(2.5 / 8, abs=1e-3)  # arena group_size 8
@@ -254,7 +256,7 @@ def test_headless_chromium_renders_the_runs_numbers(run, tmp_path):
         code = _stop(proc)
     assert f'id="version">v{run["version"]}<' in dom  # the HTML says "-" until the JS renders a snapshot
     assert f'id="run-id">{run["run_id"]}<' in dom
-    assert "<td>honest-1</td>" in dom and "<td>generating</td>" in dom
+    assert "<td>honest-1</td>" in dom and "<td>generating</td>" in dom and "<td>mlx</td>" in dom
     final_version, final_pass = run["evals"][-1]
     assert f'id="pass1">{final_pass:.3f}<' in dom
     assert all(f"<td>v{v}</td><td>{p:.3f}</td>" in dom for v, p in run["evals"])  # the evals table

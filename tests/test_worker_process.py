@@ -57,5 +57,6 @@ def test_sigterm_stops_worker_cleanly_with_exit_code_zero(tmp_path, tiny_model_d
     assert code == 0, log[-3000:]
     hb = decode_json(run.store.get(layout.worker_heartbeat("w1")), Heartbeat)
     assert hb.status == "stopped" and "SIGTERM" in hb.detail and hb.groups == _uploaded(run.store)
+    assert hb.engine == run.cfg.worker.engine == "torch"  # the live page's fleet table shows it
     for _, g in rollout_groups(run.store):
         assert len(g.samples) == run.cfg.worker.group_size

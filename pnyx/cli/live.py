@@ -56,6 +56,8 @@ class WorkerRow:
     tokens_per_s: float
     groups: int
     detail: str = ""
+    engine: str = ""
+    """The engine the worker reports ("" from a worker older than the field)."""
 
 
 @dataclass
@@ -209,6 +211,7 @@ class RunWatcher:
                     tokens_per_s=hb.tokens_per_s,
                     groups=hb.groups,
                     detail=hb.detail or "",
+                    engine=hb.engine,
                 )
             )
         return rows

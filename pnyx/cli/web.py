@@ -101,6 +101,7 @@ def page_data(snap: Snapshot) -> dict[str, Any]:
             "id": w.worker_id,
             "state": "live" if snap.live(w) else "lost" if snap.lost(w) else "stopped",
             "status": w.status,
+            "engine": w.engine,
             "version": w.version,
             "digest": (w.digest or "")[:12],
             "age_s": _num(w.age_s, 1),

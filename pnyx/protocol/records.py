@@ -156,6 +156,8 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     """Seconds this process spent screening candidate tasks before generating (`pnyx.rollout.screen`)."""
     tasks_screened: int = 0
     """Candidate tasks scored by the screen."""
+    engine: str = ""
+    """The engine this worker generates with ("torch", "mlx", "vllm"; "" from an older worker)."""
 
 
 class Demand(msgspec.Struct, kw_only=True):

@@ -322,6 +322,7 @@ class RunLink:
             generate_seconds=round(p.generate_s, 3),
             screen_seconds=round(p.screen_s, 3),
             tasks_screened=p.tasks_screened,
+            engine=self.cfg.worker.engine if self.cfg is not None else "",
         )
         return encode_json(hb)
 
