@@ -131,6 +131,28 @@ def test_classic_episode_cut_at_pnyx_turn_limit_still_scores(classic):
     assert env.max_turns == 1 and s.reward == 0.0 and s.parts["total_tool_calls"] == 1.0, s
 
 
+def test_classic_replay_refuses_more_model_turns_than_max_turns(classic):
+    # the env's own limit is 3; an honest worker under max_turns=1 cannot write a second model turn
+    env = get_env(f"{CLASSIC}:load_calc_tool", n=8, pnyx={"max_turns": 1})
+    t = env.sample("train", 0, 1)[0]
+    call = _calc_call(t)
+    two_turns = call + f"<tool_response>{t.answer}</tool_response><answer>{t.answer}</answer>"
+    s = env.score(t, two_turns)
+    assert s.reward == 0.0 and s.reason.startswith("tool_reply_mismatch") and "max_turns=1" in s.reason, s
+    ok = get_env(f"{CLASSIC}:load_calc_tool", n=8, pnyx={"max_turns": 2})  # the same text within the limit
+    assert ok.score(ok.task(t.id), two_turns).reward == 1.0
+
+
+def test_a_verifier_past_its_deadline_scores_zero_and_delays_no_later_call(classic):
+    env = get_env(f"{CLASSIC}:load_slow_on_demand", pnyx={**ARITH_OPTS, "timeout_s": 1.0})
+    t = env.sample("train", 0, 1)[0]
+    stuck = env.score(t, f"SLOW <answer>{t.answer}</answer>")
+    assert stuck.reward == 0.0 and "TimeoutError" in stuck.reason, stuck
+    # while the stuck call still blocks its loop (5 s): before the fix these queued behind it and timed out
+    honest = [env.score(t, f"<answer>{t.answer}</answer>") for _ in range(3)]
+    assert [s.reward for s in honest] == [1.0, 1.0, 1.0], honest
+
+
 def test_classic_reward_range_rescales_to_unit_interval(classic):
     plain = get_env(f"{CLASSIC}:load_wide_reward")
     wide = get_env(f"{CLASSIC}:load_wide_reward", pnyx={"reward_range": [-1, 1]})
@@ -198,6 +220,20 @@ def test_v1_single_turn_taskset(v1):
     s = trainer.score(trainer.task(t.id), f"<answer>{t.answer}</answer>")
     assert s.reward == 1.0 and s.parts == {"correct": 1.0, "turns": 1.0}, s
     assert trainer.score(t, "<answer>0</answer>").reward == 0.0
+
+
+def test_v1_stateful_toolset_sees_the_episodes_earlier_calls_after_a_cache_hit(v1):
+    env = get_env(f"{V1}:CounterTaskset", num_tasks=8)
+    t = env.sample("train", 0, 1)[0]
+
+    def tick(label: str) -> str:
+        return f'<tool_call>{{"name": "tick", "arguments": {{"label": "{label}"}}}}</tool_call>'
+
+    first = tick("a")
+    assert env.respond(t, first) == "<tool_response>a:1</tool_response>"  # now cached
+    # the first call comes from the cache; the second runs on fresh toolsets that must have seen it
+    text = first + "<tool_response>a:1</tool_response>" + tick("b")
+    assert env.respond(t, text) == "<tool_response>b:2</tool_response>"
 
 
 def test_v1_tool_taskset_answers_calls_and_refuses_forged_replies(v1):

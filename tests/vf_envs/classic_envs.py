@@ -7,6 +7,7 @@ and envs the adapter must refuse. Imports verifiers at module level: load only w
 from __future__ import annotations
 
 import re
+import time
 
 import verifiers as vf
 from datasets import Dataset
@@ -88,6 +89,20 @@ def load_wide_reward() -> vf.SingleTurnEnv:
         return 1.0 if _final_answer(completion) == answer else -1.0
 
     return vf.SingleTurnEnv(dataset=Dataset.from_list(arith_rows(8)), rubric=vf.Rubric(funcs=[signed]))
+
+
+def load_slow_on_demand() -> vf.SingleTurnEnv:
+    """A synchronous reward that blocks for 5 s on a completion containing SLOW (a stuck verifier)."""
+
+    def correct(completion: list, answer: str) -> float:
+        text = completion[-1].content or "" if completion else ""
+        if "SLOW" in text:
+            time.sleep(5.0)
+        return float(_final_answer(completion) == answer)
+
+    return vf.SingleTurnEnv(
+        dataset=Dataset.from_list(arith_rows(8)), system_prompt=ARITH_SYSTEM, rubric=vf.Rubric(funcs=[correct])
+    )
 
 
 def make_list() -> list[int]:

@@ -83,6 +83,31 @@ class CalcTaskset(vf.Taskset[CalcTask, CalcConfig]):
             yield CalcTask(data, self.config.task)
 
 
+class CounterToolset(vf.Toolset[vf.ToolsetConfig]):
+    """A toolset with state: `tick` answers how many calls this episode's toolset has had."""
+
+    TOOL_PREFIX = None
+
+    @vf.tool
+    def tick(self, label: str) -> str:
+        """Count a call."""
+        self._calls = getattr(self, "_calls", 0) + 1
+        return f"{label}:{self._calls}"
+
+
+class CounterTask(CalcTask):
+    @classmethod
+    def toolsets(cls, config: ToolTaskConfig) -> list[vf.Toolset]:
+        return [CounterToolset(config.tools)]
+
+
+class CounterTaskset(vf.Taskset[CounterTask, CalcConfig]):
+    def load(self):
+        for r in arith_rows(self.config.num_tasks):
+            data = ArithData(prompt=r["question"], system_prompt=ARITH_SYSTEM, answer=r["answer"])
+            yield CounterTask(data, self.config.task)
+
+
 _WORLD = make_world(0, 60)
 _INDEX = BM25Index(_WORLD.documents())
 

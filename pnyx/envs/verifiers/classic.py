@@ -12,7 +12,8 @@ Refused at load (a `ConfigError` saying why): group reward functions and LLM jud
 one completion at a time, with no model to call) and sandbox/agent/MCP envs (their state lives outside
 the process). Knows nothing about pnyx's engine or tokenizers. Invariant: a completion whose env replies
 differ from what the env says now is refused (`ReplayMismatch`), never scored. Cost: a replay re-runs the
-env's earlier turns, so an episode of T turns costs O(T^2) env steps (T is small: `max_turns`).
+env's earlier turns, so an episode of T turns costs O(T^2) env steps; T is at most `max_turns` (the
+replay refuses a text with more model turns, whatever the env's own limit).
 """
 
 from __future__ import annotations
@@ -219,6 +220,10 @@ def _client_class(vf: Any) -> Callable[[ClassicBackend, str, bool], Any]:
                 if not self.text.startswith(reply, self.pos):
                     raise ReplayMismatch(f"the env's reply at char {self.pos} differs from the text's")
                 self.pos += len(reply)
+            if self.turns >= self.backend.max_turns:
+                # an honest worker's episode has at most max_turns model turns (its engine stops there); the
+                # env's own limit may be none (MultiTurnEnv's -1), so the replay enforces the run's
+                raise ReplayMismatch(f"more than max_turns={self.backend.max_turns} model turns in the text")
             self.turns += 1
             segment, self.pos = protocol.next_segment(self.text, self.pos)
             return self.backend.response(segment, protocol.parse_call(segment), self.turns)

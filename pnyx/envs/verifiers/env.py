@@ -43,23 +43,43 @@ T = TypeVar("T")
 
 
 class _Loop:
-    """One private event loop, on a daemon thread, for every verifiers call of this process (pnyx's callers
-    are synchronous; verifiers is async)."""
+    """One private event loop, on a daemon thread, for the verifiers calls of this process (pnyx's callers
+    are synchronous; verifiers is async).
+
+    A call past its deadline cannot be stopped (a synchronous reward function or tool blocks the loop, and
+    `cancel` only reaches an await), so the loop it holds is abandoned: it stops once that call returns,
+    and the next call gets a fresh loop. One slow or stuck completion therefore costs its own deadline and
+    never delays, or zeroes, the honest ones after it. A loop whose thread died is replaced the same way."""
 
     _lock = threading.Lock()
     _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+
+    @classmethod
+    def _current(cls) -> asyncio.AbstractEventLoop:
+        with cls._lock:
+            if cls._loop is None or cls._thread is None or not cls._thread.is_alive():
+                cls._loop = asyncio.new_event_loop()
+                cls._thread = threading.Thread(target=cls._loop.run_forever, name="verifiers-loop", daemon=True)
+                cls._thread.start()
+            return cls._loop
+
+    @classmethod
+    def _abandon(cls, loop: asyncio.AbstractEventLoop) -> None:
+        with cls._lock:
+            if cls._loop is loop:
+                cls._loop = cls._thread = None
+        loop.call_soon_threadsafe(loop.stop)  # runs once the stuck call gives the loop back
 
     @classmethod
     def run(cls, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
-        with cls._lock:
-            if cls._loop is None:
-                cls._loop = asyncio.new_event_loop()
-                threading.Thread(target=cls._loop.run_forever, name="verifiers-loop", daemon=True).start()
-        future = asyncio.run_coroutine_threadsafe(coro, cls._loop)
+        loop = cls._current()
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
         try:
             return future.result(timeout_s)
         except TimeoutError:
             future.cancel()
+            cls._abandon(loop)
             raise
 
 

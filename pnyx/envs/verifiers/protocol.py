@@ -55,7 +55,7 @@ class AdapterOptions:
     """Where a model turn ends and the env answers without a tool call (a `MultiTurnEnv` game)."""
     reward_range: tuple[float, float] | None = None
     """(lo, hi) of the env's reward: rescaled to [0, 1] as (r - lo) / (hi - lo). None: pnyx clamps to [0, 1]."""
-    timeout_s: float = 60.0
+    timeout_s: float = 10.0
     """Deadline of one `score` or `respond` call into verifiers."""
 
     @classmethod

@@ -11,12 +11,14 @@ Refused at load (a `ConfigError` saying why): rewards or metrics that need a run
 them silently without one, so the reward would not be the env's) and plugged judges (an LLM the trainer
 cannot call). Knows nothing about pnyx's engine or tokenizers. Invariants: a completion whose tool replies
 differ from what the tools return now is refused (`ReplayMismatch`); a tool's result is a function of the
-task and the text before its call, so results are cached by (task, text prefix), which keeps a T-turn
-episode at T tool calls instead of O(T^2) replayed ones.
+task and the text before its call (the calls before it included: a toolset may keep state), so results are
+cached by (task, digest of that text), which keeps a T-turn episode at T tool calls instead of O(T^2)
+replayed ones; on a miss, fresh toolsets first re-run the episode's earlier calls, in order.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 from collections import OrderedDict
@@ -33,7 +35,7 @@ from pnyx.envs.verifiers.protocol import (
 from pnyx.errors import ConfigError
 
 TOOL_CACHE = 4096
-"""Tool results kept by (task, text prefix) (the oldest is forgotten first)."""
+"""Tool results kept by (task, digest of the text before the call) (the oldest is forgotten first)."""
 _JSON_TYPES = {"int": "integer", "float": "number", "str": "string", "bool": "boolean"}
 
 
@@ -101,6 +103,7 @@ class V1Backend:
 
         messages: list[Any] = []
         tools: dict[str, Any] | None = None  # built on the first cache miss
+        earlier: list[Any] = []  # the calls before this one, served from the cache
         pos = turns = 0
         while pos < len(text) or (pause and turns == 0):
             segment, pos = self.protocol.next_segment(text, pos)
@@ -114,12 +117,18 @@ class V1Backend:
                 if pos != len(text):
                     raise ReplayMismatch(f"the text goes on after the episode ended at char {pos}")
                 return messages, None
-            key = (str(task.hash), text[:pos])
+            key = (str(task.hash), hashlib.blake2b(text[:pos].encode(), digest_size=16).hexdigest())
             result = self._cache.get(key)
             if result is None:
-                tools = tools if tools is not None else await self._episode_tools(task)
+                if tools is None:
+                    # fresh toolsets see this episode's earlier calls first, in order: a toolset may keep
+                    # state across calls, so a result must not depend on what the cache served before
+                    tools = await self._episode_tools(task)
+                    for before in earlier:
+                        await _call_tool(tools, before)
                 result = await _call_tool(tools, call)
                 self._remember(key, result)
+            earlier.append(call)
             reply = self.protocol.render_reply([result])
             if pos == len(text):
                 return messages, (reply if pause else None)
@@ -130,6 +139,8 @@ class V1Backend:
         return messages, None
 
     def _remember(self, key: tuple[str, str], result: str) -> None:
+        """Keep `result` under (task, digest of the text before the call): bounded in count and, since the
+        key holds a digest and not the text, in size."""
         self._cache[key] = result
         if len(self._cache) > TOOL_CACHE:
             self._cache.popitem(last=False)
