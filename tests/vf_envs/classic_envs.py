@@ -101,7 +101,9 @@ def load_slow_on_demand() -> vf.SingleTurnEnv:
         return float(_final_answer(completion) == answer)
 
     return vf.SingleTurnEnv(
-        dataset=Dataset.from_list(arith_rows(8)), system_prompt=ARITH_SYSTEM, rubric=vf.Rubric(funcs=[correct])
+        dataset=Dataset.from_list(arith_rows(8)),
+        system_prompt=ARITH_SYSTEM,
+        rubric=vf.Rubric(funcs=[correct]),
     )
 
 

@@ -60,7 +60,9 @@ class _Loop:
         with cls._lock:
             if cls._loop is None or cls._thread is None or not cls._thread.is_alive():
                 cls._loop = asyncio.new_event_loop()
-                cls._thread = threading.Thread(target=cls._loop.run_forever, name="verifiers-loop", daemon=True)
+                cls._thread = threading.Thread(
+                    target=cls._loop.run_forever, name="verifiers-loop", daemon=True
+                )
                 cls._thread.start()
             return cls._loop
 
