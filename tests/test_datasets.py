@@ -21,9 +21,10 @@ import pytest
 from test_envs_common import HOSTILE
 
 from pnyx.config import shipped_model_path
-from pnyx.envs import Score, Task, get_env
+from pnyx.envs import Score, Task, dataset, get_env
 from pnyx.envs.base import split_of
 from pnyx.envs.dataset import question_key
+from pnyx.envs.qa import exact_equal
 from pnyx.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,6 +117,19 @@ def test_gsm8k_reads_a_parquet_file_through_the_mapping_too(tmp_path):
         get_env("gsm8k", data=str(tmp_path / "g.parquet"), path=str(tmp_path / "g.parquet"))
 
 
+def test_gsm8k_reads_a_data_file_with_any_other_suffix_as_jsonl(tmp_path, monkeypatch):
+    """`gsm8k path=gsm8k_train.json` (JSONL under another name) loads as it did before parquet support."""
+    rows = [{"question": f"Tom has {i} apples and buys {i} more. How many?", "answer": f"{i}+{i}\n#### {2 * i}"} for i in range(30)]  # fmt: skip
+    for name in ("gsm8k_train.json", "gsm8k_train.txt", "gsm8k_train"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        env = get_env("gsm8k", path=str(tmp_path / name))
+        assert len(all_tasks(env)) == 30, name
+    hub_ids: list[str] = []
+    monkeypatch.setattr(dataset, "_hub_rows", lambda repo_id, *args: hub_ids.append(repo_id) or rows)
+    get_env("gsm8k", data="pnyx-test/no-such-file")  # no such file: still a hub dataset id
+    assert hub_ids == ["pnyx-test/no-such-file"]
+
+
 # --- the errors ---------------------------------------------------------------------------------------------
 
 
@@ -131,13 +145,16 @@ def test_a_missing_column_is_named_with_the_columns_the_file_has(tmp_path):
         get_env("qa", data=str(jsonl))
 
 
-def test_a_missing_file_or_an_unknown_suffix_is_a_config_error(tmp_path):
+def test_a_missing_file_or_one_that_is_not_jsonl_under_another_suffix_is_a_config_error(tmp_path):
     for data in (str(tmp_path / "none.parquet"), str(tmp_path / "none.arrow"), "no-such-file"):
         with pytest.raises(ConfigError, match="does not exist"):
             get_env("qa", data=data)
     (tmp_path / "qa.csv").write_text("question,answer\n")
-    with pytest.raises(ConfigError, match="unknown suffix '.csv'"):
+    with pytest.raises(ConfigError, match=r"qa\.csv:1: not valid JSON"):
         get_env("qa", data=str(tmp_path / "qa.csv"))
+    binary = write_parquet(tmp_path / "qa.parquet", arith_rows(20)).rename(tmp_path / "qa.bin")
+    with pytest.raises(ConfigError, match=r"qa\.bin:1: not UTF-8 text, so not JSONL"):
+        get_env("qa", data=str(binary))
     with pytest.raises(ConfigError, match="needs data="):
         get_env("qa")
 
@@ -256,6 +273,22 @@ def test_exact_checker_matches_normalized_text_and_any_listed_answer(tmp_path):
     for text in (f"<answer>city {i}</answer>", f"<answer>C{i}.</answer>", f"<answer>THE CITY {i}</answer>"):
         assert env.score(task, text).reward == 1.0, text
     assert env.score(task, f"<answer>city {i}0</answer>").reason == "wrong_answer"
+
+
+def test_exact_checker_grades_multiple_choice_letters_that_normalize_to_nothing(tmp_path):
+    """SQuAD normalization drops "A" as an article: such a gold is compared by case and spacing alone."""
+    rows = [{"question": f"Which option is right in quiz {i}?", "answer": "AB"[i % 2]} for i in range(20)]
+    env = qa_env(tmp_path, rows)  # loads: "A" is a gold the checker can grade
+    task = next(t for t in all_tasks(env) if t.answer == "A")
+    for text, reward in [
+        ("<answer>A</answer>", 1.0),
+        ("<answer> a </answer>", 1.0),
+        ("<answer>B</answer>", 0.0),
+    ]:
+        assert env.score(task, text).reward == reward, text
+    assert env.score(task, "<answer>an</answer>").reason == "wrong_answer"  # also normalizes to nothing
+    assert exact_equal("A", "a") == "equal" and exact_equal("A", "the") == "different"
+    assert exact_equal(" ", "") == "different"  # a blank gold still matches nothing
 
 
 def test_numeric_checker_compares_numbers_exactly_and_refuses_non_number_golds(tmp_path):

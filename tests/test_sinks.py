@@ -280,6 +280,32 @@ def test_trackers_opened_before_one_that_fails_are_finished(tmp_path, monkeypatc
     assert wandb_history(wandb_offline, "20260101-000000-abcdef", deadline_s=5.0) == {}
 
 
+def test_a_tracker_failing_with_any_error_closes_those_opened_before_it(tmp_path, monkeypatch):
+    """wandb.init failing with its own error (not a ConfigError) still closes the TensorBoard writer."""
+    import types
+
+    class InitFailed(RuntimeError):
+        pass
+
+    def init(**kwargs: Any) -> None:
+        raise InitFailed("wandb.init: no network")
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    closed: list[TensorBoardSink] = []
+    close = TensorBoardSink.close
+    monkeypatch.setattr(TensorBoardSink, "close", lambda self: (closed.append(self), close(self)))
+    with pytest.raises(InitFailed):
+        open_sinks(
+            tensorboard=True,
+            wandb_project="pnyx-test",
+            trackio_project=None,
+            logdir=tmp_path / "tb",
+            run_id="20260101-000000-abcdef",
+            config={},
+        )
+    assert len(closed) == 1 and closed[0].writer.all_writers is None  # the event file writer was closed
+
+
 # --- the trainer end to end ------------------------------------------------------------------------------
 
 

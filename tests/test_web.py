@@ -158,6 +158,61 @@ def test_a_non_finite_metric_is_sent_as_null_not_as_invalid_json(tmp_path):
     assert [p["reward"] for p in json.loads(body)["curve"]["versions"]] == [0.25, None]
 
 
+def test_non_finite_or_non_integer_counts_from_unsigned_records_are_dropped_not_a_500(tmp_path):
+    """Eval records and the trainer's status are read as JSON, which Python lets hold NaN and Infinity."""
+    from pnyx.train.progress import STATUS_KEY
+
+    store = make_run(str(tmp_path / "run"), versions=2)
+    (tmp_path / "run" / "evals.jsonl").write_text(
+        '{"version": 0, "pass@1": 0.5, "tasks": NaN}\n'
+        '{"version": 1, "pass@1": 0.6, "tasks": Infinity}\n'
+        '{"version": 1, "pass@1": 0.7, "tasks": "20"}\n'
+        '{"version": 1, "pass@1": 0.8, "tasks": 20}\n'
+    )
+    nan, inf = float("nan"), float("inf")
+    status = {
+        "updated_at": time.time(),
+        "starving": nan,
+        "backlog": {"queued": inf, "ready": 2},
+        "drops": {"stale": inf, "junk": nan, "implausible": 3},
+        "quarantined": {"fp": "faulty"},
+        "keys": {"fp": {"names": ["liar-1", nan]}},
+    }
+    store.put(STATUS_KEY, json.dumps(status).encode())  # NaN and Infinity, as Python's json writes them
+    code, body = SnapshotSource(RunWatcher(store)).answer()
+    assert code == 200, body
+    d = json.loads(body)
+    assert [e["tasks"] for e in d["curve"]["evals"]] == [None, None, None, 20]
+    assert d["drops"] == {"implausible": 3}
+    assert d["trainer"]["starving"] is None and d["trainer"]["backlog"] == {"ready": 2}
+    assert d["quarantined"] == [{"key": "fp", "names": ["liar-1"], "why": "faulty"}]
+
+
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_host_ipv6_loopback_binds_and_serves(tmp_path):
+    make_run(str(tmp_path / "run"), versions=1)
+    server = RunServer(SnapshotSource(RunWatcher(open_store(str(tmp_path / "run")))), "::1", 0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+    try:
+        assert server.url.startswith("http://[::1]:")
+        status, body = _get(server.url.rstrip("/") + API_PATH)
+        assert status == 200 and json.loads(body)["run_id"] == "demo"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_failing_store_answers_an_error_and_the_next_poll_recovers(tmp_path):
     from pnyx.store.retry import RetryPolicy
     from pnyx_harness.faults import FaultyStore

@@ -18,6 +18,7 @@ import ipaddress
 import json
 import logging
 import math
+import socket
 import threading
 import time
 from http import HTTPStatus
@@ -55,6 +56,11 @@ def _num(x: Any, digits: int = 6) -> float | None:
     return round(float(x), digits)
 
 
+def _int(x: Any) -> int | None:
+    """An int as itself; None for anything else (a bool, a float, NaN or infinity, text, a list)."""
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
 def _thin(rows: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
     """Every k-th row so at most `limit` remain, always including the newest."""
     if len(rows) <= limit:
@@ -69,7 +75,8 @@ def _drops(snap: Snapshot) -> dict[str, int]:
     drops = snap.trainer.get("drops") or snap.last.get("drops") or {}
     if not isinstance(drops, dict):
         return {}
-    return {str(k): int(v) for k, v in sorted(drops.items()) if isinstance(v, int | float) and v}
+    counts = {str(k): _num(v, 0) for k, v in sorted(drops.items())}
+    return {k: int(v) for k, v in counts.items() if v}  # NaN and infinity (no count) are left out
 
 
 def _quarantined(snap: Snapshot) -> list[dict[str, Any]]:
@@ -77,11 +84,15 @@ def _quarantined(snap: Snapshot) -> list[dict[str, Any]]:
     q = snap.trainer.get("quarantined") or snap.last.get("quarantined") or {}
     if not isinstance(q, dict):
         return []
-    keys = snap.trainer.get("keys") or {}
-    return [
-        {"key": str(fp), "names": list((keys.get(fp) or {}).get("names") or []), "why": str(why)}
-        for fp, why in sorted(q.items())
-    ]
+    keys = snap.trainer.get("keys")
+    keys = keys if isinstance(keys, dict) else {}
+
+    def names(fp: Any) -> list[str]:
+        entry = keys.get(fp)
+        found = entry.get("names") if isinstance(entry, dict) else None
+        return [n for n in found if isinstance(n, str)] if isinstance(found, list) else []
+
+    return [{"key": str(fp), "names": names(fp), "why": str(why)} for fp, why in sorted(q.items())]
 
 
 def _engines(snap: Snapshot) -> dict[str, float | None]:
@@ -124,10 +135,10 @@ def page_data(snap: Snapshot) -> dict[str, Any]:
             "pass@1": _num(e.get("pass@1")),
             "ci_low": _num(e.get("ci_low")),
             "ci_high": _num(e.get("ci_high")),
-            "tasks": e.get("tasks"),
+            "tasks": _int(e.get("tasks")),  # eval records are unsigned: NaN here must not break the page
         }
         for e in snap.evals
-        if isinstance(e.get("version"), int)
+        if _int(e.get("version")) is not None
     ]
     backlog = snap.trainer.get("backlog") or last.get("backlog") or {}
     masked = masked_of(last)
@@ -157,8 +168,10 @@ def page_data(snap: Snapshot) -> dict[str, Any]:
         },
         "trainer": {
             "phase": trainer_text(snap),
-            "starving": snap.trainer.get("starving") if trainer_fresh(snap) else None,
-            "backlog": {k: v for k, v in backlog.items() if isinstance(v, int)}
+            "starving": starving
+            if isinstance(starving := snap.trainer.get("starving"), bool) and trainer_fresh(snap)
+            else None,
+            "backlog": {str(k): v for k, v in backlog.items() if _int(v) is not None}
             if isinstance(backlog, dict)
             else {},
         },
@@ -222,7 +235,8 @@ def _host_name(header: str) -> str:
 
 class RunServer(ThreadingHTTPServer):
     """The HTTP server: the page, the JSON of `source`, 404 for anything else. Binds at construction
-    (OSError if the port is taken); `port` 0 picks a free one (`url` says which)."""
+    (OSError if the port is taken); `port` 0 picks a free one (`url` says which). A host with a ':' is an
+    IPv6 address (`::1`, `[::1]`, `::`) and is bound over IPv6."""
 
     daemon_threads = True  # a browser's open connection never holds up Ctrl-C
 
@@ -230,6 +244,9 @@ class RunServer(ThreadingHTTPServer):
         self.source = source
         self.page = page_html()
         self.loopback_only = _is_loopback(host)
+        if ":" in host:  # the base class binds IPv4 only
+            self.address_family = socket.AF_INET6
+            host = host.strip("[]")
         super().__init__((host, port), _Handler)
 
     @property

@@ -37,13 +37,17 @@ def question_key(question: str) -> str:
 
 def iter_jsonl(path: str | Path, what: str, hint: str = "") -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for each non-blank line of a JSONL file of objects; `ConfigError` naming the
-    file and line for a missing file, a line that is not JSON, or one that is not an object. `hint` is
+    file and line for a missing file, a line that is not UTF-8 JSON, or one that is not an object. `hint` is
     appended to the missing-file message (what the file should be)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{what} file {p} does not exist" + (f": {hint}" if hint else ""))
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with p.open("rb") as f:  # decoded line by line, so that a binary file's error names its line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:  # a binary file (a parquet file under another suffix, say)
+                raise ConfigError(f"{p}:{lineno}: not UTF-8 text, so not JSONL ({e})") from e
             if not line.strip():
                 continue
             try:
@@ -68,8 +72,8 @@ FORMATS = {
     ".arrow": "arrow",
     ".feather": "arrow",
 }
-"""What a data file's suffix says it holds. A `data` string that is no file and has none of these suffixes
-is read as a hub dataset id."""
+"""What a data file's suffix says it holds. An existing file with another suffix (`.json`, `.txt`) is read
+as JSONL; a `data` string that is no file and has none of these suffixes is read as a hub dataset id."""
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 _DATA_HINT = "pass data= a .jsonl, .parquet or .arrow file, or a Hugging Face hub dataset id org/name"
 
@@ -82,13 +86,15 @@ def read_rows(
     subset: str | None = None,
 ) -> list[dict[str, Any]]:
     """The rows of a question/answer source: a JSONL, parquet or Arrow (IPC file or stream) file by its
-    suffix (`FORMATS`), else a hub dataset id `org/name` read with `datasets.load_dataset(data, subset,
-    split=split or "train")` (under `HF_DATASETS_OFFLINE=1`, from the local datasets cache alone).
+    suffix (`FORMATS`; an existing file with any other suffix, `.json` or `.txt`, is read as JSONL), else a
+    hub dataset id `org/name` read with `datasets.load_dataset(data, subset, split=split or "train")`
+    (under `HF_DATASETS_OFFLINE=1`, from the local datasets cache alone).
 
     Rows of a table hold only `columns`, which the table must have (checked before reading it); JSONL rows
-    are returned whole (`QADataset` checks each). `ConfigError`, with what to do, for a missing file, an
-    unknown suffix, `split`/`subset` given for a file, a missing column, a hub dataset that is neither cached
-    nor reachable, or a missing optional dependency (`pnyx[datasets]`)."""
+    are returned whole (`QADataset` checks each). `ConfigError`, with what to do, for a missing file, a
+    file that is not what its suffix says (a line that is not JSON named by file:line), `split`/`subset`
+    given for a file, a missing column, a hub dataset that is neither cached nor reachable, or a missing
+    optional dependency (`pnyx[datasets]`)."""
     text = str(data)
     path = Path(text).expanduser()
     fmt = FORMATS.get(path.suffix.lower())
@@ -105,11 +111,7 @@ def _file_rows(path: Path, fmt: str | None, what: str, columns: tuple[str, str])
     if not path.is_file():
         problem = "is a folder, not a file" if path.is_dir() else "does not exist"
         raise ConfigError(f"{what} data file {path} {problem}: {_DATA_HINT}")
-    if fmt is None:
-        raise ConfigError(
-            f"{what} data file {path}: unknown suffix {path.suffix!r}; expected {', '.join(FORMATS)}"
-        )
-    if fmt == "jsonl":
+    if fmt is None or fmt == "jsonl":  # any other suffix (`gsm8k_train.json`, `.txt`) is JSONL too
         return read_jsonl(path, what)
     try:
         import pyarrow as pa

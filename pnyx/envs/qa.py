@@ -5,7 +5,8 @@ read by `pnyx.envs.dataset.read_rows`; `question_column=` and `answer_column=` n
 `question` and `answer`). An answer may be a list of acceptable answers. `checker` says how the answer in
 the model's `<answer>` tag is compared with the gold one:
 
-- "exact": equal after SQuAD normalization (case, punctuation, articles, spacing);
+- "exact": equal after SQuAD normalization (case, punctuation, articles, spacing), or by case and
+  spacing alone for a gold that normalizes to nothing (a multiple-choice "A", "B");
 - "numeric": the same number, compared exactly (`7.50` = `7.5` = `15/2`, `1,250` = `1250`);
 - "math": math-verify (`\\frac{15}{2}` = `7.5`), where a final `\\boxed{}` also counts as the answer.
 
@@ -73,9 +74,13 @@ READERS: dict[str, Callable[[str], str | None]] = {"boxed": last_boxed, "hashes"
 
 
 def exact_equal(gold: str, prediction: str) -> Verdict:
-    """Whether the two are equal after SQuAD normalization (an empty normalized gold matches nothing)."""
-    g = normalize_answer(gold)
-    return "equal" if g and g == normalize_answer(prediction[: 4 * MAX_ANSWER_CHARS]) else "different"
+    """Whether the two are equal after SQuAD normalization, or, when that leaves nothing of the gold (a
+    multiple-choice "A" is an article), after case folding and trimming alone; a blank gold matches nothing."""
+    prediction = prediction[: 4 * MAX_ANSWER_CHARS]
+    if g := normalize_answer(gold):
+        return "equal" if g == normalize_answer(prediction) else "different"
+    g = gold.strip().casefold()
+    return "equal" if g and g == prediction.strip().casefold() else "different"
 
 
 def numeric_equal(gold: str, prediction: str) -> Verdict:
@@ -174,9 +179,7 @@ class QAEnv(Environment):
 
     def _check_golds(self, question: str, gold: str | list[str]) -> None:
         golds = [gold] if isinstance(gold, str) else gold
-        usable = {"numeric": lambda g: as_fraction(g) is not None, "exact": normalize_answer}.get(
-            self.checker, str.strip
-        )
+        usable = {"numeric": lambda g: as_fraction(g) is not None}.get(self.checker, str.strip)
         if not golds or not all(usable(g) for g in golds):
             raise ConfigError(
                 f"{self.source}: the answer {gold!r} of the question {question[:80]!r} cannot be graded by "

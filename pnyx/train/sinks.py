@@ -127,8 +127,8 @@ def open_sinks(
             sinks.append(WandbSink(wandb_project, run_id, config))
         if trackio_project:
             sinks.append(TrackioSink(trackio_project, run_id, config))
-    except ConfigError:
-        for s in sinks:  # those already open end cleanly; the trainer stops on the error
+    except Exception:  # a missing extra, or wandb.init / trackio.init failing in its own way
+        for s in sinks:  # those already open end cleanly (no leaked writer); the trainer stops on the error
             s.close()
         raise
     return sinks
