@@ -85,6 +85,11 @@ class Snapshot:
     def last(self) -> dict[str, Any]:
         return self.metrics[-1] if self.metrics else {}
 
+    def reported(self, name: str) -> Any:
+        """The trainer's newest report of `name` (`drops`, `quarantined`): its status.json, else the last
+        step's metrics, else None."""
+        return self.trainer.get(name) or self.last.get(name)
+
     @property
     def rollouts_per_s(self) -> float:
         """Fleet throughput: the sum over workers whose heartbeat is fresh."""

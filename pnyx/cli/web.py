@@ -72,7 +72,7 @@ def _thin(rows: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
 
 def _drops(snap: Snapshot) -> dict[str, int]:
     """Groups the trainer dropped, by reason, from its newest report (status.json, else the last metrics)."""
-    drops = snap.trainer.get("drops") or snap.last.get("drops") or {}
+    drops = snap.reported("drops") or {}
     if not isinstance(drops, dict):
         return {}
     counts = {str(k): _num(v, 0) for k, v in sorted(drops.items())}
@@ -81,7 +81,7 @@ def _drops(snap: Snapshot) -> dict[str, int]:
 
 def _quarantined(snap: Snapshot) -> list[dict[str, Any]]:
     """Keys under quarantine: fingerprint, the worker names that signed with it, and why."""
-    q = snap.trainer.get("quarantined") or snap.last.get("quarantined") or {}
+    q = snap.reported("quarantined") or {}
     if not isinstance(q, dict):
         return []
     keys = snap.trainer.get("keys")

@@ -29,6 +29,7 @@ class QAItem:
     question: str
     answer: Any
     row: dict[str, Any]
+    split: Split
 
 
 def question_key(question: str) -> str:
@@ -62,6 +63,13 @@ def iter_jsonl(path: str | Path, what: str, hint: str = "") -> Iterator[tuple[in
 def read_jsonl(path: str | Path, what: str) -> list[dict[str, Any]]:
     """Every object of a JSONL file (see `iter_jsonl`)."""
     return [row for _, row in iter_jsonl(path, what)]
+
+
+def seeded_order(size: int, *parts: object) -> list[int]:
+    """0 .. size-1 shuffled by `seeded_rng(*parts)`: one epoch of a seeded stream over `size` items."""
+    order = list(range(size))
+    seeded_rng(*parts).shuffle(order)
+    return order
 
 
 INSTALL_HINT = "pip install 'pnyx[datasets]'"
@@ -196,7 +204,6 @@ class QADataset:
         if not 0.0 < test_fraction < 1.0:
             raise ConfigError(f"test_fraction must be in (0, 1), got {test_fraction}")
         self.by_key: dict[str, QAItem] = {}
-        self.split_by_key: dict[str, Split] = {}
         self.splits: dict[str, list[QAItem]] = {"train": [], "test": []}
         for i, row in enumerate(rows):
             q, a = row.get(question), row.get(answer)
@@ -209,11 +216,10 @@ class QADataset:
             key = question_key(q)
             if key in self.by_key:
                 continue  # a duplicated question is one item (it must not land in both splits)
-            item = QAItem(key=key, question=q.strip(), answer=a, row=row)
-            split = split_of(item.question, test_fraction, salt=salt)
+            text = q.strip()
+            item = QAItem(key, text, a, row, split_of(text, test_fraction, salt=salt))
             self.by_key[key] = item
-            self.split_by_key[key] = split
-            self.splits[split].append(item)
+            self.splits[item.split].append(item)
         for split, items in self.splits.items():
             if not items:
                 raise ConfigError(
@@ -234,9 +240,7 @@ class QADataset:
         if cache_key not in self._orders:
             if len(self._orders) > 64:
                 self._orders.clear()
-            order = list(range(len(self.splits[split])))
-            seeded_rng(self.salt, split, seed, epoch).shuffle(order)
-            self._orders[cache_key] = order
+            self._orders[cache_key] = seeded_order(len(self.splits[split]), self.salt, split, seed, epoch)
         return self._orders[cache_key]
 
     def get(self, key: str, split: Split | None = None) -> QAItem:
@@ -246,6 +250,7 @@ class QADataset:
             raise ConfigError(
                 f"no question with key {key!r} in this dataset: was the task made from another file?"
             )
-        if split is not None and self.split_by_key[key] != split:
-            raise ConfigError(f"question {key!r} is in the {self.split_by_key[key]} split, not {split}")
-        return self.by_key[key]
+        item = self.by_key[key]
+        if split is not None and item.split != split:
+            raise ConfigError(f"question {key!r} is in the {item.split} split, not {split}")
+        return item

@@ -30,7 +30,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
-from pnyx.envs.base import Environment, Score, Split, Task, check_split, seeded_rng, split_of, zero
+from pnyx.envs.base import Environment, Score, Split, Task, check_split, split_of, zero
+from pnyx.envs.dataset import seeded_order
 from pnyx.envs.verifiers.classic import ClassicBackend
 from pnyx.envs.verifiers.protocol import AdapterOptions, ReplayMismatch
 from pnyx.envs.verifiers.v1 import V1Backend
@@ -282,8 +283,7 @@ class VerifiersEnv(Environment):
         for i in range(start, start + n):
             epoch, j = divmod(i, len(keys))
             if epoch not in orders:
-                orders[epoch] = list(range(len(keys)))
-                seeded_rng(self.name, split, seed, epoch).shuffle(orders[epoch])
+                orders[epoch] = seeded_order(len(keys), self.name, split, seed, epoch)
             out.append(self._task(split, keys[orders[epoch][j]]))
         return out
 
