@@ -25,7 +25,7 @@ def backlog_text(snap: Snapshot) -> str:
     """`waiting 1200 · fetched 16 · dropped stale:40, zero_variance:3` from the trainer's newest report."""
     source = snap.trainer if snap.trainer.get("backlog") else snap.last
     b = source.get("backlog") or {}
-    drops = source.get("drops") or snap.reported("drops") or {}
+    drops = source.get("drops") or snap.last.get("drops") or {}
     dropped = ", ".join(f"{k}:{v}" for k, v in sorted(drops.items()) if v) or "none"
     if not b:
         return f"dropped {dropped}"
@@ -34,7 +34,7 @@ def backlog_text(snap: Snapshot) -> str:
 
 def quarantine_text(snap: Snapshot) -> str | None:
     """`2 keys: 3f2a…91 (5 of 9 groups faulty (implausible 5)), ...` from the trainer's newest report."""
-    q = snap.reported("quarantined") or {}
+    q = snap.trainer.get("quarantined") or snap.last.get("quarantined") or {}
     if not isinstance(q, dict) or not q:
         return None
     keys = snap.trainer.get("keys") or {}
@@ -143,7 +143,11 @@ def plain_line(snap: Snapshot) -> str:
         f"supply={_fmt(snap.supply_groups_per_s, '.2f')}g/s consume={_fmt(snap.consumption_groups_per_s, '.2f')}g/s "
         f"backlog=waiting:{b.get('waiting', '-')},fetched:{b.get('fetched', '-')} "
         f"trainer={(snap.trainer.get('phase') or '-')} workers={workers or '-'}"
-        + (f" quarantined={len(q)}" if (q := snap.reported("quarantined")) else "")
+        + (
+            f" quarantined={len(q)}"
+            if (q := snap.trainer.get("quarantined") or snap.last.get("quarantined"))
+            else ""
+        )
         + (f" ignored={','.join(f'v{v}' for v in ignored_versions(snap))}" if snap.ignored else "")
         + (
             f" starving: {snap.trainer['starving']}"
