@@ -1,21 +1,44 @@
-"""Time to a target training reward: the pnyx fleet (`pnyx run`) against a synchronous GRPO loop.
+"""Time to a target training reward: the pnyx fleet against a synchronous GRPO loop with the same workers.
 
-Both systems run on this machine in one invocation, on the same model, task, group size, batch (groups
-per step), learning rate and algorithm settings:
+Two arms, each run by both systems in one invocation, on the same model, task, group size, batch (groups
+per step), learning rate and algorithm settings (task screening off in both: the synchronous loop has none):
 
-- **sync**: one process alternates generate → score → one optimizer step, with the same pieces the fleet
-  uses (the worker's `generate_cohort` on the pnyx engine, the environment's verifier, the trainer's
-  `train_step` and loss settings), with `--sync-threads` torch threads (default 1: for the tiny model,
-  two threads on a shared 2-core box were measured 10-50x slower per cohort than one).
-- **fleet**: `pnyx run --no-live` (one trainer process + N worker processes meeting in a local-folder store),
-  started as a subprocess; this script watches the rollout groups the workers upload.
+- **equal** (`--arm equal`): one worker at full speed. sync = one process alternating generate → score →
+  one optimizer step with the pieces the fleet uses (`generate_cohort` on the pnyx engine, the env's
+  verifier, `train_step`), `--sync-threads` torch threads; fleet = `pnyx trainer` + one `pnyx worker`
+  process meeting in a local-folder store (the 2 cores split as `pnyx run` splits them: one thread each).
+- **hetero** (`--arm hetero`): the same workers of unequal speed in both systems (default `--speeds
+  1,1,0.5,0.25,1`; the last, `--leaver`, leaves `--leave-after-s` after the first rollout).
+
+How unequal speed is simulated (this machine has 2 cores, not 5 machines): a worker of speed s generates on
+the real CPU, then sleeps `(slowdown / s - 1)` times the measured wall time of that generation, so its
+cohort takes `slowdown / s` times what it took here (a sleep uses no CPU). `--slowdown` (K) makes every
+worker K times slower than this machine, so that generation dominates a synchronous step as it does in LM
+RL post-training (the tiny model generates a batch in a fraction of its train step); K=1 is no extra
+slowdown. The fleet's workers run this throttle in their own processes (this script wraps the engine's
+`generate_cohort` in `pnyx worker`: `--worker-proc`); the synchronous loop applies the same throttle to each
+worker's share of every step:
+
+- sync, per step: the live workers split the batch equally (the usual data-parallel rollout: each makes
+  its share of non-zero-variance groups, the remainder to the first workers); the generating is done by this
+  one process, worker after worker (slowest first), and each worker's share is done at (CPU time of the
+  shares generated before it, its own included) + its sleeps; the step trains when the last share is done,
+  so every step waits for the slowest worker. A worker that left makes the next step wait a straggler
+  timeout of `--sync-timeout-x` times that worker's share time in its last step, after which its share is
+  split among the others (the fairest reasonable sync baseline: it neither stalls nor waits the fleet's
+  30 s liveness window).
+- fleet: each worker generates as fast as its speed and supply control allow; the trainer takes the
+  freshest groups; the leaver is SIGKILLed (no goodbye).
 
 Training reward = mean reward of the last `--window` completions generated (every completion counts, also
-those in zero-variance groups the trainer drops), by generation time since the system started (process
-start and model loading included). The time to target is the first time that moving mean reaches
-`--target`. Prints both times and the ratio sync/fleet (> 1: the fleet is faster).
+those of zero-variance groups: the fleet's workers log every cohort's rewards to a side file, since they do
+not upload zero-variance groups). Time to target is counted from each system's first rollout (process
+start-up and model loading excluded: both systems pay it once, the fleet's processes in parallel) and,
+also printed, from process start. Prints both, the ratio sync/fleet (> 1: the fleet is faster) and the load
+average.
 
-    python benchmarks/bench_async.py --target 0.5 --budget-s 420 --workers 1
+    python benchmarks/bench_async.py --arm equal
+    python benchmarks/bench_async.py --arm hetero --slowdown 3
 """
 
 from __future__ import annotations
@@ -29,6 +52,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +86,30 @@ class RewardWindow:
                 self.hit_s = t
 
 
-def run_sync(cfg: Any, window: RewardWindow, budget_s: float, threads: int) -> dict[str, Any]:
-    """The synchronous baseline: generate a batch with the current weights, then train on it, repeat."""
+@dataclass
+class SimWorker:
+    """One simulated worker of the synchronous loop."""
+
+    index: int
+    speed: float
+    leaves_at: float | None = None  # seconds after the first rollout (None: stays)
+    gone: bool = False
+    last_share_s: float = 0.0
+
+
+def run_sync(
+    cfg: Any,
+    window: RewardWindow,
+    budget_s: float,
+    threads: int,
+    speeds: list[float],
+    slowdown: float,
+    leaver: int | None,
+    leave_after_s: float,
+    timeout_x: float,
+) -> dict[str, Any]:
+    """The synchronous baseline: every step, each live worker generates its share of the batch with the
+    current weights (throttled to its speed), the step waits for the last share, then trains."""
     import torch
 
     from pnyx.config import resolve_env_kwargs, resolve_max_new_tokens
@@ -90,177 +136,320 @@ def run_sync(cfg: Any, window: RewardWindow, budget_s: float, threads: int) -> d
     engine = make_engine("torch", None, tok, model=model)
     settings = loss_settings(cfg)
     w = cfg.worker
+    n_batch = cfg.trainer.groups_per_step
+    workers = [SimWorker(i, s) for i, s in enumerate(speeds)]
     steps = cohorts = seq = 0
+    waited_s = gen_s = train_s = 0.0
     stream = env.stream("train", cfg.run.seed)
-    while time.time() - t0 < budget_s and window.hit_s is None:
+
+    def next_seq() -> int:
+        nonlocal seq
+        seq += 1
+        return seq
+
+    def now() -> float:
+        return time.time() - t0
+
+    while now() < budget_s and window.hit_s is None:
+        phase0 = now()
+        first = window.first_s
+        if (
+            leaver is not None
+            and not workers[leaver].gone
+            and first is not None
+            and phase0 >= first + leave_after_s
+        ):
+            lost = workers[leaver]  # it left: this step waits the straggler timeout for it, then goes on
+            timeout = timeout_x * lost.last_share_s
+            time.sleep(timeout)
+            waited_s += timeout
+            lost.gone = True
+            phase0 = now()
+        live = sorted((x for x in workers if not x.gone), key=lambda x: x.speed)  # slowest first
+        shares = {x.index: n_batch // len(live) for x in live}
+        for x in sorted(live, key=lambda x: x.index)[: n_batch % len(live)]:
+            shares[x.index] += 1
         batch: list[ScoredGroup] = []
-        while len(batch) < cfg.trainer.groups_per_step and time.time() - t0 < budget_s:
-            tasks = [next(stream) for _ in range(w.prompts_per_cohort)]
-            spec = CohortSpec(
-                run_id="sync",
-                worker_id="sync",
-                version=steps,
-                digest="-",
-                group_size=w.group_size,
-                temperature=w.temperature,
-                top_p=w.top_p,
-                top_k=w.top_k,
-                max_new_tokens=max_new,
-                seed=cfg.run.seed * 1_000_003 + cohorts,
-            )
-            model.eval()
-
-            def next_seq() -> int:
-                nonlocal seq
-                seq += 1
-                return seq
-
-            result = generate_cohort(engine, tok, env, tasks, spec, next_seq)
-            cohorts += 1
-            for g in result.groups:
-                rewards = [s.reward for s in g.samples]
-                window.add(rewards, time.time() - t0)
-                if is_zero_variance(rewards):
-                    continue
-                batch.append(
-                    ScoredGroup(
-                        key=f"sync-{g.seq}",
-                        version=steps,
-                        worker_id="sync",
-                        task_id=g.task_id,
-                        group=g,
-                        rewards=rewards,
-                        advantages=group_advantages(rewards, cfg.algorithm.advantage),
-                        worker_rewards=rewards,
-                    )
-                )
-        if len(batch) < cfg.trainer.groups_per_step:
+        cpu_done = phase0  # the CPU is one: shares are generated one after another
+        done_at: list[tuple[float, list[float]]] = []
+        for x in live:
+            have, sleep_s, rewards = 0, 0.0, []
+            while have < shares[x.index] and now() < budget_s:
+                tasks = [next(stream) for _ in range(shares[x.index] - have)]
+                spec = CohortSpec(
+                    run_id="sync", worker_id=f"sync-{x.index}", version=steps, digest="-",
+                    group_size=w.group_size, temperature=w.temperature, top_p=w.top_p, top_k=w.top_k,
+                    max_new_tokens=max_new, seed=cfg.run.seed * 1_000_003 + cohorts,
+                )  # fmt: skip
+                model.eval()
+                g0 = time.time()
+                result = generate_cohort(engine, tok, env, tasks, spec, next_seq)
+                took = time.time() - g0
+                sleep_s += (slowdown / x.speed - 1.0) * took
+                cohorts += 1
+                for g in result.groups:
+                    r = [s.reward for s in g.samples]
+                    rewards.extend(r)
+                    if is_zero_variance(r):
+                        continue
+                    have += 1
+                    batch.append(
+                        ScoredGroup(
+                            key=f"sync-{g.seq}", version=steps, worker_id=f"sync-{x.index}",
+                            task_id=g.task_id, group=g, rewards=r,
+                            advantages=group_advantages(r, cfg.algorithm.advantage), worker_rewards=r,
+                        )
+                    )  # fmt: skip
+            cpu_done = now()
+            x.last_share_s = cpu_done - phase0 + sleep_s
+            done_at.append((cpu_done + sleep_s, rewards))
+        end = max(t for t, _ in done_at)
+        gen_s += end - phase0
+        if end > now():
+            time.sleep(end - now())  # the slow workers' shares are still being generated elsewhere
+        for t, rewards in sorted(done_at, key=lambda d: d[0]):
+            window.add(rewards, t)
+        if len(batch) < n_batch or window.hit_s is not None:
             break
+        s0 = time.time()
         train_step(
-            model,
-            opt,
-            batch[: cfg.trainer.groups_per_step],
-            settings,
-            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
-            grad_clip=cfg.trainer.grad_clip,
-            max_len=max_new,
-        )
+            model, opt, batch[:n_batch], settings, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+            grad_clip=cfg.trainer.grad_clip, max_len=max_new,
+        )  # fmt: skip
+        train_s += time.time() - s0
         steps += 1
-    return {"steps": steps, "seconds": round(time.time() - t0, 1)}
-
-
-def _new_groups(store: Any, seen: set[str]) -> list[Any]:
-    from pnyx.errors import NotFoundError, RecordRejected
-    from pnyx.protocol import decode_group, layout
-
-    out = []
-    for meta in store.list(layout.ROLLOUTS_PREFIX):
-        if meta.key in seen or layout.parse_rollout_key(meta.key) is None:
-            continue
-        seen.add(meta.key)
-        try:
-            out.append(decode_group(store.get(meta.key)))
-        except (NotFoundError, RecordRejected):
-            continue
-    return out
-
-
-def run_fleet(overrides: list[str], window: RewardWindow, budget_s: float, workers: int) -> dict[str, Any]:
-    """`pnyx run --no-live` in a scratch folder, stopped (Ctrl-C) as soon as the target is reached."""
-    from pnyx.store import open_store
-
-    scratch = Path(tempfile.mkdtemp(prefix="pnyx-bench-async-"))
-    name = "bench"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pnyx",
-        "run",
-        "--no-live",
-        "--workers",
-        str(workers),
-        f"--run.name={name}",
-        f"--run.time_budget_s={budget_s}",
-        "--run.eval_every=0",
-        "--run.eval_tasks=50",
-        *overrides,
-    ]
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    t0 = time.time()
-    store_dir = scratch / "runs" / name
-    seen: set[str] = set()
-    with open(scratch / "orchestrator.log", "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=scratch, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        while proc.poll() is None:
-            time.sleep(1.0)
-            if not (store_dir / "run.json").exists():
-                continue
-            groups = sorted(_new_groups(open_store(store_dir), seen), key=lambda g: g.created_at)
-            for g in groups:
-                window.add([s.reward for s in g.samples], g.created_at - t0)
-            if window.hit_s is not None:
-                proc.send_signal(signal.SIGINT)
-                break
-        proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    versions = len(list((store_dir / "weights").glob("v*/manifest*.json"))) if store_dir.exists() else 0
     return {
-        "versions": max(0, versions - 1),
-        "seconds": round(time.time() - t0, 1),
-        "folder": str(scratch),
-        "exit_code": proc.returncode,
+        "steps": steps,
+        "seconds": round(now(), 1),
+        "generate_s": round(gen_s, 1),
+        "train_s": round(train_s, 1),
+        "timeout_s": round(waited_s, 1),
     }
 
 
+# --- the fleet ---------------------------------------------------------------------------------------------
+
+
+def worker_proc(argv: list[str]) -> None:
+    """`--worker-proc`: run `pnyx worker` with this process's generation throttled to `--speed` (see the
+    module docstring), logging every cohort's rewards to `--rewards` (JSON lines)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--speed", type=float, required=True)
+    ap.add_argument("--slowdown", type=float, default=1.0)
+    ap.add_argument("--rewards", required=True)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--spool-dir", required=True)
+    args = ap.parse_args(argv)
+    import pnyx.rollout.cohort as cohort
+
+    real = cohort.generate_cohort
+    out = open(args.rewards, "a")  # noqa: SIM115 - lives as long as the process
+
+    def throttled(*a: Any, **k: Any) -> Any:
+        t = time.time()
+        result = real(*a, **k)
+        time.sleep(max(0.0, (args.slowdown / args.speed - 1.0) * (time.time() - t)))
+        rewards = [s.reward for g in result.groups for s in g.samples]
+        out.write(json.dumps({"t": time.time(), "rewards": rewards}) + "\n")
+        out.flush()
+        return result
+
+    cohort.generate_cohort = throttled  # the worker imports it from the module at each cohort
+    from pnyx.cli.worker import worker_main
+
+    worker_main(store=args.store, worker_id=args.id, threads=1, spool_dir=args.spool_dir)
+
+
+def run_fleet(
+    cfg: Any,
+    window: RewardWindow,
+    budget_s: float,
+    speeds: list[float],
+    slowdown: float,
+    leaver: int | None,
+    leave_after_s: float,
+) -> dict[str, Any]:
+    """`pnyx trainer` + one throttled `pnyx worker` per speed, all started at once on a local-folder store;
+    stopped (SIGINT) as soon as the target is reached."""
+    from pnyx.cli.run_fleet import thread_split
+    from pnyx.cli.run_folder import trusted_with_local_workers
+    from pnyx.config import to_toml, with_fields
+
+    scratch = Path(tempfile.mkdtemp(prefix="pnyx-bench-async-"))
+    store = scratch / "run"
+    cfg = with_fields(
+        cfg, {"store.url": str(store), "security.trusted_keys": trusted_with_local_workers(cfg)}
+    )  # the user's own workers, as `pnyx run` trusts them
+    (scratch / "config.toml").write_text(to_toml(cfg))
+    trainer_threads, _ = thread_split(len(speeds))
+    base_env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    base_env.update(TOKENIZERS_PARALLELISM="false")
+    procs: list[subprocess.Popen] = []
+    t0 = time.time()
+
+    def spawn(args: list[str], threads: int, log: str) -> subprocess.Popen:
+        env = dict(base_env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        with open(scratch / log, "wb") as fh:
+            p = subprocess.Popen(
+                [sys.executable, *args], cwd=scratch, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,
+            )  # fmt: skip
+        procs.append(p)
+        return p
+
+    trainer = spawn(
+        ["-m", "pnyx", "trainer", "--store", str(store), "--config", str(scratch / "config.toml")],
+        trainer_threads,
+        "trainer.log",
+    )
+    files = []
+    workers = []
+    for i, s in enumerate(speeds):
+        files.append(scratch / f"rewards-{i}.jsonl")
+        workers.append(
+            spawn(
+                [
+                    str(Path(__file__).resolve()), "--worker-proc", "--speed", str(s), "--slowdown",
+                    str(slowdown), "--rewards", str(files[-1]), "--store", str(store), "--id", f"w{i}",
+                    "--spool-dir", str(scratch / "spool"),
+                ],
+                1,
+                f"worker-{i}.log",
+            )
+        )  # fmt: skip
+    offsets = [0] * len(files)
+    left = False
+    try:
+        while trainer.poll() is None and time.time() - t0 < budget_s:
+            time.sleep(0.2)
+            lines = []
+            for i, f in enumerate(files):
+                if not f.exists():
+                    continue
+                with open(f) as fh:
+                    fh.seek(offsets[i])
+                    data = fh.read()
+                cut = data.rfind("\n") + 1  # whole lines only
+                offsets[i] += len(data[:cut].encode())
+                lines += [json.loads(x) for x in data[:cut].splitlines()]
+            for rec in sorted(lines, key=lambda r: r["t"]):
+                window.add(rec["rewards"], rec["t"] - t0)
+            if window.hit_s is not None:
+                break
+            if all(p.poll() is not None for i, p in enumerate(workers) if i != leaver or not left):
+                print(f"fleet: every worker exited; see {scratch}/worker-*.log", flush=True)
+                break
+            first = window.first_s
+            if (
+                leaver is not None
+                and not left
+                and first is not None
+                and time.time() - t0 >= first + leave_after_s
+            ):
+                os.killpg(workers[leaver].pid, signal.SIGKILL)  # leaves without a goodbye
+                left = True
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+    metrics = sorted((store / "trainer").glob("metrics-*.json"))
+    last = json.loads(metrics[-1].read_text()) if metrics else {}
+    steps = [json.loads(m.read_text()) for m in metrics]
+    return {
+        "versions": len(metrics),
+        "seconds": round(time.time() - t0, 1),
+        "folder": str(scratch),
+        "drops": last.get("drops", {}),
+        "step_s_median": _median([m.get("step_s", 0.0) for m in steps]),
+        "publish_s_median": _median([m.get("publish_s", 0.0) for m in steps]),
+        "ingest_wait_s_median": _median([m.get("ingest_wait_s", 0.0) for m in steps]),
+    }
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(sorted(xs)[len(xs) // 2], 3) if xs else None
+
+
+# --- main ----------------------------------------------------------------------------------------------
+
+
+ARMS = {
+    "equal": {"speeds": "1", "leaver": None, "slowdown": 1.0},
+    "hetero": {"speeds": "1,1,0.5,0.25,1", "leaver": 4, "slowdown": 3.0},
+}
+
+
 def main() -> None:
+    if "--worker-proc" in sys.argv:
+        worker_proc([a for a in sys.argv[1:] if a != "--worker-proc"])
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arm", choices=sorted(ARMS), default="equal")
+    ap.add_argument("--speeds", default=None, help="comma-separated worker speeds (default: the arm's)")
+    ap.add_argument("--slowdown", type=float, default=None, help="every worker K times slower than here")
+    ap.add_argument("--leaver", type=int, default=None, help="index of the worker that leaves mid-run")
+    ap.add_argument(
+        "--leave-after-s", type=float, default=20.0, help="when it leaves, after the first rollout"
+    )
+    ap.add_argument("--sync-timeout-x", type=float, default=2.0, help="sync straggler timeout / share time")
     ap.add_argument("--target", type=float, default=0.5, help="training reward to reach")
     ap.add_argument("--window", type=int, default=256, help="completions in the moving mean")
     ap.add_argument("--budget-s", type=float, default=420.0, help="give up on a system after this long")
-    ap.add_argument("--workers", type=int, default=1, help="fleet worker processes")
     ap.add_argument("--only", choices=["sync", "fleet"], default=None, help="run one system only")
-    ap.add_argument(
-        "--sync-threads",
-        type=int,
-        default=1,
-        help="torch threads of the synchronous loop (1 is fastest for the tiny model on a shared box)",
-    )
+    ap.add_argument("--sync-threads", type=int, default=1, help="torch threads of the synchronous loop")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides for both, e.g. --trainer.lr=3e-4")
     args, extra = ap.parse_known_args()
-    overrides = [*args.overrides, *extra]
+    arm = ARMS[args.arm]
+    speeds = [float(s) for s in (args.speeds or arm["speeds"]).split(",")]
+    leaver = args.leaver if args.leaver is not None else arm["leaver"]
+    if leaver is not None and args.speeds is not None and leaver >= len(speeds):
+        leaver = None
+    slowdown = args.slowdown if args.slowdown is not None else arm["slowdown"]
+    overrides = [
+        "--worker.screen=1",
+        "--run.time_budget_s=100000",
+        "--run.steps=100000",
+        *args.overrides,
+        *extra,
+    ]
 
     from pnyx.config import load_config
 
     cfg = load_config(None, overrides)
     print(
-        f"bench_async: env={cfg.env.name} G={cfg.worker.group_size} groups/step={cfg.trainer.groups_per_step} "
-        f"lr={cfg.trainer.lr} target={args.target} window={args.window} cores={os.cpu_count()} "
-        f"sync_threads={args.sync_threads} fleet_workers={args.workers}",
+        f"bench_async arm={args.arm}: env={cfg.env.name} G={cfg.worker.group_size} "
+        f"groups/step={cfg.trainer.groups_per_step} lr={cfg.trainer.lr} target={args.target} "
+        f"window={args.window} cores={os.cpu_count()} speeds={speeds} slowdown={slowdown} leaver={leaver} "
+        f"leave_after_s={args.leave_after_s} load={_load()}",
         flush=True,
     )
     results: dict[str, Any] = {}
-    if args.only in (None, "sync"):
+    for system in ("sync", "fleet"):
+        if args.only not in (None, system):
+            continue
         w = RewardWindow(args.window, args.target)
-        info = run_sync(cfg, w, args.budget_s, args.sync_threads)
-        results["sync"] = _result(w, info)
+        if system == "sync":
+            info = run_sync(
+                cfg, w, args.budget_s, args.sync_threads, speeds, slowdown, leaver, args.leave_after_s,
+                args.sync_timeout_x,
+            )  # fmt: skip
+        else:
+            info = run_fleet(cfg, w, args.budget_s, speeds, slowdown, leaver, args.leave_after_s)
+        results[system] = {**_result(w), **info, "load_after": _load()}
         print(
-            f"sync : time to {args.target} = {_s(w.hit_s)}, after the first rollout {_s(w.after_first_s)}  ({info})",
-            flush=True,
-        )
-    if args.only in (None, "fleet"):
-        w = RewardWindow(args.window, args.target)
-        info = run_fleet(overrides, w, args.budget_s, args.workers)
-        results["fleet"] = _result(w, info)
-        print(
-            f"fleet: time to {args.target} = {_s(w.hit_s)}, after the first rollout {_s(w.after_first_s)}  ({info})",
+            f"{system:5}: time to {args.target} from the first rollout {_s(w.after_first_s)}, from process "
+            f"start {_s(w.hit_s)}  ({info}) load={_load()}",
             flush=True,
         )
     for key, label in (
-        ("time_to_target_s", "from process start"),
         ("after_first_rollout_s", "from the first rollout"),
+        ("time_to_target_s", "from process start"),
     ):
         s, f = (results.get(k, {}).get(key) for k in ("sync", "fleet"))
         if s and f:
@@ -268,14 +457,17 @@ def main() -> None:
     print(json.dumps(results))
 
 
-def _result(w: RewardWindow, info: dict[str, Any]) -> dict[str, Any]:
+def _result(w: RewardWindow) -> dict[str, Any]:
     return {
         "time_to_target_s": None if w.hit_s is None else round(w.hit_s, 1),
         "after_first_rollout_s": None if w.after_first_s is None else round(w.after_first_s, 1),
         "start_reward": w.curve[0][1] if w.curve else None,
         "curve": w.curve[:: max(1, len(w.curve) // 40)],
-        **info,
     }
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def _s(x: float | None) -> str:

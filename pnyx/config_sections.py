@@ -80,9 +80,12 @@ class WorkerConfig(_Section):
     max_new_tokens: Annotated[int, Field(ge=1, le=32_768)] | None = None
     """Maximum tokens the model generates per turn (None: the environment's budget; the trainer records
     the resolved value in run.json)."""
-    curriculum: bool = False
-    """Online difficulty filtering: prefer task levels whose observed pass rate is strictly between 0 and 1
-    (pnyx/rollout/curriculum.py); a worker-side choice, task ids are unchanged."""
+    curriculum: bool | None = None
+    """Online task selection: prefer tasks likely to make a group with mixed rewards, judged by each
+    problem's last outcome and each class's (level, last outcome) recent share of mixed groups
+    (pnyx/rollout/curriculum.py); a worker-side choice, task ids are unchanged. None: on when
+    skip_zero_variance is (it avoids the groups a worker would not upload; a run that uploads every group
+    samples the plain stream)."""
     screen: Annotated[int, Field(ge=1, le=64)] = 4
     """Pre-rollout screening: draw this many candidate tasks per task generated, score each by the policy's
     probability of the env's reference completion (one forward), and generate the ones most likely to make

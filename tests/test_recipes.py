@@ -38,6 +38,8 @@ pytestmark = [
 ]
 
 SMOLLM2_VERSIONS = 14
+HELD_OUT = 64
+"""Draws from the recipe's held-out sums (56 of the 100 one-digit sums: `test_fraction = 0.5`) per evaluation."""
 
 
 def _run(args: list[str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess:
@@ -93,7 +95,7 @@ def test_the_smollm2_recipe_trains_with_every_check_on_and_quarantines_no_one(tm
     proc = _run(
         [
             "--config", str(EXAMPLES / "smollm2-135m.toml"), "--run.name", "smollm2",
-            "--run.steps", str(SMOLLM2_VERSIONS), "--run.time_budget_s", "2400", "--run.eval_tasks", "32",
+            "--run.steps", str(SMOLLM2_VERSIONS), "--run.time_budget_s", "2400", "--run.eval_tasks", str(HELD_OUT),
             "--worker.engine", engine,
         ],
         tmp_path, 2700,
@@ -125,11 +127,21 @@ def test_the_smollm2_recipe_trains_with_every_check_on_and_quarantines_no_one(tm
     (key,) = keys.values()
     assert old >= 2 or key["mean_z"] * key["checked"] ** 0.5 < -5.0, (old, key)
     assert sum(v for k, v in drops.items() if k in ("logprob_gap", "implausible")) <= 1, drops
-    first = sum(m["reward"] for m in metrics[:4]) / 4
-    last = sum(m["reward"] for m in metrics[-4:]) / 4
-    assert last > first + 0.05, [round(m["reward"], 3) for m in metrics]
+    # It learned: on held-out draws (v0 against the last version, the same draws) the Wilson 95% intervals
+    # are apart. The training reward is only a trend check: it is the mean over 4 prompts per
+    # version, which swings by 0.3 between neighbours, and the model learns within the first 3-4 versions, so
+    # a comparison of the first four with the last four (as this test once did) failed a run that learned
+    # (0.156 -> 0.8 by v6; CI, 2026-12-03). The cold start is v1-v2 (rollouts of v0 and v1).
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["final_version"] == SMOLLM2_VERSIONS and summary["after"] is not None
+    before, after = summary["before"], summary["after"]
+    print(
+        f"held-out pass@1 ({engine}): {before['pass@1']:.3f} -> {after['pass@1']:.3f} over {after['tasks']} tasks"
+    )
+    assert after["ci_low"] > before["ci_high"], (before, after)
+    cold = sum(m["reward"] for m in metrics[:2]) / 2
+    last = sum(m["reward"] for m in metrics[-4:]) / 4
+    assert last > cold + 0.1, [round(m["reward"], 3) for m in metrics]
 
 
 def _short(name: str, tmp_path: Path, extra: list[str] = ()) -> tuple[Path, list[dict]]:

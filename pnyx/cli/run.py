@@ -163,6 +163,10 @@ class Orchestrator:
         from pnyx.cli.live import RunWatcher
 
         self.fleet.start_trainer()
+        # The workers start now, not once v0 is out: they load torch and the model while the trainer does,
+        # then wait for run.json and v0 themselves (with backoff, under their join deadline), so start-up
+        # is paid once, in parallel, rather than trainer then workers.
+        self.fleet.start_workers()
         watcher = RunWatcher(store, evals_path=self.plan.evals_path)
         t0 = time.time()
         try:
@@ -173,7 +177,6 @@ class Orchestrator:
                         trainer_failed=True,
                     )
                 return self._trainer_outcome("the trainer exited before publishing version 0")
-            self.fleet.start_workers()
             plan = self.plan
             from pnyx.eval.runner import EvalLoop
 

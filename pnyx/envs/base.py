@@ -182,6 +182,12 @@ class Environment(ABC):
         none. Default: `task.meta["level"]`."""
         return task.meta.get("level")
 
+    def problem_key(self, task: Task) -> Hashable:
+        """What identifies the task's problem across task ids (a procedural stream draws the same problem
+        under many ids): the worker's curriculum remembers outcomes by it. Default: `task.meta["problem"]`
+        (arith `37+48`, countdown), else the task id."""
+        return task.meta.get("problem", task.id)
+
     # --- the stream -------------------------------------------------------------------------
 
     @abstractmethod

@@ -14,6 +14,7 @@ bucket, and a failure inside third-party scoring code becomes a 0 with a reason,
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 from pnyx.envs.base import (
@@ -87,6 +88,10 @@ class ReasoningGymEnv(Environment):
                     meta={"dataset": self.dataset, "dataset_index": ds_index},
                 )
         raise ConfigError(f"reasoning-gym dataset {self.dataset!r} produced no {split} question")
+
+    def problem_key(self, task: Task) -> Hashable:
+        """The question's text: a small procedural dataset asks the same question under many entries."""
+        return str(task.answer["question"])
 
     def sample(self, split: Split, seed: int, n: int, start: int = 0) -> list[Task]:
         check_split(split)

@@ -20,6 +20,8 @@ answer longer than `max_answer_chars` scores 0, so listing every candidate is no
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from pnyx.envs.base import (
     Environment,
     Score,
@@ -139,6 +141,15 @@ class SearchQAEnv(Environment):
         if task.id != task_id:
             raise ConfigError(f"task id {task_id!r} names the wrong split for its question")
         return task
+
+    def level_of(self, task: Task) -> Hashable | None:
+        """The asked attribute (`city`, `year`, `job`) in the synthetic world: each is its own skill (copying a
+        made-up city name, a four-digit year, a common word), learned at its own pace. None for a user corpus."""
+        return task.meta.get("attribute")
+
+    def problem_key(self, task: Task) -> Hashable:
+        """The question: the synthetic world's stream asks the same question under many task ids."""
+        return task.meta["question"]
 
     # --- the tool ---------------------------------------------------------------------------
 

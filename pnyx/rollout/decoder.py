@@ -14,6 +14,12 @@ Two interchangeable sessions share one surface:
   Qwen3 with its per-head q/k RMSNorm) over the model's own parameters, with a growable preallocated cache,
   a precomputed rotary table, and q/k/v and gate/up each as one matmul (`fused_linear`). It skips the
   per-call mask building, output dataclasses and cache bookkeeping of the transformers forward.
+  On CPU, an fp32 model whose weight matrices are float16-exact (within `HALF_WEIGHTS_ERROR`; the bf16
+  values a worker holds after applying a published version are) multiplies from packed float16 copies of
+  them with fp32 activations and accumulation (fbgemm's fp16 GEMM): half the bytes per step, fp32
+  arithmetic. A matrix that is not float16-exact stays an fp32 matmul (`packed_half`). The copies are packed
+  on a background thread after each change (~1.3 s of CPU for SmolLM2-135M), the matrices multiplying in
+  fp32 meanwhile, so a worker's first batch after a new version never waits for them.
 - `HFSession` (`hf_session.py`): the transformers forward with a `DynamicCache`, for every other causal LM.
 
 Invariant of both: row i's logits depend only on row i's real tokens; position ids count real tokens only
@@ -29,6 +35,7 @@ Knows nothing about sampling, stop strings or tools.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +50,10 @@ if TYPE_CHECKING:
 
 FAST_MODEL_TYPES = ("qwen2", "llama", "mistral", "qwen3")
 QK_NORM_MODEL_TYPES = ("qwen3",)
+HALF_WEIGHTS_ERROR = 2.0**-25
+"""Largest |w - float16(w)| of any weight of a matrix multiplied from its float16 copy. bf16 values up to
+65504 meet it (exact in float16 down to 2^-17; below, float16's subnormal spacing 2^-24 rounds them by at most
+2^-25); a generic fp32 weight (relative error 2^-11 in float16) does not."""
 
 
 def fast_path_supported(model: PreTrainedModel) -> bool:
@@ -83,10 +94,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _lin(module: Any, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, module.weight, module.bias)
 
 
 def _backs(fused: torch.Tensor | None, parts: list[torch.Tensor]) -> bool:
@@ -132,6 +139,101 @@ def fused_linear(owner: Any, name: str, linears: list[Any]) -> tuple[torch.Tenso
     return w, b
 
 
+def half_weights_available(model: PreTrainedModel) -> bool:
+    """True if `packed_half` can serve this model: fp32 on the CPU, with fbgemm's fp16 GEMM in this torch."""
+    weight = next(model.parameters())
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and "fbgemm" in torch.backends.quantized.supported_engines
+        and hasattr(torch.ops.quantized, "linear_prepack_fp16")
+    )
+
+
+def _half_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> Any | None:
+    """fbgemm's packed float16 copy of `weight` (+ fp32 `bias`), or None if `weight` is not float16-exact."""
+    with torch.inference_mode(False), torch.no_grad():
+        half = weight.to(torch.float16)
+        back = half.float()
+        exact = torch.equal(back, weight) or (
+            bool(torch.isfinite(half).all()) and float((back - weight).abs().max()) <= HALF_WEIGHTS_ERROR
+        )
+        del half, back
+        return torch.ops.quantized.linear_prepack_fp16(weight, bias) if exact else None
+
+
+_packer: ThreadPoolExecutor | None = None
+
+
+def _background() -> ThreadPoolExecutor:
+    global _packer
+    if _packer is None:
+        _packer = ThreadPoolExecutor(1, thread_name_prefix="pnyx-half-pack")
+    return _packer
+
+
+def packed_half(
+    owner: Any,
+    name: str,
+    params: list[torch.Tensor],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    wait: bool = True,
+) -> Any | None:
+    """fbgemm's packed float16 copy of `weight` (+ fp32 `bias`), or None: not float16-exact, or (`wait`
+    False) still being packed.
+
+    Cached on `owner` under `name`, keyed by each of `params`' storage and version counter (every in-place
+    write through a parameter, `copy_`, `load_state_dict` or an optimizer step, bumps it), so a matrix is
+    re-packed and re-checked only after its weights changed. A write that bypasses the parameter (through
+    `.data`) is not seen: pnyx's writers all go through the parameter.
+
+    Packing SmolLM2-135M takes ~1.3 s of CPU (fbgemm's prepack; the 28M-element head alone 0.7 s), after
+    every version a worker installs. With `wait` False the packing runs on a background thread (the op
+    releases the GIL) and this matrix multiplies in fp32 until it is done, so the first batch after an update
+    does not stall on it. A pack started before a later write is keyed by the versions it started from and
+    is never used for the newer weights.
+    """
+    key = tuple((p.data_ptr(), p._version) for p in params)
+    cached = owner.__dict__.get(name)
+    if cached is not None and cached[0] == key:
+        pending = cached[1]
+        if not isinstance(pending, Future):
+            return pending
+        if not (wait or pending.done()):
+            return None
+        packed = pending.result()
+        object.__setattr__(owner, name, (key, packed))
+        return packed
+    if wait:
+        packed = _half_copy(weight, bias)
+        object.__setattr__(
+            owner, name, (key, packed)
+        )  # a plain attribute: not a parameter, not in the state dict
+        return packed
+    object.__setattr__(owner, name, (key, _background().submit(_half_copy, weight, bias)))
+    return None
+
+
+def _pack(
+    owner: Any,
+    name: str,
+    linears: list[Any],
+    fused: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    wait: bool = True,
+) -> Any | None:
+    """`packed_half` of one linear, or of `linears` stacked (`fused`: their `fused_linear` weight and bias)."""
+    params = [p for m in linears for p in (m.weight, getattr(m, "bias", None)) if p is not None]
+    weight, bias = fused if fused is not None else (linears[0].weight, getattr(linears[0], "bias", None))
+    return packed_half(owner, name, params, weight, bias, wait)
+
+
+def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Any | None) -> torch.Tensor:
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.quantized.linear_dynamic_fp16(x, packed)
+
+
 def left_pad(
     prompts: list[list[int]], pad_id: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +262,7 @@ class FastSession:
     holes_reason: str | None = None
     can_keep = True
 
-    def __init__(self, model: PreTrainedModel, max_len: int):
+    def __init__(self, model: PreTrainedModel, max_len: int, half_weights: bool | None = None):
         self.model = model
         self.body = model.model
         head = model.get_output_embeddings()
@@ -187,6 +289,35 @@ class FastSession:
             )
             for la in self.body.layers
         ]
+        # None: wherever available, packed in the background after each change (fp32 until then);
+        # True: required, packed before this session's first matmul
+        wait = bool(half_weights)
+        if half_weights is None:
+            half_weights = half_weights_available(model)
+        elif half_weights and not half_weights_available(model):
+            raise ConfigError(
+                "float16 weight copies need an fp32 model on the CPU and fbgemm in this torch build"
+            )
+        # fbgemm's float16 copies per layer (qkv, o, gate_up, down) and of the head; None = an fp32 matmul
+        self.packed: list[tuple[Any, ...]] = [(None, None, None, None)] * len(self.fused)
+        self.head_packed: Any | None = None
+        if half_weights:
+            self.packed = [
+                (
+                    _pack(
+                        la.self_attn,
+                        "_pnyx_qkv16",
+                        [la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj],
+                        qkv,
+                        wait,
+                    ),
+                    _pack(la.self_attn, "_pnyx_o16", [la.self_attn.o_proj], wait=wait),
+                    _pack(la.mlp, "_pnyx_gate_up16", [la.mlp.gate_proj, la.mlp.up_proj], gu, wait),
+                    _pack(la.mlp, "_pnyx_down16", [la.mlp.down_proj], wait=wait),
+                )
+                for la, (qkv, gu) in zip(self.body.layers, self.fused, strict=True)
+            ]
+            self.head_packed = _pack(head, "_pnyx_head16", [head], wait=wait)
 
     def _rotary(self, capacity: int) -> None:
         """The rotary table for positions [0, capacity) (positions never exceed the slots used)."""
@@ -227,8 +358,9 @@ class FastSession:
         for li, layer in enumerate(self.body.layers):
             attn, mlp = layer.self_attn, layer.mlp
             (w_qkv, b_qkv), (w_gu, b_gu) = self.fused[li]
+            p_qkv, p_o, p_gu, p_down = self.packed[li]
             x = _rms_norm(h, layer.input_layernorm.weight, self.eps)
-            qkv = F.linear(x, w_qkv, b_qkv).view(b, t, nq + 2 * nkv, self.head_dim)
+            qkv = _mm(x, w_qkv, b_qkv, p_qkv).view(b, t, nq + 2 * nkv, self.head_dim)
             qk = qkv[:, :, : nq + nkv]
             if self.qk_norm:  # Qwen3: RMSNorm over each head's vector, before rotary
                 qk = torch.cat(
@@ -250,11 +382,17 @@ class FastSession:
                 scale=attn.scaling,
                 enable_gqa=nkv != nq,
             )
-            h = h + _lin(attn.o_proj, o.transpose(1, 2).reshape(b, t, -1))
+            o_proj, down = attn.o_proj, mlp.down_proj
+            h = h + _mm(o.transpose(1, 2).reshape(b, t, -1), o_proj.weight, o_proj.bias, p_o)
             x = _rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
-            gate, up = F.linear(x, w_gu, b_gu).chunk(2, dim=-1)
-            h = h + _lin(mlp.down_proj, F.silu(gate) * up)
+            gate, up = _mm(x, w_gu, b_gu, p_gu).chunk(2, dim=-1)
+            h = h + _mm(F.silu(gate) * up, down.weight, down.bias, p_down)
         return _rms_norm(h[:, -1], self.body.norm.weight, self.eps)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_packed is None:
+            return self.head(hidden)
+        return torch.ops.quantized.linear_dynamic_fp16(hidden, self.head_packed)
 
     def prefill(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         b, width = ids.shape
@@ -272,7 +410,7 @@ class FastSession:
         self.length = width
         hidden = self._forward(ids, pos, _prefill_mask(attn), 0)
         self.pos = pos[:, -1:]
-        return self.head(hidden)
+        return self._logits(hidden)
 
     def step(self, tokens: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
         self._reserve(self.length + 1)
@@ -285,7 +423,7 @@ class FastSession:
         self.length += 1
         mask = self.attn[:, None, None, : self.length]
         hidden = self._forward(tokens[:, None], self.pos, mask, self.length - 1)
-        return self.head(hidden)
+        return self._logits(hidden)
 
     def extend(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         check_chunk(attn)
@@ -300,7 +438,7 @@ class FastSession:
         self.length = end
         hidden = self._forward(ids, pos, mask, start)
         self.pos = pos[:, -1:]
-        return self.head(hidden)
+        return self._logits(hidden)
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (a 1-D index tensor) of the batch; the cache is compacted up to the used length."""
@@ -339,12 +477,15 @@ class FastSession:
         self.pos = torch.cat([self.pos] + [p.pos for p in parked])
 
 
-def open_session(model: PreTrainedModel, max_len: int, fast: bool | None = None) -> FastSession | HFSession:
-    """A decode session for `model`; `fast=None` uses the fast path whenever it is supported."""
+def open_session(
+    model: PreTrainedModel, max_len: int, fast: bool | None = None, half_weights: bool | None = None
+) -> FastSession | HFSession:
+    """A decode session for `model`; `fast=None` uses the fast path whenever it is supported, and
+    `half_weights=None` its float16 weight copies wherever `half_weights_available` (fast path only)."""
     use_fast = fast_path_supported(model) if fast is None else fast
     if use_fast and not fast_path_supported(model):
         raise ConfigError(
             f"the fast decode path does not support model_type={model.config.model_type!r}: leave fast unset "
             "(it picks the generic path for such models)"
         )
-    return FastSession(model, max_len) if use_fast else HFSession(model, max_len)
+    return FastSession(model, max_len, half_weights) if use_fast else HFSession(model, max_len)

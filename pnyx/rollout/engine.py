@@ -53,10 +53,12 @@ class Engine:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         fast: bool | None = None,
+        half_weights: bool | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.fast = fast
+        self.half_weights = half_weights
         self.eos_ids = eos_token_ids(tokenizer, model)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = pad if isinstance(pad, int) else 0
@@ -79,7 +81,7 @@ class Engine:
 
     def session(self, max_len: int) -> FastSession | HFSession:
         """A fresh decode session for this engine's model (`max_len`: the slots to preallocate)."""
-        return open_session(self.model, max_len, self.fast)
+        return open_session(self.model, max_len, self.fast, self.half_weights)
 
     def decode(
         self,
@@ -178,8 +180,19 @@ class Engine:
             # right=True returns the first index whose cumulative mass exceeds u, which always has p > 0.
             # cummax keeps the CDF flat across zero-probability (truncated) tokens even where a parallel
             # scan (CUDA) rounds differently at neighbouring entries, so such a token is never drawn.
+            # On the CPU the drawn token is checked instead: the cummax pass (the costliest of sampling there)
+            # runs only if a token with p = 0 was drawn, which a sequential scan never gives.
             p = logp.exp()
-            cdf = torch.where(p > 0, p.cumsum(-1), 0.0).cummax(-1).values
-            u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
-            tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+            rand = torch.rand(p.shape[0], 1, generator=gen, device=p.device, dtype=p.dtype)
+            tok = None
+            if p.device.type == "cpu":
+                cdf = p.cumsum(-1)
+                tok = torch.searchsorted(cdf, rand * cdf[:, -1:], right=True).squeeze(-1)
+                tok = tok.clamp_(max=cdf.shape[-1] - 1)
+                if not bool(p.gather(-1, tok[:, None]).all()):
+                    tok = None
+            if tok is None:
+                cdf = torch.where(p > 0, p.cumsum(-1), 0.0).cummax(-1).values
+                tok = torch.searchsorted(cdf, rand * cdf[:, -1:], right=True).squeeze(-1)
+                tok = tok.clamp_(max=cdf.shape[-1] - 1)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)

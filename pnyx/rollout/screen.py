@@ -18,12 +18,17 @@ scored with the current weights.
 Measured on the shipped tiny model, `arith` 2-digit (+, -), 320 train tasks x 8 samples, 4 candidates per
 task (`benchmarks/bench_screen.py`): correlation of p with the observed pass rate 0.32 at the shipped model
 and 0.83 after 200 steps of `pnyx run`; zero-variance groups among the picked 15.9% -> 4.9% and 23.4% ->
-3.0%. The price is the forward over the pool, recorded by the worker as `screen_seconds` in its heartbeat
-next to `generate_seconds` (`pnyx run` prints the share). In `pnyx run` (BENCHMARKS.md) 4 candidates per task
-raised the consumed share of generated groups from 80-81% to 92-93%, took 19-21% of the worker's time, and
-slowed learning per version (pass@1 0.5 at v80 and v110 against v60 and v50): ranking by u prefers p near 1/2
-and passes over hard tasks (p near 0.1) whose rare successes carry the most signal. Hence off by default
-(`worker.screen = 1`).
+3.0%. `searchqa` is not screened: scoring its reference episode turn by turn (after each tool reply) was
+tried; at the end of a default `pnyx run` p correlated 0.54 with the pass rate, but in the run itself
+screening took 29% of the worker's time and left the consumed share of generated groups where the
+curriculum alone had it (46.6% both): the policy ends near p = 0.9 on most questions, and a group of 8 is
+then all-pass about half the time whichever question it asks. The price is the forward over the pool,
+recorded by the worker as `screen_seconds` in its heartbeat next to `generate_seconds` (`pnyx run` prints
+the share). In `pnyx run` (BENCHMARKS.md) 4 candidates per task raised the consumed share of generated
+groups from 80-81% to 92-93%, took 19-21% of the worker's time, and slowed learning per version when on
+from the first cohort (pass@1 0.5 at v80 and v110 against v60 and v50): ranking by u prefers p near 1/2
+and passes over hard tasks (p near 0.1) whose rare successes carry the most signal. Hence it starts only
+once zero-variance groups pile up (`worker.screen_start_above`).
 
 Knows nothing about the store or the trainer. Invariant: every task it returns is a task of the pool,
 unchanged (same id, same prompt), so the trainer rebuilds it from its id; which tasks a worker generates is

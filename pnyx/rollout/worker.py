@@ -9,7 +9,9 @@ it follows only weights that key signed; load the local model folder and tokeniz
 weights (anchor + deltas); then loop over cohorts. At each cohort boundary it swaps to the newest
 prefetched version (never inside a cohort, so every group carries the one version that produced it),
 asks supply control how many groups the trainer can still use (`throttle.py`: it paces itself by the
-trainer's `weights/DEMAND`), samples tasks from its own seeded stream, generates G completions per task,
+trainer's `weights/DEMAND`), picks tasks from its own seeded stream (by default through the curriculum,
+`curriculum.py`, which passes over problems and classes it measured making zero-variance groups, and the
+screen, `screen.py`), generates G completions per task,
 scores them, skips groups whose samples all got the same reward (the trainer would drop them; counted in
 the heartbeat), and hands the rest to the on-disk spool. After the join, the generating thread never
 touches the store: the courier thread (`courier.py`) uploads the spool create-only (each group signed with this machine's
@@ -65,6 +67,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pnyx.worker")
 
+CURRICULUM_LOG_EVERY = 100
+"""Cohorts between two log lines of the curriculum's per-class shares."""
+
 __all__ = ["Generation", "Status", "Worker", "WorkerOptions", "WorkerSummary"]
 
 
@@ -79,7 +84,7 @@ class Generation:
     screen: Screen
     """Picks each cohort's tasks from a larger pool (off unless worker.screen > 1)."""
     curriculum: Curriculum | None
-    """Samples tasks by their recent pass rates (None: worker.curriculum off)."""
+    """Picks each cohort's pool by what this worker measured (None: worker.curriculum off)."""
     max_new_tokens: int
     """The run's generation budget per turn."""
 
@@ -97,6 +102,7 @@ class Worker:
         self.supply: Supply | None = None  # made at join
         self.version_cap: int | None = None  # groups made per policy version before waiting for the next
         self._made: dict[int, int] = {}  # groups spooled per policy version (for version_cap)
+        self._cohorts = 0  # cohorts generated (for the curriculum's periodic log line)
         self._kept_frac = 1.0  # recent share of groups not skipped as zero-variance (sizes throttled cohorts)
         self._joined = False
 
@@ -139,7 +145,10 @@ class Worker:
         )  # fail before loading anything when the engine cannot run here
         env = get_env(cfg.env.name, **resolve_env_kwargs(cfg))
         max_new_tokens = resolve_max_new_tokens(cfg.worker.max_new_tokens, env)  # run.json's
-        curriculum = Curriculum(env) if cfg.worker.curriculum else None
+        use_curriculum = (
+            cfg.worker.skip_zero_variance if cfg.worker.curriculum is None else cfg.worker.curriculum
+        )
+        curriculum = Curriculum(env) if use_curriculum else None
         manifest = self.link.manifest
         model = manifest.model if manifest is not None else None
         path = resolve_run_model(
@@ -263,7 +272,7 @@ class Worker:
         )  # fmt: skip
         pool_n = gen.screen.pool_size(n)
         if gen.curriculum is not None:
-            pool = gen.curriculum.sample(seed, pool_n)
+            pool = gen.curriculum.sample(seed, pool_n, version)
         else:
             pool = gen.env.sample("train", seed=seed, n=pool_n)
         tasks = gen.screen.pick(pool, n, sampling_params(spec, gen.env))
@@ -272,7 +281,13 @@ class Worker:
         result = generate_cohort(gen.engine, gen.tokenizer, gen.env, tasks, spec, lambda: 0)
         progress.generate_s += result.gen_seconds
         if gen.curriculum is not None:
-            gen.curriculum.observe(tasks, result.groups)
+            gen.curriculum.observe(tasks, result.groups, version)
+            self._cohorts += 1
+            if self._cohorts % CURRICULUM_LOG_EVERY == 0:
+                shares = " ".join(f"{k}={v:.2f}" for k, v in sorted(gen.curriculum.summary().items()))
+                log.info(
+                    "worker=%s v=%d curriculum shares of mixed groups: %s", self.worker_id, version, shares
+                )
         kept = self._spool_groups(result.groups, version, supply, skip_zero_variance=w.skip_zero_variance)
         zero = sum(is_zero_variance([s.reward for s in g.samples]) for g in result.groups)
         gen.screen.observe(zero, len(result.groups))

@@ -38,7 +38,8 @@ it uses (the cursor, the settings, the one lock, the fetched groups) when it is 
 quarantine, `key_report`; it rejects through the listing, and is the listing's `KeyGate`, connected once both
 exist) and `self.planner` (`planner.py`, `BatchPlanner`: the ranking walk under the caps, `plan`, `commit`; it
 reads the listing and books through the ledger); `ingest_state.py` holds `IngestSettings` and the `Cursor`.
-This module adds admission (fetch, verify, re-score: `fetch`, `load`), `select`, `poll` and what the trainer
+This module adds admission (fetch, verify, re-score: `fetch`, `load`), `select`, `poll` (exhaustive, for
+tools and tests; the trainer counts what waits with `waiting`, from what it already holds) and what the trainer
 reports, and keeps the collaborators' methods the rest of the trainer calls on it.
 
 Invariants:
@@ -386,8 +387,8 @@ class Ingestor:
 
     def poll(self, version: int) -> int:
         """List the whole window and fetch every waiting key (exhaustive: its cost follows the backlog).
-        Returns `available(version)`. The trainer loop calls it after each publish, for the demand's count
-        of usable groups waiting; tests and tools call it too."""
+        Returns `available(version)`. For tests and tools; the trainer loop counts the demand's groups
+        waiting with `waiting`, which reads nothing from the store."""
         self.listing.sweep(version)
         self.listing.refresh(version, full=True)
         with self.shared.lock:
@@ -482,6 +483,11 @@ class Ingestor:
     def available(self, version: int) -> int:
         """`BatchPlanner.available`: fetched, valid groups a selection at `version` could take now."""
         return self.planner.available(version)
+
+    def waiting(self, version: int) -> int:
+        """`BatchPlanner.waiting`: usable groups waiting at `version`, counted from the listings and fetches
+        already held (no store I/O: the trainer's cost per step does not follow the backlog)."""
+        return self.planner.waiting(version)
 
     def allowances(self, version: int) -> Allowances:
         """`BatchPlanner.allowances`: the sampling checks' allowances for a step from `version`."""

@@ -376,8 +376,10 @@ class Trainer:
                 if r is None:
                     break
                 if self.parts.dist.is_main:
-                    # supply control, first thing after a publish: tell workers what the next step can use
-                    self.parts.supply.after_publish(r.version, waiting=self.parts.ingestor.poll(r.version))
+                    # supply control, first thing after a publish: tell workers what the next step can use,
+                    # counted from what the prefetcher already listed and fetched (no store I/O: a LIST and
+                    # GET of the whole backlog here made every step's cost follow the backlog)
+                    self.parts.supply.after_publish(r.version, waiting=self.parts.ingestor.waiting(r.version))
                     m = self.metrics(r)
                     checkpoint.write_metrics(self.store, r.version, m)
                     for sink in sinks:

@@ -167,6 +167,18 @@ class BatchPlanner:
         """How many fetched, valid groups a selection at `version` could take now (without a size limit)."""
         return len(self.plan(version, 1 << 30, extra=0).chosen)
 
+    def waiting(self, version: int) -> int:
+        """Usable groups waiting for a selection at `version`, from what is already listed and fetched (no
+        store I/O, so its cost follows nothing the workers upload since): the fetched, valid groups a
+        selection could take now, plus the listed keys not fetched yet times the recent survival rate (the
+        share of admitted groups that were valid and not zero-variance; 1 before any admission). A version
+        in the window never listed counts as empty until the next listing finds it."""
+        plan = self.plan(version, 1 << 30, extra=0)
+        with self.shared.lock:
+            outcomes = list(self._outcomes)
+        survival = sum(o == "ok" for o in outcomes) / len(outcomes) if outcomes else 1.0
+        return len(plan.chosen) + round(len(plan.unknown) * survival)
+
     def allowances(self, version: int) -> Allowances:
         """The sampling checks' allowances for a step from `version`: the settings' floors widened by what
         the run measured (`pnyx.security.calibration.derive`)."""
