@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_support import logprob_gaps
 
 from pnyx.models import completion_logprobs, load_model, load_tokenizer
 from pnyx.rollout.engine import Engine
@@ -33,15 +34,7 @@ def prompts(tokenizer) -> list[list[int]]:
 
 def max_logprob_error(model, prompts, completions, params: SamplingParams) -> float:
     """Largest |recorded - recomputed| over real completion tokens."""
-    with torch.no_grad():
-        logp, mask, _ = completion_logprobs(
-            model, prompts, [c.tokens for c in completions], params.temperature, params.top_k, params.top_p
-        )
-    recorded = torch.zeros_like(logp)
-    for i, c in enumerate(completions):
-        recorded[i, : len(c.tokens)] = torch.tensor(c.logprobs)
-    assert torch.isfinite(recorded[mask]).all()
-    return float((logp - recorded).abs()[mask].max())
+    return float(logprob_gaps(model, prompts, completions, params).max())
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "hf-forward"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_support import logprob_gaps
 
 from pnyx.errors import ConfigError
 from pnyx.models import completion_logprobs
@@ -53,15 +54,7 @@ def generic(model, tokenizer, fast: bool = False) -> Engine:
 
 def logprob_gap(model, prompts, completions, params: SamplingParams) -> float:
     """Largest |recorded - recomputed| over real completion tokens."""
-    with torch.no_grad():
-        logp, mask, _ = completion_logprobs(
-            model, prompts, [c.tokens for c in completions], params.temperature, params.top_k, params.top_p
-        )
-    recorded = torch.zeros_like(logp)
-    for i, c in enumerate(completions):
-        recorded[i, : len(c.tokens)] = torch.tensor(c.logprobs)
-    assert torch.isfinite(recorded[mask]).all()
-    return float((logp - recorded).abs()[mask].max())
+    return float(logprob_gaps(model, prompts, completions, params).max())
 
 
 def test_greedy_tokens_equal_transformers_generate_on_ragged_batch(arch_model, tokenizer, prompts):

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_support import logprob_gaps
 
 from pnyx.errors import ConfigError
-from pnyx.models import completion_logprobs, load_model, load_tokenizer
+from pnyx.models import load_model, load_tokenizer
 from pnyx.rollout.decoder import FastSession, half_weights_available
 from pnyx.rollout.engine import Engine
 from pnyx.rollout.sampling import SamplingParams
@@ -45,16 +46,9 @@ def model(tiny_model_dir):
     return m
 
 
-def logprob_gaps(model, prompts, completions, params: SamplingParams) -> tuple[float, float]:
+def gap_mean_max(model, prompts, completions, params: SamplingParams) -> tuple[float, float]:
     """(mean, max) |recorded - recomputed| over real completion tokens, the recompute in plain fp32."""
-    with torch.no_grad():
-        logp, mask, _ = completion_logprobs(
-            model, prompts, [c.tokens for c in completions], params.temperature, params.top_k, params.top_p
-        )
-    recorded = torch.zeros_like(logp)
-    for i, c in enumerate(completions):
-        recorded[i, : len(c.tokens)] = torch.tensor(c.logprobs)
-    gap = (logp - recorded).abs()[mask]
+    gap = logprob_gaps(model, prompts, completions, params)
     return float(gap.mean()), float(gap.max())
 
 
@@ -80,7 +74,7 @@ def test_half_copies_serve_bf16_weights_and_not_generic_fp32_ones(tiny_model_dir
 )
 def test_half_copies_keep_logprobs_equal_to_the_fp32_recompute(model, tokenizer, prompts, params):
     completions = Engine(model, tokenizer, half_weights=True).generate(prompts, params)
-    mean, largest = logprob_gaps(model, prompts, completions, params)
+    mean, largest = gap_mean_max(model, prompts, completions, params)
     assert mean <= 1e-5 and largest <= 1e-4  # the engine contract allows 1e-4 / 1e-3
     if params.temperature == 0:
         plain = Engine(model, tokenizer, half_weights=False).generate(prompts, params)
