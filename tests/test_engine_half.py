@@ -134,3 +134,17 @@ def test_by_default_copies_are_packed_in_the_background_and_never_serve_older_we
     decoder._background().submit(lambda: None).result()
     assert FastSession(model, 8).head_packed is not None
     assert [c.tokens for c in engine.generate(prompts, params)] == [c.tokens for c in expected]
+
+
+def test_a_model_with_copies_packed_or_pending_can_still_be_deep_copied(model, tokenizer, prompts):
+    # the trainer and the tests deepcopy models an engine has served (a pending pack holds a lock)
+    import copy
+
+    from pnyx.rollout import decoder
+
+    Engine(model, tokenizer).generate(prompts, SamplingParams(max_new_tokens=4))  # schedules the packing
+    copy.deepcopy(model)
+    decoder._background().submit(lambda: None).result()
+    Engine(model, tokenizer).generate(prompts, SamplingParams(max_new_tokens=4))  # packed copies in use
+    twin = copy.deepcopy(model)
+    assert FastSession(twin, 8, half_weights=True).head_packed is not None

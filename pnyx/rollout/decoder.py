@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +164,8 @@ def _half_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> Any | None:
 
 
 _packer: ThreadPoolExecutor | None = None
+_copies: WeakKeyDictionary[Any, dict[str, tuple[tuple, Any]]] = WeakKeyDictionary()
+"""Per module: name -> (its parameters' (storage, version) key, the packed copy, None or a pending Future)."""
 
 
 def _background() -> ThreadPoolExecutor:
@@ -183,7 +186,7 @@ def packed_half(
     """fbgemm's packed float16 copy of `weight` (+ fp32 `bias`), or None: not float16-exact, or (`wait`
     False) still being packed.
 
-    Cached on `owner` under `name`, keyed by each of `params`' storage and version counter (every in-place
+    Cached for `owner` under `name` (in `_copies`, beside the module), keyed by each of `params`' storage and version counter (every in-place
     write through a parameter, `copy_`, `load_state_dict` or an optimizer step, bumps it), so a matrix is
     re-packed and re-checked only after its weights changed. A write that bypasses the parameter (through
     `.data`) is not seen: pnyx's writers all go through the parameter.
@@ -195,7 +198,8 @@ def packed_half(
     is never used for the newer weights.
     """
     key = tuple((p.data_ptr(), p._version) for p in params)
-    cached = owner.__dict__.get(name)
+    held = _copies.setdefault(owner, {})  # beside the module, not on it: a deepcopy of the model copies none
+    cached = held.get(name)
     if cached is not None and cached[0] == key:
         pending = cached[1]
         if not isinstance(pending, Future):
@@ -203,15 +207,13 @@ def packed_half(
         if not (wait or pending.done()):
             return None
         packed = pending.result()
-        object.__setattr__(owner, name, (key, packed))
+        held[name] = (key, packed)
         return packed
     if wait:
         packed = _half_copy(weight, bias)
-        object.__setattr__(
-            owner, name, (key, packed)
-        )  # a plain attribute: not a parameter, not in the state dict
+        held[name] = (key, packed)
         return packed
-    object.__setattr__(owner, name, (key, _background().submit(_half_copy, weight, bias)))
+    held[name] = (key, _background().submit(_half_copy, weight, bias))
     return None
 
 
