@@ -1,7 +1,8 @@
 """Time to a target training reward: the pnyx fleet against a synchronous GRPO loop with the same workers.
 
 Two arms, each run by both systems in one invocation, on the same model, task, group size, batch (groups
-per step), learning rate and algorithm settings (task screening off in both: the synchronous loop has none):
+per step), learning rate and algorithm settings (task screening and the curriculum off in both: the synchronous
+loop samples the plain task stream, and a worker choosing harder tasks would lower its training reward):
 
 - **equal** (`--arm equal`): one worker at full speed. sync = one process alternating generate → score →
   one optimizer step with the pieces the fleet uses (`generate_cohort` on the pnyx engine, the env's
@@ -413,6 +414,7 @@ def main() -> None:
     slowdown = args.slowdown if args.slowdown is not None else arm["slowdown"]
     overrides = [
         "--worker.screen=1",
+        "--worker.curriculum=false",  # the loop samples the plain stream; task choice would bias the reward
         "--run.time_budget_s=100000",
         "--run.steps=100000",
         *args.overrides,
