@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -374,7 +375,7 @@ def run_fleet(
 
 
 def _median(xs: list[float]) -> float | None:
-    return round(sorted(xs)[len(xs) // 2], 3) if xs else None
+    return round(statistics.median(xs), 3) if xs else None
 
 
 # --- main ----------------------------------------------------------------------------------------------

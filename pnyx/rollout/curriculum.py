@@ -114,7 +114,7 @@ class Curriculum:
         self.shares: dict[Class, deque[bool]] = {}
         """Per class: whether each of its last `window` groups had mixed rewards."""
         self.levels: dict[Hashable, deque[tuple[int, int]]] = {}
-        """Per level: (samples passed, samples) of its last `window` groups (for `pass_rate` and logs)."""
+        """Per level: (samples passed, samples) of its last `window` groups (read only by `pass_rate`)."""
 
     def classify(self, task: Task, version: int) -> Class:
         """The task's class: (its level, its problem's state at `version`, whether that state is old)."""
