@@ -186,9 +186,9 @@ def packed_half(
     """fbgemm's packed float16 copy of `weight` (+ fp32 `bias`), or None: not float16-exact, or (`wait`
     False) still being packed.
 
-    Cached for `owner` under `name` (in `_copies`, beside the module), keyed by each of `params`' storage and version counter (every in-place
-    write through a parameter, `copy_`, `load_state_dict` or an optimizer step, bumps it), so a matrix is
-    re-packed and re-checked only after its weights changed. A write that bypasses the parameter (through
+    Cached for `owner` under `name` (in `_copies`, beside the module), keyed by each of `params`' storage
+    and version counter (every in-place write through a parameter, `copy_`, `load_state_dict` or an
+    optimizer step, bumps it), so a matrix is re-packed and re-checked only after its weights changed. A write that bypasses the parameter (through
     `.data`) is not seen: pnyx's writers all go through the parameter.
 
     Packing SmolLM2-135M takes ~1.3 s of CPU (fbgemm's prepack; the 28M-element head alone 0.7 s), after
