@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from pnyx.config_sections import AlgorithmConfig as AlgorithmConfig
 from pnyx.config_sections import EnvConfig as EnvConfig
+from pnyx.config_sections import LoraConfig as LoraConfig
 from pnyx.config_sections import ModelConfig as ModelConfig
 from pnyx.config_sections import PnyxConfig
 from pnyx.config_sections import RunConfig as RunConfig

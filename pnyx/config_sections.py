@@ -125,6 +125,25 @@ class WorkerConfig(_Section):
     """Default generation engine of the run's workers (each worker may choose its own with --engine)."""
 
 
+class LoraConfig(_Section):
+    """Train a LoRA adapter instead of the full weights (`[trainer.lora]`; docs/models.md, "LoRA"). The
+    trainer holds the frozen base plus the adapter, built on `peft`; only the adapter (and its AdamW state)
+    is trained, checkpointed and published, and workers merge it into their own copy of the run's base."""
+
+    enabled: bool = False
+    """Train an adapter (True) or the full weights (False, the default)."""
+    rank: Annotated[int, Field(ge=1, le=4096)] = 16
+    """The adapter's rank r: each target matrix W (out x in) learns B (out x r) @ A (r x in)."""
+    alpha: PosFloat = 32.0
+    """LoRA's alpha: the update is scaled by alpha / rank."""
+    dropout: Prob = 0.0
+    """Dropout on the adapter's input while training. Above 0 the trainer's forward is random, so the
+    importance ratio and the sampling checks see noise: keep 0 for RL."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names that get an adapter (peft's `target_modules`, e.g. ["q_proj", "v_proj"]); "all-linear":
+    every linear layer but the output head."""
+
+
 class TrainerConfig(_Section):
     lr: Annotated[float, Field(gt=0, le=1)] = 2e-4
     """AdamW learning rate (the peak of the schedule)."""
@@ -174,6 +193,8 @@ class TrainerConfig(_Section):
     """Give up (clean stop) if no usable rollouts arrive for this long."""
     device: str = "cpu"
     """Torch device for training: cpu, cuda, mps or auto."""
+    lora: LoraConfig = LoraConfig()
+    """Adapter training (off by default): see `LoraConfig`."""
     tensorboard: bool = False
     """Also write metrics to TensorBoard, under `./tensorboard/<run_id>` (needs `pnyx[tensorboard]`)."""
     wandb_project: str | None = None

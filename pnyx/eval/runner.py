@@ -306,6 +306,7 @@ class VersionEvaluator:
         run's base model `model_path` in `dtype` on `device`, then each evaluated version on top of it."""
         from pnyx.envs import get_env
         from pnyx.models import load_tokenizer
+        from pnyx.models.lora import lora_from_run
         from pnyx.rollout.engines import check_engine, make_engine
         from pnyx.weights.trusted import TrustedWeights
 
@@ -316,7 +317,8 @@ class VersionEvaluator:
         self.env = get_env(env_name, **(env_kwargs or {}))
         self.tasks = heldout_tasks(self.env, tasks, seed)
         self.tokenizer = load_tokenizer(model_path)
-        self.engine = make_engine(engine, model_path, self.tokenizer, dtype=dtype, device=device)
+        lora = lora_from_run(self.weights.run.config)  # a LoRA run publishes adapters of the base
+        self.engine = make_engine(engine, model_path, self.tokenizer, dtype=dtype, device=device, lora=lora)
         self.samples, self.seed, self.ks = samples, seed, tuple(ks)
         self.sampling = {
             "temperature": temperature,

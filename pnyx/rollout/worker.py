@@ -157,7 +157,8 @@ class Worker:
         tokenizer = load_tokenizer(path)
         w = cfg.worker
         engine = make_engine(
-            engine_name, path, tokenizer, dtype=cfg.model.dtype, device=self.opts.device, plane=self.link.plane
+            engine_name, path, tokenizer, dtype=cfg.model.dtype, device=self.opts.device, plane=self.link.plane,
+            lora=cfg.trainer.lora,
         )  # fmt: skip
         screen = Screen(env, engine, tokenizer, w.screen, w.group_size, start_above=w.screen_start_above)
         self.gen = gen = Generation(env, tokenizer, engine, screen, curriculum, max_new_tokens)

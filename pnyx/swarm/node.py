@@ -476,6 +476,11 @@ def open_node(
     check_swarm_config(cfg)
     path = model_folder(model_dir) if model_dir is not None else resolve_model_path(cfg)
     model = load_model(path, dtype="float32", device=cfg.trainer.device)
+    if cfg.trainer.lora.enabled:  # the node trains an adapter; it samples through peft's layers (unmerged)
+        from pnyx.models.lora import attach, describe
+
+        attach(model, cfg.trainer.lora)
+        log.info("swarm node %s: %s", name, describe(cfg.trainer.lora))
     tokenizer = load_tokenizer(path)
     env = get_env(cfg.env.name, **resolve_env_kwargs(cfg))
     return SwarmNode(store, name, cfg, model, tokenizer, path, env, **kwargs)

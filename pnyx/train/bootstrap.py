@@ -40,6 +40,11 @@ def run_defining(config: dict[str, Any], model: dict[str, Any]) -> dict[str, Any
         "env.system_prompt": env.get("system_prompt"),
         **{f"worker.{k}": worker.get(k) for k in RUN_DEFINING_WORKER},
         **{f"model.{k}": model.get(k) for k in RUN_DEFINING_MODEL},
+        # what workers run is the base plus this adapter: its shape and scale define the run (off: None, as a
+        # run created before the setting existed records it)
+        "trainer.lora": lora
+        if isinstance(lora := config.get("trainer", {}).get("lora"), dict) and lora.get("enabled")
+        else None,
     }
 
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import xxhash
@@ -43,6 +43,7 @@ from pnyx.store.retry import Backoff, wait_for
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     from pnyx.train.distributed import Dist
 
@@ -203,10 +204,14 @@ class Checkpointer:
         keep: int = 2,
         asynchronous: bool = True,
         hook: Callable[[str, int], None] | None = None,
+        frozen_base: bool = False,
     ):
         self.store, self.d, self.local_root, self.keep = store, d, Path(local_root), keep
         self.asynchronous = asynchronous
         self.hook = hook
+        self.frozen_base = frozen_base
+        """A LoRA run: the frozen base is not saved (it is the run's model, loaded at every start); only the
+        trained parameters and their optimizer state are."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_committed: int | None = None
@@ -235,7 +240,8 @@ class Checkpointer:
             for stale in self.local_root.glob("ckpt-*"):  # leftovers of a killed process (none is in flight)
                 shutil.rmtree(stale, ignore_errors=True)
         self.d.barrier()  # ... gone before any rank of this node writes into it
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = get_state_dict(model, optimizer, options=self._options())
+        msd = self._trained(model, msd)
         commit = Commit(FORMAT, version, self.d.world, run_id, [], cursor_json, capture_rng(), time.time())
         group = self.d.checkpoints
         if self.asynchronous:
@@ -249,6 +255,19 @@ class Checkpointer:
             self._finish(local, None, commit)
             self.wait()
         return time.perf_counter() - t0
+
+    def _options(self) -> StateDictOptions | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=True, strict=False) if self.frozen_base else None
+
+    def _trained(self, model: torch.nn.Module, msd: dict[str, Any]) -> dict[str, Any]:
+        """With a frozen base, only the trained parameters' entries (`ignore_frozen_params` still lists a
+        head tied to the frozen embedding)."""
+        if not self.frozen_base:
+            return msd
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in msd.items() if k in trained}
 
     def wait(self) -> None:
         """Block until the checkpoint in flight is committed (or failed: its error is raised here)."""
@@ -351,10 +370,17 @@ class Checkpointer:
         if self.d.local_rank == 0:
             self._download(commit, local)
         self.d.barrier()
-        msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd}
+        options = self._options()
+        msd, osd = get_state_dict(model, optimizer, options=options)
+        state = {"model": self._trained(model, msd), "optim": osd}
         dcp_load.load(state, checkpoint_id=str(local), process_group=self.d.checkpoints)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=options,
+        )
         self.d.barrier()
         if self.d.local_rank == 0:
             shutil.rmtree(local, ignore_errors=True)

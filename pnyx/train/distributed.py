@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, TypeVar, cast
@@ -223,21 +223,38 @@ def to_local_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
-def state_layout(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (published dtype, global shape) of the model's state dict, without moving any data."""
+def published_state(
+    model: torch.nn.Module, names: Mapping[str, str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(published name, tensor) of what a run publishes of `model`, in state-dict order: the whole state dict,
+    or with `names` ({state-dict key: published name}, a LoRA run's adapter) only those, renamed."""
+    for k, v in model.state_dict().items():
+        if names is None:
+            yield k, v
+        elif k in names:
+            yield names[k], v
+
+
+def state_layout(
+    model: torch.nn.Module, dtype: torch.dtype, names: Mapping[str, str] | None = None
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """published name -> (published dtype, global shape) of what `published_state` yields, without moving any
+    data."""
     name = str(dtype).removeprefix("torch.")
-    return {k: (name, tuple(int(x) for x in v.shape)) for k, v in model.state_dict().items()}
+    return {k: (name, tuple(int(x) for x in v.shape)) for k, v in published_state(model, names)}
 
 
-def gather_published(model: torch.nn.Module, dtype: torch.dtype, keep: set[str]) -> dict[str, torch.Tensor]:
-    """The published cast of the tensors in `keep`, whole, on this rank's CPU.
+def gather_published(
+    model: torch.nn.Module, dtype: torch.dtype, keep: set[str], names: Mapping[str, str] | None = None
+) -> dict[str, torch.Tensor]:
+    """The published cast of the tensors in `keep` (published names), whole, on this rank's CPU.
 
     Sharded: every tensor is cast where it lives, then all-gathered one at a time (every rank takes part
     in each gather, in state-dict order) and kept only where `keep` names it, so a rank never holds more
     than its share plus one tensor. One process: a plain cast of the tensors kept.
     """
     out: dict[str, torch.Tensor] = {}
-    for k, v in model.state_dict().items():
+    for k, v in published_state(model, names):
         if not is_dtensor(v) and k not in keep:
             continue
         full = to_local_value(v.detach().to(dtype))

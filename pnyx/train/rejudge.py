@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from pnyx.config import LoraConfig
 from pnyx.errors import PnyxError
 from pnyx.security.checks import GroupEvidence
 from pnyx.security.signing import Verifier
@@ -48,9 +49,12 @@ class Rejudge:
     trainer key (set when the run is created or joined, `trainer_setup.attach_run`); without it nothing is
     re-judged (the groups keep the master forward's verdict)."""
 
-    def __init__(self, store: Store, model_dir: str | Path):
+    def __init__(self, store: Store, model_dir: str | Path, lora: LoraConfig | None = None):
         self.store = store
         self.model_dir = model_dir
+        self.lora = lora
+        """A LoRA run's adapter settings: the judge is the base with the same adapter layers, loaded with the
+        published adapter (the trainer's own forward, at the claimed version's adapter)."""
         self.trust: Verifier | None = None
         self.calls = 0
         """Groups judged again so far (each a forward of its rows)."""
@@ -82,7 +86,14 @@ class Rejudge:
         model, syncer = self._model, self._syncer
         if model is None or syncer is None:
             model = self._model = load_model(self.model_dir, dtype="float32")
-            self._params = dict(model.state_dict(keep_vars=True))
+            params = model.state_dict(keep_vars=True)  # the whole state: published under its own keys
+            if self.lora is not None:
+                from pnyx.models.lora import attach
+
+                names = attach(model, self.lora)
+                params = model.state_dict(keep_vars=True)
+                params = {pub: params[key] for key, pub in names.items()}
+            self._params = dict(params)
             syncer = self._syncer = Syncer(self.store, trust=self.trust)
         if syncer.version is not None and version < syncer.version:
             # an older version: a syncer moves forward through deltas only, so a fresh one rebuilds it from

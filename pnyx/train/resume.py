@@ -150,13 +150,14 @@ def verify_or_adopt(t: Resumable, version: int) -> None:
     masters = get_model_state_dict(t.parts.model, options=options)
     merged, moved = {}, 0
     for name, pub in published.items():
-        master = masters.get(name)
+        key = t.parts.publishing.state_key(name)  # a LoRA run publishes the adapter under other names
+        master = masters.get(key)
         if not isinstance(master, torch.Tensor):
             continue
         master = master.detach().to("cpu", torch.float32)
         differ = _bits(master.to(pub.dtype)) != _bits(pub)
         moved += int(differ.sum())
-        merged[name] = torch.where(differ, pub.to(torch.float32), master)
+        merged[key] = torch.where(differ, pub.to(torch.float32), master)
     log.warning(
         "trainer resume: the replayed v%d differs from the published bits in %d values; adopting those",
         version, moved,

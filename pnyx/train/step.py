@@ -52,7 +52,8 @@ def make_optimizer(
     model: torch.nn.Module, lr: float, betas: tuple[float, float], weight_decay: float
 ) -> torch.optim.Optimizer:
     """AdamW over the fp32 master parameters (sharded ones too: each rank steps its own shard)."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+    trained = [p for p in model.parameters() if p.requires_grad]  # a LoRA run: the adapter alone
+    return torch.optim.AdamW(trained, lr=lr, betas=betas, weight_decay=weight_decay)
 
 
 def train_step(

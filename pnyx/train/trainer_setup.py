@@ -97,19 +97,29 @@ class Publishing:
     publisher: Publisher
     model: torch.nn.Module
     dtype: torch.dtype
+    names: dict[str, str] | None = None
+    """A LoRA run: {state-dict key: published name} of the adapter, the only tensors published
+    (`pnyx.models.lora`); None: the whole state dict, under its own keys."""
 
     @cached_property
     def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """name -> (published dtype, global shape) of the whole state: fixed for the run, computed once."""
+        """name -> (published dtype, global shape) of the whole published state: fixed for the run, computed
+        once."""
         from pnyx.train.distributed import state_layout
 
-        return state_layout(self.model, self.dtype)
+        return state_layout(self.model, self.dtype, self.names)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The published cast of the tensors this rank publishes (all of them in one process); on CPU."""
         from pnyx.train.distributed import gather_published
 
-        return gather_published(self.model, self.dtype, self.publisher.needs(self.layout))
+        return gather_published(self.model, self.dtype, self.publisher.needs(self.layout), self.names)
+
+    def state_key(self, name: str) -> str:
+        """The model's state-dict key of published tensor `name`."""
+        if self.names is None:
+            return name
+        return {pub: key for key, pub in self.names.items()}[name]
 
     def publish(self, version: int, force_anchor: bool = False) -> WeightManifest:
         """Publish the current weights as `version` (every rank takes part; rank 0 commits)."""
@@ -160,6 +170,17 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
     dist = init_distributed(resolve_device(t.device), wait_s=t.max_wait_s)
     compute_dtype = resolve_compute_dtype(t.compute_dtype, dist.device)
     model = load_model(model_dir, dtype="float32", device=dist.device)
+    adapter = None
+    if t.lora.enabled and cfg.worker.int8:
+        raise ConfigError("trainer.lora publishes the adapter, which has no int8 plane: drop worker.int8")
+    if t.lora.enabled:  # before sharding: FSDP2 shards the injected layers with the rest
+        from pnyx.models.lora import attach, describe
+
+        adapter = attach(model, t.lora)
+        log.info(
+            "trainer: %s, %d trainable parameters of %d", describe(t.lora),
+            sum(p.numel() for p in model.parameters() if p.requires_grad), sum(p.numel() for p in model.parameters()),
+        )  # fmt: skip
     model = prepare_model(model, dist, compute_dtype, t.activation_checkpointing)
     tokenizer = load_tokenizer(model_dir)
     env = get_env(cfg.env.name, **resolve_env_kwargs(cfg))
@@ -176,7 +197,7 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
     )  # fmt: skip
     checkpoints = Checkpointer(
         store, dist, local_folder(t.checkpoint_dir, store.url), t.keep_checkpoints, t.async_checkpoint,
-        hook=hooks.point,
+        hook=hooks.point, frozen_base=adapter is not None,
     )  # fmt: skip
     vocab = int(model.config.vocab_size)
     model_info = {
@@ -186,7 +207,9 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         "model_type": getattr(model.config, "model_type", None),
         "vocab_size": vocab,
         "tokenizer_digest": tokenizer_digest(model_dir),
-        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "num_parameters": sum(
+            p.numel() for p in model.parameters() if adapter is None or not p.requires_grad
+        ),
         "publish_dtype": t.publish_dtype,
         "hf_config": model.config.to_dict(),
     }
@@ -212,14 +235,16 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         reference=reference,
         optimizer=make_optimizer(model, t.lr, t.betas, t.weight_decay),
         schedule=Schedule(t.lr, t.lr_schedule, t.warmup_steps, steps, t.min_lr_ratio),
-        publishing=Publishing(publisher, model, getattr(torch, t.publish_dtype)),
+        publishing=Publishing(publisher, model, getattr(torch, t.publish_dtype), adapter),
         checkpointer=checkpoints,
         supply=DemandPublisher(store, t.groups_per_step, cfg.algorithm.max_staleness),
         model_info=model_info,
         digests=digests,
         ingestor=ingestor,
         prefetcher=Prefetcher(ingestor, t.groups_per_step),
-        rejudge=Rejudge(store, model_dir) if cfg.security.rejudge else None,
+        rejudge=Rejudge(store, model_dir, t.lora if adapter is not None else None)
+        if cfg.security.rejudge
+        else None,
     )
 
 

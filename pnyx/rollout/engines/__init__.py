@@ -23,6 +23,8 @@ from pnyx.rollout.engines.base import ENGINE_NAMES, EngineName, WeightsProof, Wo
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from pnyx.config import LoraConfig
+
 __all__ = [
     "ENGINE_NAMES",
     "EngineName",
@@ -92,13 +94,35 @@ def make_engine(
     plane: Literal["weights", "int8"] = "weights",
     options: dict[str, Any] | None = None,
     model: PreTrainedModel | None = None,
+    lora: LoraConfig | None = None,
 ) -> WorkerEngine:
     """Load the model `path` names (a local folder or a resolved `ModelSource`) into engine `name` (see `check_engine` for the errors).
 
     `options` go to the engine's constructor (vllm: `gpu_memory_utilization`, `max_model_len`, ...).
     `model` (torch only; `path` may then be None): generate with this model already in memory instead of
     loading one, sharing its parameters with its owner (a swarm node's policy, a trainer's model), so it
-    samples with whatever weights the owner holds at each call; no `update` proves them."""
+    samples with whatever weights the owner holds at each call; no `update` proves them.
+    `lora`: the run trains an adapter (`trainer.lora`): the engine merges each published adapter into the
+    base it loaded (`WorkerEngine.serve_adapter`)."""
+    serve_adapter = lora is not None and lora.enabled
+    if serve_adapter and plane == "int8":
+        raise ConfigError("a LoRA run has no int8 plane (it publishes the adapter): drop --int8")
+    engine = _make(name, path, tokenizer, dtype, device, plane, options, model)
+    if lora is not None and serve_adapter:
+        engine.serve_adapter(lora)
+    return engine
+
+
+def _make(
+    name: str,
+    path: str | Path | None,
+    tokenizer: PreTrainedTokenizerBase,
+    dtype: str,
+    device: str,
+    plane: Literal["weights", "int8"],
+    options: dict[str, Any] | None,
+    model: PreTrainedModel | None,
+) -> WorkerEngine:
     check_engine(name, device)
     opts = dict(options or {})
     if model is not None and name != "torch":

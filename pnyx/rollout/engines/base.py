@@ -41,12 +41,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from pnyx.errors import IntegrityError
+from pnyx.errors import ConfigError, IntegrityError
 from pnyx.weights.bits import BitState, TensorBits, chain_digest_of, state_digest_of
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
+    from pnyx.config import LoraConfig
+    from pnyx.models.lora import AdapterMerge
     from pnyx.rollout.episodes import Decoding, Episode, ToolFn
     from pnyx.rollout.sampling import Completion, SamplingParams
     from pnyx.weights.manifest import PlaneManifest
@@ -131,6 +134,18 @@ class WorkerEngine(ABC):
         self.version: int | None = None
         self.digest: str = ""
         self.last_proof: WeightsProof | None = None
+        self.lora: LoraConfig | None = None
+        """A LoRA run's adapter settings (`serve_adapter`): published states are adapters."""
+        self._merge: AdapterMerge | None = None
+
+    def serve_adapter(self, lora: LoraConfig) -> None:
+        """Serve a LoRA run: every published state is the adapter (`pnyx.models.lora`), merged into this
+        engine's own base weights, W = W0 + (alpha / r) · B @ A, where the run publishes full weights. Before
+        the first update: the base is read once then (`_base`), and never written back."""
+        if self._loaded is not None:
+            raise RuntimeError("serve_adapter before the first update: the base is read then")
+        self.lora = lora
+        self.proof_kind = "derived"
 
     # -- weights --
 
@@ -145,10 +160,23 @@ class WorkerEngine(ABC):
         names = changed_names(self._loaded, state)
         t0 = time.perf_counter()
         self.version, self.digest = None, ""
-        self._apply(state, names, first=self._loaded is None)
-        t1 = time.perf_counter()
-        digests = self._digests(state, names)
-        chain, sdig = prove(version, digests, plane, self.proof_kind)
+        try:
+            if self.lora is None:
+                self._apply(state, names, first=self._loaded is None)
+            else:
+                self._apply_adapter(state, names)
+            t1 = time.perf_counter()
+            if self.lora is None:
+                digests = self._digests(state, names)
+            else:  # "derived": the digests of the verified adapter bytes the merge read
+                digests = {n: (tb.dtype, tb.shape, tb.digest()) for n, tb in state.items()}
+            chain, sdig = prove(version, digests, plane, self.proof_kind)
+        except BaseException:
+            # part of the state may have been written: the next update rewrites every tensor (a derived
+            # proof would not see a tensor this one half-wrote and the next one skipped as unchanged)
+            if self._loaded is not None:
+                self._loaded = {}
+            raise
         t2 = time.perf_counter()
         self._loaded = {n: weakref.ref(tb.data) for n, tb in state.items()}
         self.version, self.digest = version, chain
@@ -156,6 +184,32 @@ class WorkerEngine(ABC):
             version, chain, sdig, self.proof_kind, len(digests), len(names), t1 - t0, t2 - t1
         )
         return self.last_proof
+
+    def _apply_adapter(self, state: BitState, names: list[str]) -> None:
+        """Merge the adapter tensors that changed into the base and write the merged weights (a LoRA run)."""
+        import torch
+
+        from pnyx.models.lora import AdapterMerge, targets
+        from pnyx.weights.bits import to_torch
+
+        if self.lora is None:
+            raise RuntimeError("_apply_adapter outside a LoRA run")
+        if self._merge is None:
+            self._merge = AdapterMerge(self.lora, self._base(targets(state)))
+        adapter = to_torch(dict(state))
+        if not all(torch.isfinite(t).all() for t in adapter.values()):
+            raise IntegrityError("the adapter holds non-finite values")
+        self._write(self._merge.merged(adapter, names))
+
+    def _base(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The engine's base values (float32, as torch tensors) of the weights `keys`, read before any adapter
+        is merged (a LoRA run). Engines that serve adapters implement it with `_write`."""
+        raise ConfigError(f"the {self.name} engine cannot serve a LoRA adapter")
+
+    def _write(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write whole weights (float32, by their transformers names) into the model, in place (a LoRA run's
+        merged targets)."""
+        raise ConfigError(f"the {self.name} engine cannot serve a LoRA adapter")
 
     @abstractmethod
     def _apply(self, state: BitState, names: list[str], first: bool) -> None:

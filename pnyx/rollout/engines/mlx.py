@@ -16,13 +16,16 @@ Proof "hashed": after every update each published tensor is read back from the m
 in the published dtype (weights plane: cast back to bf16, exact; int8 plane: the packed codes viewed as
 uint8, the scales, and the zero points recovered exactly as `round(-bias / scale)`). A tied output head
 (no `lm_head` in the module) is proved by the embedding it shares, and an update whose `lm_head.weight`
-differs from `embed_tokens.weight` is refused. Tool turns re-prefill the context (no KV reuse across turns
-here yet). Knows nothing about the store or the trainer.
+differs from `embed_tokens.weight` is refused. A LoRA run (`serve_adapter`): the base values of the targets
+are read once from the module's arrays (`_base`), and each merged float32 target replaces its array in the
+compute dtype (`_write`); the proof is then "derived" (an adapter on a tied head is refused). Tool turns
+re-prefill the context (no KV reuse across turns here yet). Knows nothing about the store or the trainer.
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -43,6 +46,7 @@ from pnyx.weights import int8 as q8
 from pnyx.weights.bits import BitState, TensorBits, make_bits
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -164,6 +168,48 @@ class MLXEngine(WorkerEngine):
         for n, a in arrays.items():
             if n not in params or params[n].shape != a.shape:
                 raise IntegrityError(f"published {n} {a.shape} does not fit the MLX model's {params.get(n)}")
+        self.model.update(tree_unflatten(list(arrays.items())))
+        mx.eval(self.model.parameters())
+
+    def _base(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The resident module's values of the weights `keys` (a LoRA run's targets), as float32 torch tensors
+        (exact: float32 widens the compute dtype)."""
+        import torch
+
+        if self._quantized:
+            raise ConfigError("a LoRA adapter is merged into float weights, not into the int8 plane's codes")
+        if self.tied and TIED_HEAD in keys:
+            raise ConfigError(
+                f"the adapter adapts {TIED_HEAD}, which this model ties to {EMBED} (tie_word_embeddings): the "
+                "MLX model has one array for both, so a merged head would change the embedding too"
+            )
+        params = self._params()
+        missing = [k for k in keys if k not in params]
+        if missing:
+            raise IntegrityError(
+                f"the adapter adapts {missing[:3]}, which the MLX model does not have (is it the run's base "
+                "model, and does mlx-lm name its weights as transformers does?)"
+            )
+        return {k: torch.from_numpy(np.array(params[k].astype(mx.float32))) for k in keys}
+
+    def _write(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Replace the arrays of whole weights (float32 torch tensors, transformers names) with arrays of the
+        compute dtype; every name and shape is checked before anything is written."""
+        import torch
+
+        params = self._params()
+        arrays: dict[str, mx.array] = {}
+        for n, t in tensors.items():
+            own = params.get(n)
+            if own is None or tuple(own.shape) != tuple(t.shape):
+                found = "no such weight" if own is None else f"shape {tuple(own.shape)}"
+                raise IntegrityError(
+                    f"merged {n} {tuple(t.shape)} does not fit the MLX model ({found}): is it the run's base model?"
+                )
+            host = t.detach().to("cpu", torch.float32).contiguous().numpy()
+            arrays[n] = mx.array(host).astype(self.dtype)
+        if not arrays:
+            return
         self.model.update(tree_unflatten(list(arrays.items())))
         mx.eval(self.model.parameters())
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -104,6 +105,28 @@ class TorchEngine(WorkerEngine):
                 f"the published state does not fit this model: missing {missing[:5]}, unexpected {extra[:5]} "
                 "(is this worker's model the run's model?)"
             )
+        with torch.no_grad():
+            for n, t in tensors.items():
+                params[n].copy_(t)
+
+    def _base(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        params = self.model.state_dict()
+        missing = [k for k in keys if k not in params]
+        if missing:
+            raise IntegrityError(
+                f"the adapter adapts {missing[:3]}, which this model does not have (is it the run's base model?)"
+            )
+        shared = {p.data_ptr() for k, p in params.items() if k not in keys}
+        tied = [k for k in keys if params[k].data_ptr() in shared]
+        if tied:  # merging into a tied head would change the input embedding too
+            raise ConfigError(
+                f"an adapter on {tied[:3]}, which this model ties to another tensor, is not served"
+            )
+        return {k: params[k].detach().to(torch.float32, copy=True) for k in keys}
+
+    def _write(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._shared_prefix = None  # computed with the old weights
+        params = self.model.state_dict(keep_vars=True)
         with torch.no_grad():
             for n, t in tensors.items():
                 params[n].copy_(t)

@@ -3,7 +3,9 @@
 Weights: the `LLM` is built once; every PULSE update goes through `collective_rpc` into
 `vllm_ext.PnyxWorkerExtension.pnyx_load_weights`, the model's own `load_weights` copying the changed
 tensors into the existing (fused, padded) parameters. The engine is never restarted per version. The prefix
-cache is reset after each update: its blocks hold keys/values computed by the previous weights.
+cache is reset after each update: its blocks hold keys/values computed by the previous weights. A LoRA run
+(`serve_adapter`): the base state is read once from the model folder on the CPU, in float32 (`_base`), and
+every update sends it whole with the merged targets in place of theirs (`_write`); the proof is "derived".
 
 Proof: "hashed" where `pnyx_read_weights` can locate every published tensor inside vLLM's fused parameters
 (one tensor-parallel rank; Llama/Qwen-style `packed_modules_mapping`), read back and hashed in the published
@@ -28,15 +30,17 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pnyx.errors import ConfigError
+from pnyx.errors import ConfigError, IntegrityError
 from pnyx.rollout.engines.base import TensorDigest, WorkerEngine
 from pnyx.rollout.sampling import Completion, SamplingParams
 from pnyx.weights.bits import BitState, to_torch
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("pnyx.engine")
@@ -73,6 +77,10 @@ class VLLMEngine(WorkerEngine):
         self.tokenizer = tokenizer
         self.proof_kind = "hashed"
         folder = str(model_folder(path))
+        self.folder = folder
+        self._full: dict[str, torch.Tensor] | None = None
+        """A LoRA run: the whole state every update sends (float32, CPU): the base, with the merged targets of
+        the last update that landed."""
         on_cpu = device == "cpu"
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU box
@@ -101,15 +109,75 @@ class VLLMEngine(WorkerEngine):
         # vLLM reloads layer by layer, and a fused layer (qkv, gate/up) given only some of its parts would
         # be rebuilt with the others missing; a PULSE delta touches nearly every tensor anyway, so every
         # update sends the whole state (from memory: the engine is neither rebuilt nor restarted).
-        names = list(state)
+        self._send(to_torch(dict(state)))
+
+    def _send(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Load `tensors` (transformers names) into the resident model through a safetensors file in shared
+        memory, then drop the prefix cache (its blocks were computed by the previous weights)."""
         from safetensors.torch import save_file
 
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         with tempfile.TemporaryDirectory(prefix="pnyx-vllm-", dir=shm) as tmp:
             path = os.path.join(tmp, "update.safetensors")
-            save_file(to_torch({n: state[n] for n in names}), path)
+            save_file(dict(tensors), path)
             self.llm.collective_rpc("pnyx_load_weights", args=(path,))
         self.llm.reset_prefix_cache()  # cached blocks were computed by the previous weights
+
+    def _base(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The base values of `keys` (a LoRA run's targets), read from the model folder on the CPU: vLLM's
+        fused parameters are not read back. The whole base state is loaded once, in float32, and kept
+        (`_full`): a fused layer needs all its parts, so every update sends the whole state, as `_apply` does."""
+        from pnyx.models.loading import load_model
+
+        model = load_model(self.folder, dtype="float32", device="cpu")
+        full: dict[str, torch.Tensor] = {}
+        seen: dict[tuple[int, tuple[int, ...]], str] = {}
+        tied: set[str] = set()
+        for k, v in model.state_dict().items():
+            t = v.detach()
+            alias = (t.data_ptr(), tuple(t.shape))
+            if alias in seen:  # the same tensor under two names (a tied head): a copy of its own for the file
+                tied.update((k, seen[alias]))
+                t = t.clone()
+            else:
+                seen[alias] = k
+            full[k] = t
+        del model
+        missing = [k for k in keys if k not in full]
+        if missing:
+            raise IntegrityError(
+                f"the adapter adapts {missing[:3]}, which this model does not have (is it the run's base model?)"
+            )
+        shared = [k for k in keys if k in tied]
+        if shared:
+            raise ConfigError(
+                f"the adapter adapts {shared[:3]}, which this model ties to another weight (tie_word_embeddings): "
+                "vLLM keeps one tensor for both, so the merged weight would change the other too"
+            )
+        self._full = full
+        return {k: full[k] for k in keys}
+
+    def _write(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Send the whole base state with the merged targets `tensors` replacing theirs (see `_base`)."""
+        import torch
+
+        if self._full is None:
+            raise RuntimeError("_write before _base: the base state is loaded on the first update")
+        for n, t in tensors.items():
+            own = self._full.get(n)
+            if own is None or tuple(own.shape) != tuple(t.shape):
+                found = "no such weight" if own is None else f"shape {tuple(own.shape)}"
+                raise IntegrityError(f"merged {n} {tuple(t.shape)} does not fit the model ({found})")
+        if not tensors:
+            return
+        # A new dict, never written into: the merge's base shares the base tensors, and a send that fails
+        # leaves `_full` as the last state that landed (the next update sends it whole again).
+        full = {
+            **self._full,
+            **{n: t.detach().to("cpu", torch.float32).contiguous() for n, t in tensors.items()},
+        }
+        self._send(full)
+        self._full = full
 
     def _digests(self, state: BitState, changed: list[str]) -> dict[str, TensorDigest]:
         specs = {n: (tb.dtype, tb.shape) for n, tb in state.items()}
