@@ -11,6 +11,11 @@ truncation (pnyx: `ignore_eos`; transformers: `min_new_tokens`; llama.cpp: EOS i
   packs them before its first call: the steady state);
 - `pnyx-fp32`: the same with the float16 copies off (`half_weights=False`): plain fp32 matmuls;
 - `pnyx-bf16`: the engine on a bf16 copy of the model (`model.dtype = "bfloat16"`: bf16 arithmetic, opt-in);
+- `pnyx-lora-merged` / `pnyx-lora-unmerged` (issue #26: how the torch engine should serve a LoRA run's adapter): a
+  random rank-`--lora-rank` adapter on every linear layer (B non-zero) served merged, W0 + alpha/r · B @ A
+  written into a copy of the model (what `serve_adapter` does: the fast path on fp32 weights, since merged
+  weights are not float16-exact), or unmerged, peft's layers in the model (the fast path steps aside for
+  them: transformers' forward through `HFSession`); their logprob gap is against the adapted model;
 - `llama.cpp` (when `llama_cpp` imports: `llama-cpp-python`, built from source in a separate venv): the same
   GGUF file, its Q4_1 weights as shipped, all `--batch` sequences decoded together in one `llama_batch` per
   step (one sequence id per row, `n_seq_max=batch`), sampled by llama.cpp's own `dist` sampler; its
@@ -99,6 +104,31 @@ def pnyx_arm(engine, prompts: list[list[int]], new: int, last: list) -> Callable
     return run
 
 
+def lora_models(model, rank: int) -> tuple:
+    """(the model with a random rank-`rank` adapter in peft's layers, a plain copy with it merged)."""
+    import torch
+
+    from pnyx.config import LoraConfig
+    from pnyx.models.lora import AdapterMerge, attach
+
+    lc = LoraConfig(enabled=True, rank=rank, alpha=2.0 * rank)
+    adapted = copy.deepcopy(model)
+    names = attach(adapted, lc)
+    g = torch.Generator().manual_seed(2)
+    params = adapted.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for key in names:
+            params[key].copy_(0.01 * torch.randn(params[key].shape, generator=g))
+    adapter = {pub: params[key].detach() for key, pub in names.items()}
+    merged = copy.deepcopy(model)
+    plain = merged.state_dict(keep_vars=True)
+    merge = AdapterMerge(lc, {k: plain[k] for k in {n.rsplit(".lora_", 1)[0] + ".weight" for n in adapter}})
+    with torch.no_grad():
+        for k, w in merge.merged(adapter, adapter).items():
+            plain[k].copy_(w)
+    return adapted, merged
+
+
 def logprob_gap(model, prompts: list[list[int]], completions) -> tuple[float, float]:
     """(mean, max) |recorded - recomputed| of the engine's behaviour logprobs against the trainer's fp32
     `completion_logprobs` on `model` (t=1): the quantity the engine contract bounds by 1e-4 / 1e-3."""
@@ -172,9 +202,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     ap.add_argument(
-        "--arms", default="hf,pnyx,llama.cpp", help="comma list of hf, pnyx, pnyx-fp32, pnyx-bf16, llama.cpp"
+        "--arms",
+        default="hf,pnyx,llama.cpp",
+        help="comma list of hf, pnyx, pnyx-fp32, pnyx-bf16, pnyx-lora-merged, pnyx-lora-unmerged, llama.cpp",
     )
     ap.add_argument("--weights", choices=["published", "gguf"], default="published")
+    ap.add_argument(
+        "--lora-rank", type=int, default=16, help="the lora-* arms' adapter rank (alpha = 2 rank)"
+    )
     ap.add_argument(
         "--gguf", default="", help="comma list of GGUF files for llama.cpp (default: the shipped Q4_1 one)"
     )
@@ -199,6 +234,7 @@ def main() -> None:
     wanted = [a for a in args.arms.split(",") if a]
     arms: dict[str, Callable[[], int]] = {}
     outputs: dict[str, list] = {}
+    references: dict[str, object] = {}  # the model an arm's logprob gap is measured against (default: model)
     skipped = []
     for name in wanted:
         if name == "hf":
@@ -210,6 +246,10 @@ def main() -> None:
                 engine = Engine(model, tok, half_weights=False)
             elif name == "pnyx-bf16":
                 engine = Engine(copy.deepcopy(model).to(torch.bfloat16), tok)
+            elif name in ("pnyx-lora-merged", "pnyx-lora-unmerged"):
+                adapted, merged = lora_models(model, args.lora_rank)
+                references[name] = adapted
+                engine = Engine(merged if name.endswith("-merged") else adapted, tok, half_weights=True)
             else:
                 raise SystemExit(f"unknown arm {name!r}")
             arms[name] = pnyx_arm(engine, prompts, args.new_tokens, outputs.setdefault(name, []))
@@ -244,7 +284,7 @@ def main() -> None:
         ratio = f"{tps / base:.2f}x" if base else "-"
         gap = "-"
         if name in outputs:
-            mean, largest = logprob_gap(model, prompts, outputs[name])
+            mean, largest = logprob_gap(references.get(name, model), prompts, outputs[name])
             gap = f"{mean:.1e} / {largest:.1e}"
         print(f"{name:>14} {tokens[name]:>7} {best[name]:>8.2f} {tps:>8.1f} {ratio:>6}  {gap}", flush=True)
     print(f"load={' '.join(f'{x:.2f}' for x in os.getloadavg())}")
