@@ -64,6 +64,25 @@ def _status(folder: Path) -> dict:
     return json.loads((folder / "trainer" / "status.json").read_text())
 
 
+def _smollm2_run(tmp_path: Path, gguf: Path, example: str, *extra: str) -> Path:
+    """`pnyx run` of a SmolLM2 recipe for SMOLLM2_VERSIONS versions, evaluated on HELD_OUT draws; its folder
+    once it finished every version (the GGUF linked where the recipe's relative `model.path` expects it)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / gguf.name).symlink_to(gguf)
+    proc = _run(
+        [
+            "--config", str(EXAMPLES / example), "--run.name", "r", "--run.steps", str(SMOLLM2_VERSIONS),
+            "--run.time_budget_s", "2400", "--run.eval_tasks", str(HELD_OUT), *extra,
+        ],
+        tmp_path, 2700,
+    )  # fmt: skip
+    folder = tmp_path / "runs" / "r"
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [m["version"] for m in _metrics(folder)] == list(range(1, SMOLLM2_VERSIONS + 1))
+    return folder
+
+
 def _fast_mlx() -> str | None:
     """Why the mlx arm cannot run here, or None: it needs mlx and an optimized BLAS for mlx-cpu (with the
     reference BLAS mlx-cpu bundles, 14 versions would take hours: BENCHMARKS.md, "MLX on Linux")."""
@@ -91,21 +110,8 @@ def test_the_smollm2_recipe_trains_with_every_check_on_and_quarantines_no_one(tm
     """The recipe as documented; with `mlx`, its worker on the MLX engine (the one switch a Mac owner
     changes): the engine whose fast worker once lost 5% of its honest groups to drift the checks could not
     tell from lying (docs/security.md, section 4)."""
-    models = tmp_path / "models"
-    models.mkdir()
-    (models / smollm2_gguf.name).symlink_to(smollm2_gguf)
-    proc = _run(
-        [
-            "--config", str(EXAMPLES / "smollm2-135m.toml"), "--run.name", "smollm2",
-            "--run.steps", str(SMOLLM2_VERSIONS), "--run.time_budget_s", "2400", "--run.eval_tasks", str(HELD_OUT),
-            "--worker.engine", engine,
-        ],
-        tmp_path, 2700,
-    )  # fmt: skip
-    folder = tmp_path / "runs" / "smollm2"
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    folder = _smollm2_run(tmp_path, smollm2_gguf, "smollm2-135m.toml", "--worker.engine", engine)
     metrics = _metrics(folder)
-    assert [m["version"] for m in metrics] == list(range(1, SMOLLM2_VERSIONS + 1))
     status = _status(folder)
     keys = status.get("keys") or {}
     assert not status.get("quarantined"), status.get("quarantined")
@@ -205,20 +211,8 @@ def test_the_smollm2_lora_recipe_learns_with_every_check_on(tmp_path, smollm2_gg
     """`examples/smollm2-135m-lora.toml` (issue #26): the same task with a rank-16 adapter on every linear
     layer. The worker merges each published adapter into its own base; the held-out intervals of v0 and the
     last version are apart, no key is quarantined and at most one honest group is dropped by a check."""
-    models = tmp_path / "models"
-    models.mkdir()
-    (models / smollm2_gguf.name).symlink_to(smollm2_gguf)
-    proc = _run(
-        [
-            "--config", str(EXAMPLES / "smollm2-135m-lora.toml"), "--run.name", "lora",
-            "--run.steps", str(SMOLLM2_VERSIONS), "--run.time_budget_s", "2400", "--run.eval_tasks", str(HELD_OUT),
-        ],
-        tmp_path, 2700,
-    )  # fmt: skip
-    folder = tmp_path / "runs" / "lora"
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    folder = _smollm2_run(tmp_path, smollm2_gguf, "smollm2-135m-lora.toml")
     metrics = _metrics(folder)
-    assert [m["version"] for m in metrics] == list(range(1, SMOLLM2_VERSIONS + 1))
     status = _status(folder)
     assert not status.get("quarantined"), status.get("quarantined")
     drops = status.get("drops") or {}

@@ -104,46 +104,34 @@ def make_engine(
     samples with whatever weights the owner holds at each call; no `update` proves them.
     `lora`: the run trains an adapter (`trainer.lora`): the engine merges each published adapter into the
     base it loaded (`WorkerEngine.serve_adapter`)."""
-    serve_adapter = lora is not None and lora.enabled
-    if serve_adapter and plane == "int8":
-        raise ConfigError("a LoRA run has no int8 plane (it publishes the adapter): drop --int8")
-    engine = _make(name, path, tokenizer, dtype, device, plane, options, model)
-    if lora is not None and serve_adapter:
-        engine.serve_adapter(lora)
-    return engine
-
-
-def _make(
-    name: str,
-    path: str | Path | None,
-    tokenizer: PreTrainedTokenizerBase,
-    dtype: str,
-    device: str,
-    plane: Literal["weights", "int8"],
-    options: dict[str, Any] | None,
-    model: PreTrainedModel | None,
-) -> WorkerEngine:
     check_engine(name, device)
+    if lora is not None and lora.enabled and plane == "int8":
+        raise ConfigError("a LoRA run has no int8 plane (it publishes the adapter): drop --int8")
     opts = dict(options or {})
     if model is not None and name != "torch":
         raise ConfigError(
             f"engine {name!r} loads its own copy of the model; only torch generates with a model already in memory"
         )
+    engine: WorkerEngine
     if name == "torch":
         from pnyx.rollout.engines.torch import TorchEngine
 
-        return TorchEngine(path, tokenizer, dtype=dtype, device=device, plane=plane, model=model, **opts)
-    if path is None:
+        engine = TorchEngine(path, tokenizer, dtype=dtype, device=device, plane=plane, model=model, **opts)
+    elif path is None:
         raise ConfigError(f"engine {name!r} needs the model's folder to load")
-    if name == "mlx":
+    elif name == "mlx":
         from pnyx.rollout.engines.mlx import MLXEngine
 
-        return MLXEngine(path, tokenizer, dtype=dtype, plane=plane, **opts)
-    from pnyx.rollout.engines.vllm import VLLMEngine
+        engine = MLXEngine(path, tokenizer, dtype=dtype, plane=plane, **opts)
+    elif plane == "int8":
+        raise ConfigError(
+            "--engine vllm does not run from the int8 actor plane (vLLM has no loader for pnyx's group-64 "
+            "codes): drop --int8, or use --engine mlx or torch"
+        )
+    else:
+        from pnyx.rollout.engines.vllm import VLLMEngine
 
-    if plane != "int8":
-        return VLLMEngine(path, tokenizer, dtype=dtype, device=device, **opts)
-    raise ConfigError(
-        "--engine vllm does not run from the int8 actor plane (vLLM has no loader for pnyx's group-64 "
-        "codes): drop --int8, or use --engine mlx or torch"
-    )
+        engine = VLLMEngine(path, tokenizer, dtype=dtype, device=device, **opts)
+    if lora is not None and lora.enabled:
+        engine.serve_adapter(lora)
+    return engine
