@@ -188,6 +188,15 @@ def test_two_fsdp2_ranks_train_the_adapter_as_one_process_does(tmp_path, model_d
     assert [m["ranks"] for m in checkpoint.read_metrics(store)] == [2]
     _, sharded = Syncer(store).sync(to_version=1)
     assert all(".lora_" in n for n in sharded)
+    # The 2-rank checkpoint (the adapter and its moments, sharded) resumes on one process: DCP reshards it.
+    assert checkpoint.checkpoint_versions(store) == [1]
+    resumed = make_trainer(url, model_dir, resume=True, **fleet)
+    resumed.start()
+    assert resumed.version == 1
+    assert all(torch.equal(t, sharded[n]) for n, t in resumed.parts.publishing.tensors().items())
+    moments = list(resumed.parts.optimizer.state.values())
+    assert moments and all("exp_avg_sq" in m for m in moments)  # (A's are 0 after one step: B was 0)
+    assert any(bool(torch.count_nonzero(m["exp_avg_sq"])) for m in moments)
     one = make_trainer(url, model_dir, resume=True, **fleet)
     from pnyx.protocol.runfile import read_run
 
