@@ -77,10 +77,9 @@ def fast_path_supported(model: PreTrainedModel) -> bool:
     body = getattr(model, "model", None)
     if body is None or not hasattr(body, "layers") or not hasattr(body, "rotary_emb"):
         return False
+    # adapter layers (peft's LoRA in a swarm node's policy): the fast path reads plain weights only
     if any(hasattr(m, "base_layer") for m in body.modules()):
-        return (
-            False  # adapter layers (peft's LoRA in a swarm node's policy): the fast path reads plain weights
-        )
+        return False
     if cfg.model_type in QK_NORM_MODEL_TYPES:
         attn = body.layers[0].self_attn
         return hasattr(attn, "q_norm") and hasattr(attn, "k_norm")

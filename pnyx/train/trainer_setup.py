@@ -115,11 +115,13 @@ class Publishing:
 
         return gather_published(self.model, self.dtype, self.publisher.needs(self.layout), self.names)
 
+    @cached_property
+    def _keys(self) -> dict[str, str]:
+        return {pub: key for key, pub in (self.names or {}).items()}
+
     def state_key(self, name: str) -> str:
         """The model's state-dict key of published tensor `name`."""
-        if self.names is None:
-            return name
-        return {pub: key for key, pub in self.names.items()}[name]
+        return name if self.names is None else self._keys[name]
 
     def publish(self, version: int, force_anchor: bool = False) -> WeightManifest:
         """Publish the current weights as `version` (every rank takes part; rank 0 commits)."""
