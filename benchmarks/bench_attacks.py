@@ -130,7 +130,7 @@ def attacker(name: str, arena: Any) -> Any:
         "reward_liar": lambda: A.RewardLiar("r-liar", source=name),
         "replayer": lambda: A.Replayer("replayer", source=name),
         "flooder": lambda: A.Flooder("flood", source=name, names=8),
-        "eager": lambda: A.Flooder("eager", source=name, names=8),
+        "eager": lambda: A.Flooder("eager", source=name, names=8, fresh=16),
         "id_thief": lambda: A.IdThief("thief", source=name, victim="honest-1"),
         "weight_forger": lambda: A.WeightForger(),
         "fork_squatter": lambda: A.ForkSquatter(ahead=2),

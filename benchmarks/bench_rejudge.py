@@ -35,6 +35,7 @@ def main() -> None:
     from pnyx.train.checkpoint import read_metrics
     from pnyx.train.ingest import IngestSettings
     from pnyx.train.microbatch import build_rows
+    from pnyx.train.published import PublishedModel
     from pnyx.train.rejudge import Rejudge
     from pnyx.train.rescore import rescore
     from pnyx.weights.trust import run_verifier
@@ -47,8 +48,8 @@ def main() -> None:
     tok = load_tokenizer(folder)
     env_cfg = run.config["env"]
     env = get_env(env_cfg["name"], **(env_cfg.get("kwargs") or {}))
-    rejudge = Rejudge(store, folder)
-    rejudge.trust = run_verifier(run)
+    rejudge = Rejudge(PublishedModel(store, folder))
+    rejudge.published.trust = run_verifier(run)
 
     def words(ids: list[int]) -> str:
         return tok.decode(ids, skip_special_tokens=True)

@@ -219,6 +219,20 @@ class SecurityConfig(_Section):
     """Token-plausibility check: |z_adj| beyond this drops a group (`implausible`); z_adj is the group's z
     corrected for the policy's measured drift since it was sampled, ~N(0,1) for honest sampling at the
     claimed settings (docs/security.md). None: off."""
+    seeded_draws: bool = True
+    """Check every model token against its seeded draw (docs/security.md, "Seeded draws"): a worker draws
+    token t of sample i by inverse CDF from a uniform derived from the run, its key, its id, the task, the
+    version, the group's seq and i (`pnyx.protocol.draws`), and the trainer recomputes the sampling
+    distribution under exactly the published weights of that version (`pnyx.train.drawcheck`, one no-grad
+    forward per group at ingestion). A group with a token its uniform did not draw is dropped
+    (`draw_mismatch`, a fault of its key). False: only the statistical checks below."""
+    draw_tolerance: Annotated[float, Field(ge=0, lt=0.5)] = 1e-3
+    """The largest distance of a token's uniform from its CDF interval that still passes: room for engines'
+    rounding at an interval's edge (honest tokens measured at exactly 0 on torch and MLX workers)."""
+    accept_unseeded: bool = False
+    """Take groups without seeded draws (the vLLM engine, whose sampler draws its own uniforms; workers
+    older than seeded draws), judged by the statistical checks only: a temperature liar with a fresh key per
+    group then passes them (docs/security.md). False: such groups are dropped (`unseeded`, a fault)."""
     rejudge: bool = True
     """A group the step's checks would drop is judged again under the exact published weights of the
     version it claims (a second fp32 copy of the model, built at the first need; `pnyx.train.rejudge`),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,18 +133,30 @@ class Arena:
             self.served.append((version, self.digest))
         return self.version
 
-    def sample(self, tasks: list[Any], seed: int, temperature: float | None = None) -> list[Any]:
+    def sample(
+        self,
+        tasks: list[Any],
+        seed: int,
+        temperature: float | None = None,
+        *,
+        key: str = "",
+        worker_id: str = "arena",
+        next_seq: Callable[[], int] | None = None,
+    ) -> list[Any]:
         """One group per task from the follower's engine at the served version, with the run's sampling
-        settings (`temperature` overrides the one used to sample; the group records what was used)."""
+        settings (`temperature` overrides the one used to sample; the group records what was used). With
+        `key` (a signer's fingerprint), the groups are drawn from the seeded draws of (`key`, `worker_id`,
+        the seqs `next_seq` gives), as a worker with that key and name draws them."""
         from pnyx.rollout.cohort import CohortSpec, generate_cohort
 
         w = self.cfg.worker
         spec = CohortSpec(
-            run_id=self.run_id, worker_id="arena", version=self.version, digest=self.digest,
+            run_id=self.run_id, worker_id=worker_id, version=self.version, digest=self.digest,
             group_size=w.group_size, temperature=w.temperature if temperature is None else temperature,
-            top_p=w.top_p, top_k=w.top_k, max_new_tokens=int(w.max_new_tokens or 64), seed=seed,
+            top_p=w.top_p, top_k=w.top_k, max_new_tokens=int(w.max_new_tokens or 64), seed=seed, key=key,
         )  # fmt: skip
-        return generate_cohort(self.engine, self.tokenizer, self.env, tasks, spec, lambda: 0).groups
+        numbering = next_seq or (lambda: 0)
+        return generate_cohort(self.engine, self.tokenizer, self.env, tasks, spec, numbering).groups
 
     def own_logprobs(self, prompt: list[int], completions: list[list[int]]) -> list[list[float]]:
         """Per-token logprobs of each completion under the follower's model at the run's sampling settings:

@@ -10,7 +10,8 @@ Group producers (`produce(arena, n) -> list[Upload]`, uploaded by the arena like
   answer, with made-up logprobs (`MADE_UP_LOGPROB` per token): fabricated completions, honest rewards.
 - `TemperatureLiar`: samples at 0.3 and claims the run's 1.0; the logprobs it claims are its own model's
   at 1.0 for the tokens it drew (so the claimed-vs-trainer logprob gap looks honest; only the shape of
-  the sample gives it away: its tokens are too likely).
+  the sample gives it away: its tokens are too likely). It draws with its seeded uniforms (its best try
+  at looking honest), so a group it sends is either the honest draw or a token its uniform did not draw.
 - `RewardLiar`: honest samples, every claimed reward flipped (1 - r).
 - `Replayer`: groups of another run (same model, another trainer key and weights history), either
   verbatim or re-labelled with this run's id and re-signed by the replayer's key. (A replay re-labelled
@@ -103,17 +104,33 @@ class Producer:
         seq: int | None = None,
         payload: bool = False,
     ) -> Upload:
-        """`group` under this producer's (or the given) name, seq and key, signed, as an upload."""
+        """`group` under this producer's (or the given) name, seq and key, signed, as an upload. A group with
+        seeded draws keeps the seq it was drawn under unless another is given."""
         signer = signer or self.signer
         worker_id = worker_id or self.worker_id
-        if seq is None:
-            seq, self.seq = self.seq, self.seq + 1
+        if seq is None and group.draws:
+            seq = group.seq
+        elif seq is None:
+            seq = self.reserve()
         group = msgspec.structs.replace(group, worker_id=worker_id, seq=seq)
         key = layout.rollout_key(group.policy_version, worker_id, seq)
         self._made[signer.fingerprint] += 1
         return Upload(
             key=key, data=encode_group(group, signer=signer), source=self.source, signer=signer.fingerprint,
             index=self._made[signer.fingerprint], tokens=model_tokens(group), payload=payload,
+        )  # fmt: skip
+
+    def reserve(self) -> int:
+        """The next seq of this producer (a worker reserves it before generating a seeded group)."""
+        seq, self.seq = self.seq, self.seq + 1
+        return seq
+
+    def draw(self, arena: Arena, tasks: list[Any], temperature: float | None = None) -> list[Any]:
+        """One group per task from the follower's engine, with the seeded draws of this producer's key and
+        name (what a worker with them samples; `temperature` overrides the run's)."""
+        return arena.sample(
+            tasks, self._next_seed(), temperature,
+            key=self.signer.fingerprint, worker_id=self.worker_id, next_seq=self.reserve,
         )  # fmt: skip
 
     def sampled(self, arena: Arena, n: int, temperature: float | None = None) -> list[Any]:
@@ -124,7 +141,7 @@ class Producer:
             if len(out) >= n:
                 break
             tasks = self.tasks(arena, max(2, n - len(out)))
-            out += [g for g in arena.sample(tasks, self._next_seed(), temperature) if not is_zero_variance(g)]
+            out += [g for g in self.draw(arena, tasks, temperature) if not is_zero_variance(g)]
         return out[:n]
 
     def produce(self, arena: Arena, n: int) -> list[Upload]:
@@ -278,19 +295,27 @@ def foreign_groups(arena: Arena, n: int) -> list[Upload]:
 @dataclass
 class Flooder(Producer):
     """One key behind `names` worker names; `produce(arena, n)` uploads n groups spread over them. At most
-    `fresh` of them are new samples, the rest copies of those under new seqs (a flooder spends nothing on
-    content: every object is a valid, signed, honest-looking group)."""
+    `fresh` of them are new samples, each drawn under the name it is sent under (valid, signed, honest
+    groups), the rest copies of those under new seqs (a flooder spends nothing on content; a copy's tokens
+    are not its new seq's draws)."""
 
     names: int = 8
     fresh: int = 8
 
     def produce(self, arena: Arena, n: int) -> list[Upload]:
-        groups = self.sampled(arena, min(n, self.fresh))
-        first = self.seq  # names in turn (pack advances self.seq)
-        return [
-            self.pack(groups[i % len(groups)], worker_id=f"{self.worker_id}-{(first + i) % self.names}")
-            for i in range(n if groups else 0)
-        ]
+        home, made, out = self.worker_id, [], []
+        try:
+            for i in range(n):
+                self.worker_id = f"{home}-{i % self.names}"  # names in turn
+                if len(made) < self.fresh:
+                    groups = self.sampled(arena, 1)
+                    made += groups
+                    out += [self.pack(g) for g in groups]
+                elif made:
+                    out.append(self.pack(made[i % len(made)], seq=self.reserve()))
+        finally:
+            self.worker_id = home
+        return out
 
 
 @dataclass
@@ -315,25 +340,29 @@ class Sybil(Producer):
     inner: str = "copier"
 
     def produce(self, arena: Arena, n: int) -> list[Upload]:
-        if self.inner == "copier":
-            groups = [copied_group(arena, t) for t in self.tasks(arena, n)]
-        elif self.inner == "reward_liar":
-            groups = [flipped(g) for g in self.sampled(arena, n)]
-        elif self.inner == "poisoner":
-            groups = poisoned_groups(self, arena, n)
-        elif self.inner == "temperature_liar":
-            groups = [temperature_lie(arena, g) for g in self.sampled(arena, n, LIAR_TEMPERATURE)]
-        else:
+        if self.inner not in SYBIL_INNER:
             raise ValueError(
                 f"Sybil inner attack must be one of {', '.join(SYBIL_INNER)}, got {self.inner!r}"
             )
+        home = (self.signer, self.worker_id, self.seq)
         out = []
-        for g in groups:
-            signer = new_signer()
-            out.append(
-                self.pack(g, signer=signer, worker_id=f"{self.worker_id}-{signer.fingerprint[:12]}", seq=0)
-            )
+        try:
+            for _ in range(n):  # each group drawn and signed under its own fresh key and name
+                self.signer, self.seq = new_signer(), 0
+                self.worker_id = f"{home[1]}-{self.signer.fingerprint[:12]}"
+                out += [self.pack(g) for g in self._one(arena)]
+        finally:
+            self.signer, self.worker_id, self.seq = home
         return out
+
+    def _one(self, arena: Arena) -> list[Any]:
+        if self.inner == "copier":
+            return [copied_group(arena, t) for t in self.tasks(arena, 1)]
+        if self.inner == "reward_liar":
+            return [flipped(g) for g in self.sampled(arena, 1)]
+        if self.inner == "poisoner":
+            return poisoned_groups(self, arena, 1)
+        return [temperature_lie(arena, g) for g in self.sampled(arena, 1, LIAR_TEMPERATURE)]
 
 
 def poisoned_group(arena: Arena, group: Any, task: Any, payload: str = PAYLOAD) -> Any:
@@ -371,7 +400,7 @@ def poisoned_groups(producer: Producer, arena: Arena, n: int, payload: str = PAY
         if len(out) >= n:
             break
         tasks = producer.tasks(arena, n - len(out))
-        for g, t in zip(arena.sample(tasks, producer._next_seed()), tasks, strict=True):
+        for g, t in zip(producer.draw(arena, tasks), tasks, strict=True):
             if any(s.reward < 1.0 for s in g.samples[len(g.samples) - len(g.samples) // 2 :]):
                 out.append(poisoned_group(arena, g, t, payload))
     return out[:n]

@@ -4,9 +4,10 @@ honest group beside it kept, forged weights refused by a real pinned follower, a
 publishing through squatted versions. Hostile workers: `pnyx_harness.attacks`; the arena:
 `pnyx_harness.arena`.
 
-The checks of issue #15 items 3-4 (logprob gap, token plausibility, quarantine, per-key caps) catch all
-but one: a Sybil temperature liar (a fresh key per group) is `xfail(strict=True)` with the reason; once a
-check catches it, strict turns the pass into a failure and the mark must go.
+The checks of issue #15 items 3-4 (logprob gap, token plausibility, quarantine, per-key caps) caught all
+but one: a Sybil temperature liar (a fresh key per group), whose short groups pass the statistical tests.
+The per-token check of seeded draws (issue #25, `pnyx.train.drawcheck`) rejects it group by group: each of
+its tokens must be the one its seeded uniform draws under the published weights.
 """
 
 from __future__ import annotations
@@ -15,13 +16,6 @@ import pytest
 
 from pnyx_harness import attacks as A
 from pnyx_harness.arena import BENIGN, TRAINED, Arena
-
-SYBIL_LIAR = (
-    "a temperature liar's single group (arith: ~40 model tokens) passes the per-group plausibility test "
-    "(|z| <= security.plausibility_z); only the per-key statistic (quarantine_key_z) stops the liar, and a "
-    "Sybil shows one group per key. On completions of 32+ tokens one group is enough "
-    "(benchmarks/bench_liar_length.py); arith's are 3-5."
-)
 
 HONEST = [A.HonestWorker("honest-1"), A.HonestWorker("honest-2")]
 
@@ -133,29 +127,29 @@ def test_copier_with_made_up_logprobs_is_rejected(arena):
     assert_all_rejected(arena, "copier")
 
 
-def test_temperature_liar_is_stopped_once_its_key_has_shown_enough_groups(arena):
-    """A statistical liar: single short groups may pass, but a key that keeps sampling too sharply must be
-    stopped. 18 groups over 6 steps; every group after the 12th must be rejected."""
+def test_temperature_liar_is_rejected_group_by_group_and_its_key_quarantined(arena):
+    """A temperature liar that draws with its own seeded uniforms (its best try): every group holds a token
+    its uniform does not draw at the claimed temperature, so each is `draw_mismatch`, and its key is
+    quarantined once it has shown enough faulty groups (security.quarantine_min)."""
     liar = A.TemperatureLiar("t-liar", source="temperature_liar")
-    for _ in range(6):
+    for _ in range(3):
         _hostile_step(arena, liar, 3)
-    late = [u for u in arena.uploads if u.source == "temperature_liar" and u.index > 12]
-    assert len(late) == 6
-    assert all(arena.verdict(u.key) not in (TRAINED, "waiting", *BENIGN) for u in late), arena.tally(
-        "temperature_liar"
-    )
+    assert_all_rejected(arena, "temperature_liar", {"draw_mismatch", "quarantined"})
+    assert arena.tally("temperature_liar").get("draw_mismatch", 0) >= 5
+    assert liar.signer.fingerprint in arena.trainer.parts.ingestor.cursor.quarantined
 
 
 def test_sybil_copier_with_a_fresh_key_per_group_is_rejected(arena):
-    """Identity-independent: the logprob gap catches each fabricated group on its own."""
+    """Identity-independent: each fabricated group is caught on its own (no seeded draws: `unseeded`;
+    with `security.accept_unseeded`, the logprob gap)."""
     _hostile_step(arena, A.Sybil("sybil-c", source="sybil_copier", inner="copier"), 3)
     assert_all_rejected(arena, "sybil_copier")
 
 
-@pytest.mark.xfail(strict=True, reason=SYBIL_LIAR)
 def test_sybil_temperature_liar_with_a_fresh_key_per_group_is_rejected(arena):
-    _hostile_step(arena, A.Sybil("sybil-t", source="sybil_liar", inner="temperature_liar"), 3)
-    assert_all_rejected(arena, "sybil_liar")
+    """One group per fresh key: no per-key statistic ever binds, and each group fails on its own tokens."""
+    _hostile_step(arena, A.Sybil("sybil-t", source="sybil_liar", inner="temperature_liar"), 6)
+    assert_all_rejected(arena, "sybil_liar", {"draw_mismatch"})
 
 
 def test_poisoner_is_rejected(arena):
@@ -165,7 +159,7 @@ def test_poisoner_is_rejected(arena):
 
 def test_an_eager_key_under_the_flood_limit_takes_at_most_a_fair_share(arena):
     """16 honest-looking groups per step beside 2 honest workers (3 keys waiting): ceil(8 / 3) places."""
-    eager = A.Flooder("eager", source="eager", names=8)
+    eager = A.Flooder("eager", source="eager", names=8, fresh=16)  # every group a fresh draw
     for _ in range(2):
         arena.upload(eager.produce(arena, 16))
         honest_round(arena, 4)
@@ -178,12 +172,14 @@ def test_an_eager_key_under_the_flood_limit_takes_at_most_a_fair_share(arena):
 
 def test_flooder_over_the_flood_limit_is_quarantined_from_the_listing(arena):
     """More groups at one version than the run's flood limit (2 x (max_staleness + 1) x groups_per_step =
-    64 here): quarantined once its names are bound (one GET each), every group rejected."""
+    64 here): quarantined once its names are bound (one GET each), every group rejected. A group fetched
+    to bind a name may be one of its copies, whose tokens are not its seq's draws (`draw_mismatch`)."""
     flooder = A.Flooder("flood", source="flooder", names=8)
     arena.upload(flooder.produce(arena, 80))
     arena.poll()
     assert flooder.signer.fingerprint in arena.trainer.parts.ingestor.cursor.quarantined
-    assert_all_rejected(arena, "flooder", {"quarantined"})
+    assert_all_rejected(arena, "flooder", {"quarantined", "draw_mismatch"})
+    assert arena.tally("flooder").get("draw_mismatch", 0) <= 8  # at most one GET per name
 
 
 @pytest.mark.parametrize("inner", ["reward_liar", "poisoner"])

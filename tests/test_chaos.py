@@ -11,7 +11,8 @@ Accounting, from the store alone:
   rejected), or in a version that left the window but that the trainer's lazy sweep has not reached yet
   (counted `stale` when it does): uploaded = consumed + dropped + waiting + unswept, nothing left over;
 - worker side: every seq a worker ever gave a group is in the store, expired (its worker logged it: the
-  trainer had moved past its window), or still in its spool folder: no gap, so nothing was lost, and no two
+  trainer had moved past its window), skipped (zero variance; logged: a seeded group reserves its seq
+  before it is generated), or still in its spool folder: no gap, so nothing was lost, and no two
   objects hold the same bytes, so nothing was uploaded twice.
 
 One run holds both kills (a worker's, then the trainer's): run it with `pytest -m slow tests/test_chaos.py`
@@ -147,7 +148,7 @@ def _account(store, fleet: Fleet, proxy) -> dict[str, int]:
         f"unswept={len(unswept)} (versions >= {cursor.swept_below})"
     )
 
-    # worker side: every seq is in the store, expired (logged) or still spooled; no bytes uploaded twice
+    # worker side: every seq is in the store, expired or skipped (logged) or still spooled; no bytes twice
     digests = set()
     for key in uploaded:
         data = store.get(key)
@@ -159,11 +160,18 @@ def _account(store, fleet: Fleet, proxy) -> dict[str, int]:
         assert "key collision" not in logs
         stored = {layout.parse_rollout_key(k)[2] for k in uploaded if layout.parse_rollout_key(k)[1] == name}
         expired = {int(s) for s in re.findall(rf"expired rollouts/v\d+/(?:\d+~)?{name}-(\d+)", logs)}
+        skipped = {  # a seeded group reserves its seq before it is generated; zero-variance ones stay unused
+            int(s)
+            for line in re.findall(
+                rf"worker={name} v=\d+ zero-variance, not uploaded: seqs \[([\d, ]+)\]", logs
+            )
+            for s in line.split(",")
+        }
         spooled = {
             int(p.name.split("-")[-1].split(".")[0]) for p in fleet.spool.glob(f"*/{name}/*.grp")
         }  # fmt: skip
-        seen = stored | expired | spooled
-        assert stored and not stored & expired
+        seen = stored | expired | spooled | skipped
+        assert stored and not stored & expired and not stored & skipped
         assert seen == set(range(max(seen) + 1)), (
             f"{name}: seqs missing: {sorted(set(range(max(seen) + 1)) - seen)}"
         )

@@ -117,8 +117,9 @@ def test_a_lora_trainer_trains_and_publishes_only_the_adapter(tmp_path, model_di
     assert any(bool(published[n].float().abs().max() > 0) for n in names if n.endswith("lora_B.weight"))
     # The exact re-check of a failing group (security.rejudge) judges under the same adapter, as published.
     judge = t.parts.rejudge
-    assert judge is not None and judge.lora is not None
-    model = judge._at(3)
+    assert judge is not None and judge.published.lora is not None
+    with judge.published.lock:
+        model = judge.published.at(3)
     params = dict(model.named_parameters())
     for key, name in t.parts.publishing.names.items():
         assert torch.equal(params[key].detach(), published[name].float()), name

@@ -103,6 +103,7 @@ def judge_at_v1(scene, rejudge):
 
 
 def test_the_exact_recheck_keeps_the_honest_stale_group_and_still_rejects_the_liar(scene):
+    from pnyx.train.published import PublishedModel
     from pnyx.train.rejudge import Rejudge
     from pnyx.weights.trust import run_verifier
 
@@ -111,8 +112,8 @@ def test_the_exact_recheck_keeps_the_honest_stale_group_and_still_rejects_the_li
     assert without.rejected.get(stale.key) is not None  # the master forward's verdict: drifted too far
     assert without.rejected.get(liar.key) is not None
 
-    rejudge = Rejudge(store, model_dir)
-    rejudge.trust = run_verifier(manifest)
+    rejudge = Rejudge(PublishedModel(store, model_dir))
+    rejudge.published.trust = run_verifier(manifest)
     stats = judge_at_v1(scene, rejudge)
     assert stale.key not in stats.rejected
     assert stats.rejudged == {stale.key: without.rejected[stale.key]}
@@ -125,10 +126,11 @@ def test_the_exact_recheck_keeps_the_honest_stale_group_and_still_rejects_the_li
 
 
 def test_without_the_run_key_nothing_is_rejudged(scene):
+    from pnyx.train.published import PublishedModel
     from pnyx.train.rejudge import Rejudge
 
     store, _, model_dir, _, stale, _ = scene
-    rejudge = Rejudge(store, model_dir)  # trust not set: the exact weights cannot be verified
+    rejudge = Rejudge(PublishedModel(store, model_dir))  # trust not set: the exact weights cannot be verified
     stats = judge_at_v1(scene, rejudge)
     assert stats.rejected.get(stale.key) is not None and not stats.rejudged
 
@@ -137,16 +139,17 @@ def test_an_older_version_after_a_newer_one_is_rebuilt_exactly_without_failed_at
     from dataclasses import replace
 
     from pnyx.train.microbatch import build_rows
+    from pnyx.train.published import PublishedModel
     from pnyx.train.rejudge import Rejudge
     from pnyx.weights.trust import run_verifier
 
     store, manifest, model_dir, _, stale, _ = scene
-    rejudge = Rejudge(store, model_dir)
-    rejudge.trust = run_verifier(manifest)
+    rejudge = Rejudge(PublishedModel(store, model_dir))
+    rejudge.published.trust = run_verifier(manifest)
     rows = build_rows([stale])
     first = rejudge(rows, 0)[stale.key]
     newer = rejudge([replace(r, version=1) for r in rows], 1)[stale.key]
     again = rejudge(rows, 0)[stale.key]
     assert newer.gap > 10 * max(first.gap, 1e-4)  # v1's weights are not v0's: the rows' own logprobs moved
     assert (again.gap, again.dev_sum, again.var_sum) == (first.gap, first.dev_sum, first.var_sum)
-    assert rejudge._syncer is not None and not rejudge._syncer.failures
+    assert rejudge.published._syncer is not None and not rejudge.published._syncer.failures

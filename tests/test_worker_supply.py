@@ -53,7 +53,9 @@ def _write_demand(store, version: int, waiting: int, staleness: int = 3) -> None
     store.put(layout.WEIGHTS_DEMAND, encode_json(d))
 
 
-def test_zero_variance_groups_are_skipped_counted_and_leave_no_gap_in_seqs(tmp_path, tiny_model_dir):
+def test_zero_variance_groups_are_skipped_counted_and_leave_their_seq_unused(tmp_path, tiny_model_dir):
+    """A seeded group's seq is reserved before it is generated (its draws name it): a skipped group leaves
+    a gap, and every uploaded group keeps the seq it was drawn under."""
     run = make_run(str(tmp_path / "run"), tiny_model_dir, skip_zero_variance=True, supply_control=False)
     worker = Worker(run.store, WorkerOptions(worker_id="w1", max_groups=4, spool_dir=str(tmp_path / "spool")))
     worker.join()
@@ -63,7 +65,10 @@ def test_zero_variance_groups_are_skipped_counted_and_leave_no_gap_in_seqs(tmp_p
     groups = [g for _, g in rollout_groups(run.store)]
     assert len(groups) == 4 and summary.groups_skipped_zero_variance > 0
     assert not any(is_zero_variance([s.reward for s in g.samples]) for g in groups)
-    assert sorted(g.seq for g in groups) == [0, 1, 2, 3]  # skipped groups take no seq
+    seqs = sorted(g.seq for g in groups)
+    assert all(g.draws for g in groups)
+    unused = set(range(seqs[-1] + 1)) - set(seqs)  # the gaps: seqs of skipped groups
+    assert len(set(seqs)) == 4 and len(unused) <= summary.groups_skipped_zero_variance
     hb = decode_json(run.store.get(layout.worker_heartbeat("w1")), Heartbeat)
     assert hb.groups == 4 and hb.groups_skipped_zero_variance == summary.groups_skipped_zero_variance
 

@@ -34,6 +34,8 @@ def overrides(model_dir: Path, **extra) -> dict:
         "worker": {"max_new_tokens": 16, "group_size": 2},
         "trainer": {"groups_per_step": 2, "max_wait_s": 20.0, "lr": 1e-3},
         "algorithm": {"max_staleness": 10, "max_groups_per_prompt": 2},
+        # `write_groups` scripts reference answers, not draws of the model: judged by the statistical checks
+        "security": {"accept_unseeded": True},
     }
     for dotted, value in extra.items():
         section, field = dotted.split("__")

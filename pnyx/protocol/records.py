@@ -64,6 +64,9 @@ class GroupHeader(msgspec.Struct, kw_only=True):
     top_k: int
     created_at: float
     """Unix time the group was finished (informational; ordering uses versions, not clocks)."""
+    draws: str = ""
+    """`pnyx.protocol.draws.SCHEME` when every model token was drawn from the group's seeded uniforms (the
+    trainer checks each one); "": the engine's own randomness (unseeded: vLLM, older workers, swarm nodes)."""
 
 
 class RolloutGroup(GroupHeader, kw_only=True):

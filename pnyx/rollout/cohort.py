@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from pnyx.envs import Environment, Task
@@ -43,6 +43,10 @@ class CohortSpec:
     top_k: int
     max_new_tokens: int
     seed: int
+    key: str = ""
+    """Fingerprint of the key that will sign the groups: with it, engines that can (`seeded_draws`) sample
+    every token from the group's seeded draws (`pnyx.protocol.draws`), which the trainer checks. "": the
+    engine's own randomness (groups then unseeded)."""
 
 
 @dataclass
@@ -101,16 +105,27 @@ def generate_cohort(
 ) -> CohortResult:
     """Generate `spec.group_size` completions per task, score each with `env`, return one group per task.
 
-    `next_seq()` is called once per group, in task order, to number it (the worker passes a placeholder:
-    its `Sealer` numbers the groups it spools). Token ids, behaviour logprobs and
+    `next_seq()` is called once per group, in task order, before anything is generated: the seq is part of
+    the group's seeded draws (`spec.key` set, an engine with `seeded_draws`), so it is fixed before any
+    outcome is seen (the worker reserves them from its `Sealer`). Token ids, behaviour logprobs and
     loss masks come from the engine unchanged (tool tokens carry mask 0 and logprob 0.0).
     """
     from pnyx.models import render_prompt
     from pnyx.protocol import GROUP_SCHEMA, RolloutGroup, Sample
+    from pnyx.protocol.draws import SCHEME, group_seeds, streams
 
     params = sampling_params(spec, env)
     prompts = [list(render_prompt(tokenizer, t.prompt)) for t in tasks]
     g = spec.group_size
+    seqs = [next_seq() for _ in tasks]
+    seeded = bool(spec.key) and getattr(engine, "seeded_draws", False) and spec.temperature > 0
+    if seeded:
+        seeds = [
+            s
+            for task, seq in zip(tasks, seqs, strict=True)
+            for s in group_seeds(spec.run_id, spec.key, spec.worker_id, task.id, spec.version, seq, g)
+        ]
+        params = replace(params, draws=streams(seeds))
     t0 = time.perf_counter()
     batch = [p for p in prompts for _ in range(g)]
     flat = sample_env(engine, env, batch, [t for t in tasks for _ in range(g)], params)
@@ -120,7 +135,7 @@ def generate_cohort(
     groups = []
     tokens = 0
     score_total = 0.0
-    for task, prompt, completions in zip(tasks, prompts, outs, strict=True):
+    for task, prompt, completions, seq in zip(tasks, prompts, outs, seqs, strict=True):
         s0 = time.perf_counter()
         samples = []
         for c in completions:
@@ -146,7 +161,7 @@ def generate_cohort(
                 schema=GROUP_SCHEMA,
                 run_id=spec.run_id,
                 worker_id=spec.worker_id,
-                seq=next_seq(),
+                seq=seq,
                 policy_version=spec.version,
                 weights_digest=spec.digest,
                 env=env.name,
@@ -160,6 +175,7 @@ def generate_cohort(
                 gen_seconds=gen_s / max(1, len(tasks)),
                 score_seconds=score_s,
                 engine=engine.name,
+                draws=SCHEME if seeded else "",
             )
         )
     return CohortResult(groups=groups, tokens=tokens, gen_seconds=gen_s, score_seconds=score_total)

@@ -9,7 +9,9 @@ choice to stop), at a stop string (the token that completes it is kept; detected
 last few tokens, never by re-tokenizing), or at `max_new_tokens`. Finished rows leave the batch.
 
 Seeded: the same model, prompts and `SamplingParams` (seed included) give the same tokens. A row's draw
-depends on the whole batch, so the same prompt in a different batch may sample differently.
+depends on the whole batch, so the same prompt in a different batch may sample differently, unless the rows
+carry seeded draws (`SamplingParams.draws`, `pnyx.protocol.draws`): then row i's t-th token takes the t-th
+uniform of its own stream, and its tokens depend only on the weights, its context and that stream.
 `Engine.decode` is the sampling loop over an open decode session (`decoder.py`); `generate` prefills a
 fresh one, and the multi-turn tool loop (`episodes.run_episodes`) keeps one across turns.
 
@@ -41,6 +43,7 @@ from pnyx.rollout.sampling import (
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from pnyx.protocol.draws import UniformStream
     from pnyx.rollout.hf_session import HFSession
 
 
@@ -98,6 +101,7 @@ class Engine:
         the caller can append to it; other ended rows are dropped. Call inside `torch.inference_mode()`.
         """
         n, max_new, dev = logits.shape[0], params.max_new_tokens, self.device
+        params.check_rows(n)
         gen = torch.Generator(device=dev).manual_seed(params.seed)
         matcher = StopMatcher(self.tokenizer, params.stop)
         eos = frozenset() if params.ignore_eos else frozenset(self.eos_ids)
@@ -112,14 +116,17 @@ class Engine:
         batch_dev = torch.arange(n, device=dev)
         parked: list[tuple[list[int], Parked]] = []  # rows set aside on a park stop, to put back at the end
         live: torch.Tensor | None = None  # per session row: False = feed a hole (it has ended)
+        draws = params.draws
         for step in range(max_new):
-            tok, lp = self._draw(logits, params, gen)
+            tok, lp = self._draw(logits, params, gen, _uniforms(draws, batch, dev))
             out_lp[batch_dev, step] = lp
             changed = False
             for i, t in zip(batch, tok.tolist(), strict=True):  # the one host sync per step
                 if done[i]:
                     continue  # ended but not yet compacted: its draw is consumed, its token ignored
                 tokens[i].append(t)
+                if draws is not None:
+                    draws[i].advance()
                 if t in eos:
                     done[i], reasons[i], changed = True, "stop", True
                 elif matcher.stops and (s := matcher.match(tokens[i])) is not None:
@@ -160,18 +167,22 @@ class Engine:
         n, max_new = logits.shape[0], params.max_new_tokens
         out_tok = torch.zeros(n, max_new, dtype=torch.long, device=self.device)
         out_lp = torch.zeros(n, max_new, dtype=torch.float32, device=self.device)
+        rows = list(range(n))
         for step in range(max_new):
-            tok, out_lp[:, step] = self._draw(logits, params, gen)
+            tok, out_lp[:, step] = self._draw(logits, params, gen, _uniforms(params.draws, rows, self.device))
             out_tok[:, step] = tok
+            for s in params.draws or ():
+                s.advance()
             if step < max_new - 1:
                 logits = session.step(tok)
         return Turn(out_tok.tolist(), out_lp.tolist(), ["length"] * n, [None] * n, list(range(n)))
 
     @staticmethod
     def _draw(
-        logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+        logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, u: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token [b], its logprob [b]) from last-position logits [b, V] under `params`."""
+        """(token [b], its logprob [b]) from last-position logits [b, V] under `params`; `u` [b]: the rows'
+        seeded uniforms (`pnyx.protocol.draws`), else drawn from `gen`."""
         logp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)
         if params.temperature <= 0:
             tok = logp.argmax(-1)
@@ -183,7 +194,10 @@ class Engine:
             # On the CPU the drawn token is checked instead: the cummax pass (the costliest of sampling there)
             # runs only if a token with p = 0 was drawn, which a sequential scan never gives.
             p = logp.exp()
-            rand = torch.rand(p.shape[0], 1, generator=gen, device=p.device, dtype=p.dtype)
+            if u is None:
+                rand = torch.rand(p.shape[0], 1, generator=gen, device=p.device, dtype=p.dtype)
+            else:
+                rand = u[:, None].to(p.dtype)
             tok = None
             if p.device.type == "cpu":
                 cdf = p.cumsum(-1)
@@ -196,3 +210,12 @@ class Engine:
                 tok = torch.searchsorted(cdf, rand * cdf[:, -1:], right=True).squeeze(-1)
                 tok = tok.clamp_(max=cdf.shape[-1] - 1)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _uniforms(
+    draws: list[UniformStream] | None, rows: list[int], device: torch.device
+) -> torch.Tensor | None:
+    """The next seeded uniform of each of `rows` (float32 [len(rows)]), or None without seeded draws."""
+    if draws is None:
+        return None
+    return torch.tensor([draws[i].peek() for i in rows], dtype=torch.float32, device=device)

@@ -225,6 +225,7 @@ class _Loop:
             stop=self.stops,
             seed=self.params.seed + turn,
             max_new_tokens=min(self.params.max_new_tokens, budget),
+            draws=None if self.params.draws is None else [self.params.draws[i] for i in active],
         )
 
     def settle(self, ep: Episode, i: int, tokens, logprobs, reason, stop) -> list[int] | None:

@@ -110,6 +110,15 @@ class RunLink:
         return self.sealer.next_seq if self.sealer is not None else 0
 
     @property
+    def key(self) -> str:
+        """Fingerprint of the key this worker signs with (part of its groups' seeded draws)."""
+        return self._sealer().signer.fingerprint
+
+    def reserve_seq(self) -> int:
+        """The seq of a group about to be generated with seeded draws (`Sealer.reserve`)."""
+        return self._sealer().reserve()
+
+    @property
     def plane(self) -> Plane:
         """The weights plane this worker follows: "int8" (run.json's worker.int8, or `--int8`) or "weights"."""
         return self._weights().plane

@@ -12,6 +12,8 @@ from pnyx.errors import ConfigError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from pnyx.protocol.draws import UniformStream
+
 FinishReason = Literal["stop", "length"]
 
 # Compact the KV cache once this fraction of the rows in it have finished: copying the cache costs about
@@ -31,6 +33,10 @@ class SamplingParams:
     seed: int = 0
     ignore_eos: bool = False
     """Keep sampling past EOS (benchmarks use it so every row produces max_new_tokens)."""
+    draws: list[UniformStream] | None = None
+    """Seeded draws (`pnyx.protocol.draws`): one uniform stream per prompt row, in order; row i's model
+    tokens take its stream's uniforms instead of `seed`'s, so its tokens depend on nothing but the weights,
+    its context and its stream (not on the batch). Only engines with `seeded_draws` accept them."""
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -43,6 +49,13 @@ class SamplingParams:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if self.draws is not None and self.temperature <= 0:
+            raise ConfigError("seeded draws need temperature > 0 (greedy decoding draws nothing)")
+
+    def check_rows(self, rows: int) -> None:
+        """ConfigError unless `draws` (when set) holds one stream per prompt row."""
+        if self.draws is not None and len(self.draws) != rows:
+            raise ConfigError(f"seeded draws: {len(self.draws)} uniform streams for {rows} prompt rows")
 
 
 @dataclass

@@ -1,10 +1,13 @@
 """Numbering and signing a worker's groups: the seq in each rollout key, and the worker key's signature.
 
-A group takes its seq only when it is sealed for the spool (skipped groups take none), so a worker's seqs
-are contiguous; the join resumes the counter past the highest seq this worker id left in the store or its
-spool. `rekey` seals a group that collided create-only with foreign bytes (two live workers sharing an id)
-again under the next seq. The generating thread seals and the courier thread re-keys, so the counter is
-under a lock.
+A group with seeded draws (`pnyx.protocol.draws`) takes its seq before it is generated (`reserve`): the
+seq is part of its draws, so it is fixed before any outcome is seen, and a group the worker does not upload
+(zero variance) leaves its seq unused. An unseeded group (an engine without seeded draws) takes its seq
+only when it is sealed for the spool, so such a worker's seqs are contiguous. The join resumes the counter
+past the highest seq this worker id left in the store or its spool. `rekey` seals an unseeded group that
+collided create-only with foreign bytes (two live workers sharing an id) again under the next seq; a seeded
+group cannot move (its draws name its seq), so that collision stops the worker with the reason. The
+generating thread reserves and seals and the courier thread re-keys, so the counter is under a lock.
 
 Knows nothing about the store, the spool or generation.
 """
@@ -15,6 +18,7 @@ import threading
 
 import msgspec
 
+from pnyx.errors import AlreadyExistsError
 from pnyx.protocol import RolloutGroup, decode_group, encode_group, layout
 from pnyx.security.signing import Signer
 
@@ -40,17 +44,33 @@ class Sealer:
         with self._lock:
             self._seq = seq
 
-    def seal(self, group: RolloutGroup) -> tuple[str, bytes]:
-        """(rollout key, signed bytes) of `group` under the next seq."""
+    def reserve(self) -> int:
+        """A seq for a group about to be generated with seeded draws (sealed later under that seq)."""
         with self._lock:
             seq = self._seq
             self._seq += 1
-        group = msgspec.structs.replace(group, seq=seq)
-        return layout.rollout_key(group.policy_version, self.worker_id, seq), encode_group(
+            return seq
+
+    def seal(self, group: RolloutGroup) -> tuple[str, bytes]:
+        """(rollout key, signed bytes) of `group`: under its reserved seq if it has seeded draws, else under
+        the next seq."""
+        if not group.draws:
+            with self._lock:
+                seq = self._seq
+                self._seq += 1
+            group = msgspec.structs.replace(group, seq=seq)
+        return layout.rollout_key(group.policy_version, self.worker_id, group.seq), encode_group(
             group, signer=self.signer
         )
 
     def rekey(self, key: str, data: bytes) -> tuple[str, bytes]:
         """The spool's re-key callback: the group in `data` sealed again under the next seq (`key` is the
         one that collided)."""
-        return self.seal(decode_group(data))
+        group = decode_group(data)
+        if group.draws:
+            raise AlreadyExistsError(
+                f"{key} already exists with different content: two workers share the worker id "
+                f"{self.worker_id!r} (a group with seeded draws cannot move to another seq). Give each "
+                "worker a unique --id."
+            )
+        return self.seal(group)

@@ -19,11 +19,13 @@ worker key, `pnyx.security`) under
 `rollouts/v{V}/{worker}-{seq}`, reads the demand and writes the heartbeat (`workers/{worker}.json`:
 status, version, digest, throughput, uploaded / skipped / pending counts).
 
-Seq numbers are resume-safe and contiguous: a group gets its seq only when it is spooled (skipped groups
-take none), and at start the worker lists the rollout prefixes of the newest few versions for its own id
-(and its spool folder) and continues after the highest seq it finds; a worker that restarts with the same
-id cannot write into an older version than the newest at its restart, so that is enough. A create-only
-collision with different bytes (two live workers sharing an id) is logged and the group re-keyed. Task
+Seq numbers are resume-safe: with seeded draws (torch and MLX engines, `pnyx.protocol.draws`) a group
+reserves its seq before it is generated (its draws name it; a skipped group leaves its seq unused), else a
+group gets its seq only when it is spooled; at start the worker lists the rollout prefixes of the newest
+few versions for its own id (and its spool folder) and continues after the highest seq it finds; a worker
+that restarts with the same id cannot write into an older version than the newest at its restart, so that
+is enough. A create-only collision with different bytes (two live workers sharing an id) re-keys an
+unseeded group and stops the worker with the reason for a seeded one (`sealer.py`). Task
 streams are seeded by (run seed, worker id, seq, groups skipped), so workers never duplicate each other and
 a restarted worker does not replay its tasks.
 
@@ -266,10 +268,12 @@ class Worker:
         seed = stable_hash(cfg.run.seed, self.worker_id, link.next_seq, progress.skipped_zero_variance) % (
             2**31
         )
+        # every token drawn from seeded uniforms the trainer checks (engines that can)
+        seeded = getattr(gen.engine, "seeded_draws", False)
         spec = CohortSpec(
             run_id=link.run_id, worker_id=self.worker_id, version=version, digest=progress.digest,
             group_size=w.group_size, temperature=w.temperature, top_p=w.top_p, top_k=w.top_k,
-            max_new_tokens=gen.max_new_tokens, seed=seed,
+            max_new_tokens=gen.max_new_tokens, seed=seed, key=link.key if seeded else "",
         )  # fmt: skip
         pool_n = gen.screen.pool_size(n)
         if gen.curriculum is not None:
@@ -279,7 +283,10 @@ class Worker:
         tasks = gen.screen.pick(pool, n, sampling_params(spec, gen.env))
         progress.screen_s, progress.tasks_screened = gen.screen.seconds, gen.screen.scored
         progress.set("generating", f"v={version} tasks={n}")
-        result = generate_cohort(gen.engine, gen.tokenizer, gen.env, tasks, spec, lambda: 0)
+        # a seeded group's seq is reserved now (its draws name it); an unseeded one is numbered when sealed
+        result = generate_cohort(
+            gen.engine, gen.tokenizer, gen.env, tasks, spec, link.reserve_seq if seeded else lambda: 0
+        )
         progress.generate_s += result.gen_seconds
         if gen.curriculum is not None:
             gen.curriculum.observe(tasks, result.groups, version)
@@ -313,11 +320,16 @@ class Worker:
         from pnyx.protocol.rules import is_zero_variance  # the trainer's own test: same verifier, same drop
 
         kept: list[RolloutGroup] = []
+        unused: list[int] = []
         for group in groups:
             if skip_zero_variance and is_zero_variance([s.reward for s in group.samples]):
                 self.progress.skipped_zero_variance += 1
+                if group.draws:
+                    unused.append(group.seq)
                 continue
-            kept.append(group)  # in order: seqs stay contiguous
+            kept.append(group)  # in order
+        if unused:  # a seeded group's seq was reserved before it was generated: say which are left unused
+            log.info("worker=%s v=%d zero-variance, not uploaded: seqs %s", self.worker_id, version, unused)
         if kept:
             self._made[version] = self._made.get(version, 0) + len(kept)
             supply.note_made(len(kept))

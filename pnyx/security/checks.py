@@ -97,9 +97,14 @@ FAULTS = frozenset(
         "prompt_mismatch",
         "sampling_mismatch",
         "over_budget",
+        "draw_mismatch",
+        "unseeded",
     }
 )
-"""Per-key counters (`Cursor.by_key`) that count a faulty group of that key. `reward_lie`: a group with at
+"""Per-key counters (`Cursor.by_key`) that count a faulty group of that key. `draw_mismatch`: a token its
+seeded uniform did not draw (`pnyx.train.drawcheck`); `unseeded`: no seeded draws where the run requires
+them (`unverifiable`, a version whose weights could not be verified, is the trainer's problem, not
+blamed). `reward_lie`: a group with at
 least one sample whose claimed reward differs from the re-score. Signature failures (`unsigned`,
 `bad_signature`) are not in it: the key inside a badly signed frame proves nothing, so it is never blamed
 (anyone could frame an honest key); `stale`, `zero_variance`, `unknown_version` and `duplicate` happen to

@@ -131,6 +131,7 @@ class Ingestor:
         fetch_workers: int = FETCH_WORKERS,
         sweep_grace_s: float = SWEEP_GRACE_S,
         require_signatures: bool = False,
+        check_draws: Callable[[ScoredGroup], str | None] | None = None,
     ) -> None:
         self.store = store
         self.env = env
@@ -142,6 +143,9 @@ class Ingestor:
         self.decode = decode
         self.fetch_workers = fetch_workers
         self.require_signatures = require_signatures
+        self.check_draws = check_draws
+        """The per-token check of seeded draws (`pnyx.train.drawcheck`): None, or a drop reason. Run on each
+        admitted group that would otherwise be ready, in the fetch pool's thread, outside the lock."""
         self.shared = Shared(cursor if cursor is not None else Cursor(), settings or IngestSettings())
         """The one lock, the cursor, the settings and the fetched groups, shared with the collaborators."""
         self._selecting = threading.RLock()  # held by `select`: listings merge before or after it
@@ -204,6 +208,13 @@ class Ingestor:
         finally:
             with self.shared.lock:
                 self.fetched += 1
+        verdict = None
+        if (
+            self.check_draws is not None
+            and not is_zero_variance(scored.rewards)
+            and not (self.settings.reject_reward_lies and _lies(scored))
+        ):  # a group dropped anyway is not worth a forward
+            verdict = self.check_draws(scored)
         with self.shared.lock:
             if (
                 self._closed.is_set()
@@ -232,6 +243,12 @@ class Ingestor:
                 self.listing.reject(key, "zero_variance")
                 r = scored.rewards[0]
                 self._outcomes.append("zv_hard" if r <= 0 else "zv_easy" if r >= 1 else "zv_flat")
+                return
+            if verdict is not None:
+                self.ledger.count_scored(scored)
+                self.listing.reject(key, verdict)
+                self.ledger.count_key(scored.signer, verdict)
+                self._outcomes.append(verdict)
                 return
             self._outcomes.append("ok")
             self.shared.ready[key] = scored

@@ -35,6 +35,8 @@ class IngestSettings:
     `over_budget`. None: not checked (tests and tools)."""
     top_p: float | None = None
     top_k: int | None = None
+    group_size: int | None = None
+    """A group with seeded draws holds exactly this many samples (None: not checked)."""
     max_new_tokens: int | None = None
     checks: CheckSettings = field(default_factory=CheckSettings)
     """The step's sampling checks, as floors: the allowances a step judges with are derived from the run

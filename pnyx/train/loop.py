@@ -86,6 +86,7 @@ class Trainer:
         self._parts: TrainerParts | None = None
         self._check_pending = True  # read a pending batch record before the first step of this process
         self._ingest_wait_s = 0.0
+        self._draw_s = 0.0  # the draw check's seconds at the previous step's metrics
         self.progress = Progress(store, self._describe)
         self.manifest: RunManifest | None = None
         self.trust: Verifier | None = None
@@ -322,8 +323,25 @@ class Trainer:
             "undo_s": round(s.undo_s, 4),
             "probe_s": round(s.probe_s, 4),
             "calibration": self._calibration(r),
+            "draws": self._draw_metrics(),
             **self.parts.ingestor.stats(),
         }
+
+    def _draw_metrics(self) -> dict[str, Any] | None:
+        """The check of seeded draws since the trainer started (`pnyx.train.drawcheck`): groups and tokens
+        checked, its seconds (`seconds_step`: since the previous step's metrics), failures by reason, and
+        the largest distance of a token in a passing group."""
+        check = self.parts.draws
+        if check is None:
+            return None
+        s = check.stats
+        out = {
+            "groups": s.groups, "tokens": s.tokens, "seconds": round(s.seconds, 4),
+            "seconds_step": round(s.seconds - self._draw_s, 4), "failed": dict(s.by_reason),
+            "max_passing": s.max_passing, "by_staleness": {k: list(v) for k, v in s.by_staleness.items()},
+        }  # fmt: skip
+        self._draw_s = s.seconds
+        return out
 
     def _calibration(self, r: StepResult) -> dict[str, Any] | None:
         """The allowances the step judged with and what its drift probe measured (metrics)."""
@@ -396,6 +414,8 @@ class Trainer:
                 sink.close()
             self.parts.prefetcher.close()
             self.parts.ingestor.close()
+            if self.parts.draws is not None:  # a check's forward must not outlive the interpreter
+                self.parts.draws.close()
         if self._stop:
             log.info("trainer v=%d: stop requested; checkpointing", self.version)
         self.progress.phase("checkpointing")

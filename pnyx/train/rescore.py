@@ -116,15 +116,19 @@ def rescore(
 
 
 def check_sampling(group: RolloutGroup, settings: IngestSettings) -> None:
-    """`settings` gives the run's `temperature`, `top_p`, `top_k`, `max_new_tokens` (None: not checked).
-    Raise RecordRejected unless the group's sampling settings are the run's (`sampling_mismatch`) and
-    every model turn (a run of loss-mask 1 tokens) fits the per-turn budget (`over_budget`)."""
+    """`settings` gives the run's `temperature`, `top_p`, `top_k`, `group_size`, `max_new_tokens` (None: not
+    checked). Raise RecordRejected unless the group's sampling settings are the run's (`sampling_mismatch`;
+    a group with seeded draws must hold exactly `group_size` samples: sample i is the draw of stream i, so
+    keeping only some of them would choose by outcome) and every model turn (a run of loss-mask 1 tokens)
+    fits the per-turn budget (`over_budget`)."""
     want = {"temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k}
     wrong = [
         f"{k}={getattr(group, k)!r} (run: {v!r})"
         for k, v in want.items()
         if v is not None and getattr(group, k) != v
     ]
+    if group.draws and settings.group_size is not None and len(group.samples) != settings.group_size:
+        wrong.append(f"{len(group.samples)} samples (run: group_size={settings.group_size})")
     if wrong:
         raise RecordRejected("sampling_mismatch", ", ".join(wrong))
     budget = settings.max_new_tokens

@@ -41,6 +41,7 @@ def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
         temperature=w.temperature,
         top_p=w.top_p,
         top_k=w.top_k,
+        group_size=w.group_size,
         max_new_tokens=w.max_new_tokens,
         checks=check_settings(cfg),
         quarantine=QuarantineSettings(

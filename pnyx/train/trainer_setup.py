@@ -14,7 +14,8 @@ Knows nothing about how a step chooses or trains on its batch (`loop.py`) or abo
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -31,8 +32,10 @@ from pnyx.store import Store
 from pnyx.train import bootstrap, hooks
 from pnyx.train.checkpointer import Checkpointer, local_folder
 from pnyx.train.distributed import Dist
-from pnyx.train.ingest import Ingestor
+from pnyx.train.drawcheck import DrawCheck
+from pnyx.train.ingest import Ingestor, ScoredGroup
 from pnyx.train.prefetch import Prefetcher
+from pnyx.train.published import PublishedModel
 from pnyx.train.reference import Reference
 from pnyx.train.rejudge import Rejudge
 from pnyx.train.schedule import Schedule
@@ -40,6 +43,7 @@ from pnyx.train.settings import ingest_settings
 from pnyx.train.step import make_optimizer
 from pnyx.train.supply import DemandPublisher
 from pnyx.weights.manifest import WeightManifest
+from pnyx.weights.syncer import Plane
 from pnyx.weights.publisher import Publisher
 from pnyx.weights.trust import check_trainer_key, run_verifier, trainer_key_record, trainer_signer
 
@@ -152,6 +156,11 @@ class TrainerParts:
     prefetcher: Prefetcher
     rejudge: Rejudge | None = None
     """The exact re-check of groups the step would drop (`security.rejudge`), or None."""
+    draws: DrawCheck | None = None
+    """The per-token check of seeded draws at ingestion (`security.seeded_draws`), or None."""
+    published: list[PublishedModel] = field(default_factory=list)
+    """The second models the exact checks compute with (one per plane), pointed at the run's key by
+    `attach_run`."""
 
 
 def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | None = None) -> TrainerParts:
@@ -216,6 +225,16 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         "hf_config": model.config.to_dict(),
     }
     digests = PublishedDigests(store)
+    sec, lora = cfg.security, (t.lora if adapter is not None else None)
+    planes: list[Plane] = ["weights", "int8"] if cfg.worker.int8 else ["weights"]
+    published = (
+        {p: PublishedModel(store, model_dir, lora, plane=p) for p in planes}
+        if sec.seeded_draws or sec.rejudge
+        else {}
+    )
+    draws = (
+        DrawCheck(published, sec.draw_tolerance, tokenizer.pad_token_id or 0) if sec.seeded_draws else None
+    )
     ingestor = Ingestor(
         store=store,
         env=env,
@@ -226,6 +245,8 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         expected_digest=digests,
         require_signatures=True,  # every group signed by its worker's key (docs/security.md)
     )
+    if draws is not None:
+        ingestor.check_draws = _draw_hook(draws, ingestor, sec.accept_unseeded)
     ingestor.decode = hooks.decoder(ingestor.decode)
     return TrainerParts(
         cfg=cfg,
@@ -244,10 +265,25 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         digests=digests,
         ingestor=ingestor,
         prefetcher=Prefetcher(ingestor, t.groups_per_step),
-        rejudge=Rejudge(store, model_dir, t.lora if adapter is not None else None)
-        if cfg.security.rejudge
-        else None,
+        rejudge=Rejudge(published["weights"]) if sec.rejudge else None,
+        draws=draws,
+        published=list(published.values()),
     )
+
+
+def _draw_hook(
+    draws: DrawCheck, ingestor: Ingestor, accept_unseeded: bool
+) -> Callable[[ScoredGroup], str | None]:
+    """The ingestor's per-group check of seeded draws; an unseeded group passes with `accept_unseeded`."""
+
+    def check(g: ScoredGroup) -> str | None:
+        if accept_unseeded and not g.group.draws:
+            return None
+        with ingestor.shared.lock:  # the newest version listed or published
+            newest = max(ingestor.listing.versions, default=g.version)
+        return draws.check(g.group, g.signer, staleness=max(0, newest - g.version))
+
+    return check
 
 
 def merge_resume_config(run_config: dict[str, Any], given: PnyxConfig) -> PnyxConfig:
@@ -276,8 +312,8 @@ def attach_run(parts: TrainerParts, run: RunManifest) -> Verifier:
     Returns that key's verifier."""
     trust = run_verifier(run)
     parts.digests.trust = trust
-    if parts.rejudge is not None:
-        parts.rejudge.trust = trust
+    for published in parts.published:
+        published.trust = trust
     parts.ingestor.run_id = run.run_id
     return trust
 

@@ -126,6 +126,9 @@ class WorkerEngine(ABC):
     Not thread-safe: one caller at a time."""
 
     name: ClassVar[str] = ""
+    seeded_draws: ClassVar[bool] = False
+    """It samples with `SamplingParams.draws` (`pnyx.protocol.draws`), so the trainer can check every token
+    it draws (`pnyx.train.drawcheck`). Engines without it refuse seeded draws; their groups are unseeded."""
     proof_kind: ProofKind = "hashed"
     tokenizer: PreTrainedTokenizerBase
 

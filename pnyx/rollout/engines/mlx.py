@@ -95,6 +95,7 @@ class MLXEngine(WorkerEngine):
     """An mlx-lm model behind the engine interface."""
 
     name = "mlx"
+    seeded_draws = True
     proof_kind = "hashed"
 
     def __init__(

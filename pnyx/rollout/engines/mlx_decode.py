@@ -9,7 +9,8 @@ whose mass reaches top_p, the first always kept), renormalised, -inf for exclude
 row's padding, so rotary positions count real tokens only and padded keys are masked, as in the trainer's
 recompute. The prompt is prefilled in two calls (all but the last token, then the last), so MLX's lazy
 evaluation never computes vocabulary logits for prompt positions. Tokens are drawn by inverse CDF with one
-uniform per row per step from a key seeded by `params.seed`. Finished rows leave the batch once >= 25% of
+uniform per row per step from a key seeded by `params.seed`, or from the row's own stream of seeded draws
+(`SamplingParams.draws`, `pnyx.protocol.draws`). Finished rows leave the batch once >= 25% of
 it has finished. One host sync per step (the sampled tokens). Knows nothing about weights updates, the
 store or the trainer.
 """
@@ -55,8 +56,11 @@ def sampling_logprobs_mx(
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
-def draw(logits: mx.array, params: SamplingParams, key: mx.array) -> tuple[mx.array, mx.array]:
-    """(token [b], its logprob [b]) from last-position logits [b, V] under `params`."""
+def draw(
+    logits: mx.array, params: SamplingParams, key: mx.array, u: mx.array | None = None
+) -> tuple[mx.array, mx.array]:
+    """(token [b], its logprob [b]) from last-position logits [b, V] under `params`; `u` [b]: the rows'
+    seeded uniforms (`pnyx.protocol.draws`), else drawn from `key`."""
     logp = sampling_logprobs_mx(logits, params.temperature, params.top_k, params.top_p)
     if params.temperature <= 0:
         tok = mx.argmax(logp, axis=-1)
@@ -65,7 +69,9 @@ def draw(logits: mx.array, params: SamplingParams, key: mx.array) -> tuple[mx.ar
         # the CDF flat across zero-probability (truncated) tokens, so one is never drawn.
         p = mx.exp(logp)
         cdf = mx.cummax(mx.cumsum(mx.where(p > 0, p, 0.0), axis=-1), axis=-1)
-        u = mx.random.uniform(shape=(cdf.shape[0], 1), key=key) * cdf[:, -1:]
+        if u is None:
+            u = mx.random.uniform(shape=(cdf.shape[0],), key=key)
+        u = u[:, None] * cdf[:, -1:]
         tok = mx.minimum(mx.sum(cdf <= u, axis=-1), cdf.shape[-1] - 1)
     return tok, mx.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
@@ -106,6 +112,8 @@ def decode(
 ) -> list[Completion]:
     """One completion per prompt, in order (see the module docstring)."""
     n, max_new = len(prompts), params.max_new_tokens
+    params.check_rows(n)
+    draws = params.draws
     logits, caches = prefill(model, prompts, pad_id)
     key = mx.random.key(params.seed)
     matcher = StopMatcher(tokenizer, params.stop)
@@ -118,7 +126,8 @@ def decode(
     batch = list(range(n))  # the cache's rows
     for step in range(max_new):
         key, sub = mx.random.split(key)
-        tok, lp = draw(logits, params, sub)
+        u = None if draws is None else mx.array([draws[i].peek() for i in batch], dtype=mx.float32)
+        tok, lp = draw(logits, params, sub, u)
         mx.eval(tok, lp)
         toks, lps = cast(list[int], tok.tolist()), cast(list[float], lp.tolist())  # 1-d arrays: lists
         for i, t, p in zip(batch, toks, lps, strict=True):  # the one host sync per step
@@ -126,6 +135,8 @@ def decode(
                 continue
             tokens[i].append(t)
             logprobs[i].append(p)
+            if draws is not None:
+                draws[i].advance()
             if t in eos:
                 done[i], reasons[i] = True, "stop"
             elif matcher.stops and (s := matcher.match(tokens[i])) is not None:

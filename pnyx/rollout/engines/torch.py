@@ -63,6 +63,7 @@ class TorchEngine(WorkerEngine):
     (`model`: its owner's, whose in-place changes it generates with)."""
 
     name = "torch"
+    seeded_draws = True
 
     def __init__(
         self,

@@ -220,6 +220,11 @@ class VLLMEngine(WorkerEngine):
             return []
         if any(len(p) == 0 for p in prompt_ids):
             raise ConfigError("every prompt needs at least one token")
+        if params.draws is not None:
+            raise ConfigError(
+                "the vllm engine cannot sample seeded draws (its sampler draws its own uniforms): its groups "
+                "are unseeded, and a trainer takes them only with security.accept_unseeded (docs/security.md)"
+            )
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
