@@ -43,8 +43,8 @@ from pnyx.train.settings import ingest_settings
 from pnyx.train.step import make_optimizer
 from pnyx.train.supply import DemandPublisher
 from pnyx.weights.manifest import WeightManifest
-from pnyx.weights.syncer import Plane
 from pnyx.weights.publisher import Publisher
+from pnyx.weights.syncer import Plane
 from pnyx.weights.trust import check_trainer_key, run_verifier, trainer_key_record, trainer_signer
 
 if TYPE_CHECKING:
