@@ -23,6 +23,9 @@ Group producers (`produce(arena, n) -> list[Upload]`, uploaded by the arena like
 - `IdThief`: claims an honest worker's name, signs with its own key (seqs far above the owner's).
 - `Sybil`: a copier, reward liar, poisoner or temperature liar with a fresh key and a fresh name for every
   group, so per-key quotas and quarantine never bind.
+- `CherryPicker`: honest samples, chosen: within a group (the shortest right and longest wrong samples of
+  several honest groups of one task, uploaded as one group) or whole groups (only those that already
+  favour short answers are uploaded). Every sample is an honest draw with exact logprobs.
 - `Poisoner`: correct answers carrying a payload the model would never sample (`PAYLOAD` before the answer
   tag), half of each group, beside wrong honest samples so the payload gets a positive advantage; claimed
   logprobs are the model's own for those tokens (ratio, gate and logprob gap look clean).
@@ -329,7 +332,7 @@ class IdThief(Producer):
         return [self.pack(g, worker_id=self.victim) for g in self.sampled(arena, n)]
 
 
-SYBIL_INNER = ("copier", "reward_liar", "poisoner", "temperature_liar")
+SYBIL_INNER = ("copier", "reward_liar", "poisoner", "temperature_liar", "cherry_picker")
 """What a Sybil's groups can be: the three deterministic content attacks, or the statistical one."""
 
 
@@ -362,6 +365,9 @@ class Sybil(Producer):
             return [flipped(g) for g in self.sampled(arena, 1)]
         if self.inner == "poisoner":
             return poisoned_groups(self, arena, 1)
+        if self.inner == "cherry_picker":
+            g = picked_group(self, arena)
+            return [] if g is None else [g]
         return [temperature_lie(arena, g) for g in self.sampled(arena, 1, LIAR_TEMPERATURE)]
 
 
@@ -380,6 +386,59 @@ def poisoned_group(arena: Arena, group: Any, task: Any, payload: str = PAYLOAD) 
     )  # fmt: skip
     samples = [poisoned] * half + list(group.samples[half:])
     return with_own_logprobs(arena, msgspec.structs.replace(group, samples=samples))
+
+
+def brevity(group: Any) -> float:
+    """How much `group` rewards short answers: mean model tokens of its wrong samples minus its right ones'
+    (> 0: GRPO's advantages push towards shorter answers). The cherry-picker's chosen behaviour."""
+    right = [sum(s.loss_mask) for s in group.samples if s.reward >= 1.0]
+    wrong = [sum(s.loss_mask) for s in group.samples if s.reward < 1.0]
+    if not right or not wrong:
+        return 0.0
+    return sum(wrong) / len(wrong) - sum(right) / len(right)
+
+
+@dataclass
+class CherryPicker(Producer):
+    """Samples honestly and uploads a chosen subset, so GRPO rewards what it chose (here: short answers).
+
+    - `form="within"`: draws `pool` seeded groups of one task (pool x G honest samples, each with exact
+      logprobs) and uploads one group of G: its shortest right samples and longest wrong ones, half each;
+    - `form="whole"`: draws groups and uploads only those that already favour short answers (`brevity` > 0),
+      never the others (their seqs stay unused)."""
+
+    form: str = "within"
+    pool: int = 4
+
+    def produce(self, arena: Arena, n: int) -> list[Upload]:
+        if self.form == "whole":
+            out: list[Upload] = []
+            for _ in range(50 * n + 10):
+                if len(out) >= n:
+                    break
+                out += [self.pack(g) for g in self.sampled(arena, 1) if brevity(g) > 0]
+            return out[:n]
+        if self.form != "within":
+            raise ValueError(f"cherry-picker form must be 'within' or 'whole', got {self.form!r}")
+        return [
+            self.pack(g) for g in (picked_group(self, arena, self.pool) for _ in range(n)) if g is not None
+        ]
+
+
+def picked_group(producer: Producer, arena: Arena, pool: int = 4) -> Any | None:
+    """One group of G chosen from `pool` honest seeded groups of one task of `producer`'s: its shortest right
+    samples and longest wrong ones (None when the pool has no right or no wrong sample)."""
+    task = producer.tasks(arena, 1)
+    groups = [producer.draw(arena, task)[0] for _ in range(pool)]
+    samples = [s for g in groups for s in g.samples]
+    size = len(groups[0].samples)
+    right = sorted((s for s in samples if s.reward >= 1.0), key=lambda s: sum(s.loss_mask))
+    wrong = sorted((s for s in samples if s.reward < 1.0), key=lambda s: -sum(s.loss_mask))
+    k = max(min(len(right), size // 2), size - len(wrong))  # half right where the pool allows
+    if not right or not wrong or k > len(right) or k >= size:
+        return None  # nothing to choose from: a worker would skip it
+    chosen = right[:k] + wrong[: size - k]
+    return msgspec.structs.replace(groups[0], samples=chosen)  # under the first group's seq
 
 
 @dataclass

@@ -17,6 +17,12 @@ import pytest
 from pnyx_harness import attacks as A
 from pnyx_harness.arena import BENIGN, TRAINED, Arena
 
+WHOLE_GROUP_PICKER = (
+    "a worker that drops whole groups by their outcome uploads only honest draws; the seqs it leaves unused "
+    "are not told apart from honest zero-variance skips (no signed record announces a skip yet), and a Sybil "
+    "that abandons a key leaves no trace (issue #25, open)"
+)
+
 HONEST = [A.HonestWorker("honest-1"), A.HonestWorker("honest-2")]
 
 
@@ -201,3 +207,22 @@ def test_hostile_groups_are_real_and_honest_groups_are_kept(arena):
     assert rejected(arena, "honest") == {}, honest
     poisoned = [u for u in arena.uploads if u.payload]
     assert all(u.source == "poisoner" for u in poisoned)
+
+
+def test_within_group_cherry_picker_cannot_choose_its_samples(arena):
+    """Honest draws re-assembled into a chosen group (the shortest right and longest wrong samples of 4
+    groups of one task): sample i is not the draw of stream i, so every such group is `draw_mismatch`."""
+    _hostile_step(arena, A.CherryPicker("picker", source="cherry_within", form="within"), 4)
+    assert_all_rejected(arena, "cherry_within", {"draw_mismatch", "quarantined"})
+
+
+def test_sybil_within_group_cherry_picker_is_rejected_group_by_group(arena):
+    _hostile_step(arena, A.Sybil("sybil-p", source="sybil_cherry", inner="cherry_picker"), 4)
+    assert_all_rejected(arena, "sybil_cherry", {"draw_mismatch"})
+
+
+@pytest.mark.xfail(strict=True, reason=WHOLE_GROUP_PICKER)
+def test_whole_group_cherry_picker_is_detected(arena):
+    """Uploads only the honest groups that already favour short answers; the others' seqs stay unused."""
+    _hostile_step(arena, A.CherryPicker("picker-w", source="cherry_whole", form="whole"), 4)
+    assert_all_rejected(arena, "cherry_whole")

@@ -25,6 +25,7 @@ import inspect
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +43,9 @@ TOLERANCE = 1e-3
 """Default largest distance of an honest token (`security.draw_tolerance`); see docs/security.md."""
 MAX_LOGITS = 32 * 1024 * 1024
 """Rows x positions x vocabulary of one forward's logits (float32: 128 MB); larger groups run in chunks."""
+CALL_TOKENS = 256
+"""The prompt's KV cache is shared over the rows only if that saves more than this many token positions (a
+second forward call and copying the cache cost about that much on a small model)."""
 
 MISMATCH = "draw_mismatch"
 """Reason of a group with a token its uniform did not draw (a fault of its key)."""
@@ -69,46 +73,71 @@ class DrawStats:
 
 def distances(model: torch.nn.Module, group: RolloutGroup, key: str, pad_id: int = 0) -> list[np.ndarray]:
     """Per sample, the distance of each model token's uniform from its CDF interval under `model`."""
-    prompt = list(group.prompt_tokens)
-    dev = next(model.parameters()).device
+    samples = list(group.samples)
     out: list[np.ndarray] = []
     with torch.no_grad():
-        first = model(torch.tensor([prompt], device=dev), use_cache=True)
+        for a, full in _completion_logits(
+            model, list(group.prompt_tokens), [s.tokens for s in samples], pad_id
+        ):
+            for i, s in enumerate(samples[a : a + full.shape[0]]):
+                at = [j for j, m in enumerate(s.loss_mask) if m]
+                if not at:
+                    out.append(np.zeros(0))
+                    continue
+                seed = sample_seed(
+                    group.run_id, key, group.worker_id, group.task_id, group.policy_version, group.seq, a + i
+                )
+                logp = sampling_logprobs(full[i, at], group.temperature, group.top_k, group.top_p)
+                out.append(_interval_distance(logp, [s.tokens[j] for j in at], uniforms(seed, len(at))))
+    return out
+
+
+def _completion_logits(
+    model: torch.nn.Module, prompt: list[int], completions: list[list[int]], pad_id: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, logits [rows, width, V]) per chunk of `completions`: position j predicts token j.
+
+    The prompt is computed once and its KV cache repeated over the rows where that saves work (a long
+    prompt, several rows); else each row is prompt + completion in one plain forward (fewer calls: what
+    small models are bound by)."""
+    dev = next(model.parameters()).device
+    n, width, plen = len(completions), max(len(c) for c in completions), len(prompt)
+    shared = plen + n * width + CALL_TOKENS < n * (plen + width)
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 1 << 17)
+    rows = max(1, MAX_LOGITS // max(1, (width + (0 if shared else plen)) * vocab))
+    cache = last = None
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    if shared:
+        keep = (
+            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        )
+        first = model(
+            torch.tensor([prompt], device=dev), use_cache=True, **keep
+        )  # the prompt's last logits only
         cache = getattr(first, "cache", None) or getattr(first, "past_key_values", None)
         if cache is None:
             raise ConfigError(f"{type(model).__name__} returned no KV cache: its draws cannot be checked")
         last = first.logits[:, -1:].float()
-        cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        vocab = int(last.shape[-1])
-        samples = list(group.samples)
-        width = max(len(s.tokens) for s in samples)
-        rows = max(1, MAX_LOGITS // max(1, width * vocab))
-        for a in range(0, len(samples), rows):
-            chunk = samples[a : a + rows]
-            n = len(chunk)
-            ids = torch.full((n, width), pad_id, dtype=torch.long)
-            attn = torch.zeros((n, len(prompt) + width), dtype=torch.long)
-            attn[:, : len(prompt)] = 1
-            for i, s in enumerate(chunk):  # right-padded: real tokens keep their positions
-                ids[i, : len(s.tokens)] = torch.tensor(s.tokens, dtype=torch.long)
-                attn[i, len(prompt) : len(prompt) + len(s.tokens)] = 1
+    for a in range(0, n, rows):
+        chunk = completions[a : a + rows]
+        k = len(chunk)
+        head = 0 if shared else plen
+        ids = torch.full((k, head + width), pad_id, dtype=torch.long)
+        attn = torch.zeros((k, plen + width), dtype=torch.long)
+        attn[:, :plen] = 1
+        if not shared:
+            ids[:, :plen] = torch.tensor(prompt, dtype=torch.long)
+        for i, c in enumerate(chunk):  # right-padded: real tokens keep their positions
+            ids[i, head : head + len(c)] = torch.tensor(c, dtype=torch.long)
+            attn[i, plen : plen + len(c)] = 1
+        if shared:
             kv = copy.deepcopy(cache)
-            kv.batch_repeat_interleave(n)
+            kv.batch_repeat_interleave(k)  # pyright: ignore[reportOptionalMemberAccess]  (set when shared)
             logits = model(ids.to(dev), attention_mask=attn.to(dev), use_cache=True, **{cache_arg: kv}).logits
-            # position j of `full` predicts completion token j (position 0: the prompt's last logits)
-            full = torch.cat([last.expand(n, 1, -1), logits[:, :-1].float()], dim=1)
-            for i, s in enumerate(chunk):
-                at = [j for j, m in enumerate(s.loss_mask) if m]
-                index = a + i
-                seed = sample_seed(
-                    group.run_id, key, group.worker_id, group.task_id, group.policy_version, group.seq, index
-                )
-                if not at:
-                    out.append(np.zeros(0))
-                    continue
-                logp = sampling_logprobs(full[i, at], group.temperature, group.top_k, group.top_p)
-                out.append(_interval_distance(logp, [s.tokens[j] for j in at], uniforms(seed, len(at))))
-    return out
+            yield a, torch.cat([last.expand(k, 1, -1), logits[:, :-1].float()], dim=1)  # pyright: ignore[reportOptionalMemberAccess]
+        else:
+            logits = model(ids.to(dev), attention_mask=attn.to(dev)).logits
+            yield a, logits[:, plen - 1 : plen - 1 + width].float()
 
 
 def _interval_distance(logp: torch.Tensor, tokens: list[int], u: np.ndarray) -> np.ndarray:
