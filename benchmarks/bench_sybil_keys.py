@@ -7,10 +7,12 @@ cursor that every checkpoint persists. This replays, for N fresh keys, exactly t
 `Ingestor._admit` and `Ingestor.load` make for one rejected seeded group (the name's binding, the samples
 scored, the drop reason against the key, the rejection of its object key), through the real `Ingestor`,
 `KeyLedger` and `WindowListings`, and measures the Python heap they hold (tracemalloc) and the cursor's
-JSON size, at several N in one process. The signature check and the draw check's forward are left out: they
+JSON size, at several N in one process (keys without standing are evicted past `KeyLedger.max_new_keys`,
+10,000; `--max-new-keys 1000000` shows the books without eviction). The signature check and the draw check's forward are left out: they
 cost time per group, not state.
 
-    python benchmarks/bench_sybil_keys.py                 # N = 1,000, 10,000, 100,000
+    python benchmarks/bench_sybil_keys.py                              # N = 1,000, 10,000, 100,000
+    python benchmarks/bench_sybil_keys.py --max-new-keys 1000000       # the same without eviction
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--keys", default="1000,10000,100000")
     p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-keys", type=int, default=None, help="KeyLedger.max_new_keys (default: pnyx's)")
     args = p.parse_args()
 
     import hashlib
@@ -46,6 +49,8 @@ def main() -> None:
         gc.collect()
         tracemalloc.start()
         ing = Ingestor(open_store("memory://"), get_env("arith"), detokenize=lambda ids: "")
+        if args.max_new_keys is not None:
+            ing.ledger.max_new_keys = args.max_new_keys
         base = tracemalloc.get_traced_memory()[0]
         t0 = time.perf_counter()
         for i in range(n):

@@ -130,7 +130,13 @@ def _account(store, fleet: Fleet, proxy) -> dict[str, int]:
     assert len(consumed) == len(set(consumed)), "a group was consumed twice"
     assert set(consumed) <= uploaded
     cursor = Cursor.from_json(checkpointer.read_commit(store, STEPS).cursor.encode())
-    assert cursor.drops == read_metrics(store)[-1]["drops"]
+    # the last metrics line and the checkpoint's cursor are taken moments apart: the prefetcher's sweep may
+    # count a group of a version that just left the window `stale` in between, nothing else
+    last = read_metrics(store)[-1]["drops"]
+    assert {k: v for k, v in cursor.drops.items() if k != "stale"} == {
+        k: v for k, v in last.items() if k != "stale"
+    }
+    assert last.get("stale", 0) <= cursor.drops.get("stale", 0) <= last.get("stale", 0) + 8
     # a group the step's checks removed from the update (`implausible`, `logprob_gap`) is consumed (in its
     # batch record) and dropped (in `drops`, by reason): count it once
     in_steps = sum(sum(m.get("rejected", {}).values()) for m in read_metrics(store))

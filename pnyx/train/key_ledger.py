@@ -9,6 +9,16 @@ limit (`check_flood`); then its fetched groups and the listed keys of the names 
 `quarantined` through the listing (`WindowListings.reject`: counted, never downloaded). It is the listing's
 `KeyGate` (`quarantined_name`, `check_flood`) and reports per key (`key_report`).
 
+Bounded under Sybils: a key *has standing* once it is trusted, quarantined, or has had `STANDING` groups
+trained on. Keys without standing (a Sybil's fresh key per group, a new worker's first groups) are kept at
+most `MAX_NEW_KEYS` at a time: past that, the oldest of them are evicted in a batch (`_evict`): their
+counters are added to the aggregate `EVICTED` entry of `Cursor.by_key`, and their evidence, their names'
+bindings and per-name counters are forgotten. So the cursor holds O(keys with standing + MAX_NEW_KEYS)
+whatever number of keys a Sybil invents (`benchmarks/bench_sybil_keys.py`). What eviction gives up: an
+evicted key starts afresh if it comes back (its few faults forgotten; it never reached `quarantine_min`
+with them unless it was quarantined, and a quarantined key is never evicted), and a name bound to an
+evicted key can be bound again.
+
 Reads no record and does no I/O. Methods run under the lock it is given (the ingestor's; the caller holds it,
 or the method takes it where it says so). Knows nothing about torch, the store or how groups are ranked.
 """
@@ -26,6 +36,13 @@ from pnyx.train.rescore import REWARD_TOL, ScoredGroup
 
 log = logging.getLogger("pnyx.train.ingest")
 
+STANDING = 4
+"""Groups of a key trained on (`Cursor.by_key[fp]["groups"]`) from which it is never evicted."""
+MAX_NEW_KEYS = 10_000
+"""Keys without standing kept in the cursor at most; past it the oldest tenth is evicted."""
+EVICTED = "(evicted)"
+"""The `Cursor.by_key` entry that sums the counters of every evicted key."""
+
 
 class KeyLedger:
     """The books per signing key and quarantine (see the module docstring)."""
@@ -38,6 +55,11 @@ class KeyLedger:
         quarantine; a quarantined key's fetched groups (`ready`) are rejected."""
         self._in_flight = in_flight  # keys being fetched now: judged when they land, not purged
         self._holding = False  # inside `holding_quarantine`: a fault quarantines no key until its end
+        self.max_new_keys = MAX_NEW_KEYS
+        """Keys without standing kept at most (see the module docstring)."""
+        self._standing = 0  # keys with standing at the last eviction (they never count against the cap)
+        self.evicted = 0
+        """Keys evicted by this process."""
 
     @contextmanager
     def holding_quarantine(self) -> Iterator[None]:
@@ -66,10 +88,47 @@ class KeyLedger:
         """Add `n` to key `fingerprint`'s counter `what` ("": unsigned, not counted); a fault may quarantine
         the key (caller holds the lock)."""
         if fingerprint:
-            counts = self.shared.cursor.by_key.setdefault(fingerprint, {})
+            by_key = self.shared.cursor.by_key
+            counts = by_key.get(fingerprint)
+            if counts is None:
+                counts = by_key[fingerprint] = {}
+                if len(by_key) > self.max_new_keys + self._standing:
+                    self._evict()
             counts[what] = counts.get(what, 0) + n
             if what in FAULTS and not self._holding:
                 self.check_quarantine(fingerprint)
+
+    def _has_standing(self, fp: str, counts: dict[str, int]) -> bool:
+        cursor, settings = self.shared.cursor, self.shared.settings
+        return (
+            fp == EVICTED
+            or counts.get("groups", 0) >= STANDING
+            or fp in cursor.quarantined
+            or fp in settings.trusted_keys
+        )
+
+    def _evict(self) -> None:
+        """Evict the oldest tenth of the keys without standing, when there are more than `max_new_keys`
+        (see the module docstring; caller holds the lock). Amortised: O(keys + names) per eviction of
+        `max_new_keys / 10` keys."""
+        cursor = self.shared.cursor
+        new = [fp for fp, c in cursor.by_key.items() if not self._has_standing(fp, c)]
+        self._standing = len(cursor.by_key) - len(new)
+        if len(new) <= self.max_new_keys:
+            return
+        gone = set(new[: max(1, self.max_new_keys // 10)])  # dicts keep insertion order: the oldest first
+        total = cursor.by_key.setdefault(EVICTED, {})
+        for fp in gone:
+            for what, n in cursor.by_key.pop(fp).items():
+                total[what] = total.get(what, 0) + n
+            cursor.evidence.pop(fp, None)
+        total["keys"] = total.get("keys", 0) + len(gone)
+        for name in [n for n, fp in cursor.keys.items() if fp in gone]:
+            del cursor.keys[name]
+            cursor.scored.pop(name, None)
+            cursor.disagreements.pop(name, None)
+        self.evicted += len(gone)
+        log.info("ingest: %d keys without standing evicted from the books (%d so far)", len(gone), self.evicted)
 
     def check_quarantine(self, fp: str) -> None:
         """Quarantine `fp` if its counters or evidence cross the settings' rates (caller holds the lock)."""
