@@ -6,7 +6,8 @@ downloads binds the name to the key, and its drop is booked against the key and 
 cursor that every checkpoint persists. This replays, for N fresh keys, exactly the bookkeeping calls
 `Ingestor._admit` and `Ingestor.load` make for one rejected seeded group (the name's binding, the samples
 scored, the drop reason against the key, the rejection of its object key), through the real `Ingestor`,
-`KeyLedger` and `WindowListings`, and measures the Python heap they hold (tracemalloc) and the cursor's
+`KeyLedger` and `WindowListings` (`--per-version` groups per policy version; a rejected object key is
+forgotten once its version leaves the staleness window, as the trainer's sweep does), and measures the Python heap they hold (tracemalloc) and the cursor's
 JSON size, at several N in one process (keys without standing are evicted past `KeyLedger.max_new_keys`,
 10,000; `--max-new-keys 1000000` shows the books without eviction). The signature check and the draw check's forward are left out: they
 cost time per group, not state.
@@ -32,6 +33,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--keys", default="1000,10000,100000")
     p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--per-version", type=int, default=1000, help="Sybil groups uploaded per policy version")
+    p.add_argument("--window", type=int, default=4, help="versions a rejected key stays in the cursor")
     p.add_argument("--max-new-keys", type=int, default=None, help="KeyLedger.max_new_keys (default: pnyx's)")
     args = p.parse_args()
 
@@ -53,10 +56,16 @@ def main() -> None:
             ing.ledger.max_new_keys = args.max_new_keys
         base = tracemalloc.get_traced_memory()[0]
         t0 = time.perf_counter()
+        window: dict[int, list[str]] = {}
         for i in range(n):
             fp = hashlib.sha256(i.to_bytes(8, "big")).hexdigest()[:32]
             name = f"sybil-{fp[:12]}"
-            key = layout.rollout_key(5, name, 0)
+            version = i // args.per_version
+            key = layout.rollout_key(version, name, 0)
+            window.setdefault(version, []).append(key)
+            for old in [v for v in window if v < version - args.window]:  # what the sweep forgets
+                for k in window.pop(old):
+                    ing.cursor.rejected.pop(k, None)
             with ing.shared.lock:  # what one rejected group of a fresh key books (`_admit`, `load`)
                 ing.cursor.keys[name] = fp
                 ing.ledger.bind(name, fp)
