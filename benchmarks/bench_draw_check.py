@@ -60,7 +60,6 @@ def main() -> None:
     from pnyx.envs import get_env
     from pnyx.models import load_tokenizer
     from pnyx.models.source import resolve_run_model
-    from pnyx.protocol import layout
     from pnyx.protocol.codec import encode_group
     from pnyx.protocol.runfile import read_run
     from pnyx.rollout.cohort import CohortSpec, generate_cohort
@@ -70,6 +69,7 @@ def main() -> None:
     from pnyx.train.drawcheck import DrawCheck
     from pnyx.train.published import PublishedModel
     from pnyx.weights import Syncer
+    from pnyx.weights.manifest import latest_version
     from pnyx.weights.trust import run_verifier
 
     torch.set_num_threads(args.threads)
@@ -90,9 +90,7 @@ def main() -> None:
     key = Signer(Ed25519PrivateKey.generate()).fingerprint  # a worker's key: its draws are bound to it
     versions = [int(x) for x in args.versions.split(",")]
     stale = [int(x) for x in args.staleness.split(",")]
-    newest = (
-        max(m for m in range(max(versions) + 4) if store.exists(layout.manifest_key(m))) if versions else 0
-    )
+    newest = latest_version(store, trust) or 0
 
     def words(ids: list[int]) -> str:
         return tok.decode(ids, skip_special_tokens=True)
