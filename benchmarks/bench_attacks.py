@@ -21,6 +21,10 @@ cursor: rejected with a reason, trained on, stale, or still waiting at the end.
   it stays at or above 99%;
 - poisoner: the share of the trained model's held-out samples that carry the payload (none at v0), with
   the defences and without (`poisoner_undefended`: every check, quarantine, share cap and flood limit off);
+- cherry-pickers (issue #25; honest samples, chosen to favour short answers): `cherry_within` re-assembles
+  honest draws into a chosen group, `cherry_whole` uploads only the whole groups that favour short answers,
+  `sybil_cherry` is the within-group picker with a fresh key per group; the harm is the held-out answers'
+  length after `--poison-steps`, beside the same arm undefended (`cherry_*_undefended`) and `none`;
 - the flooder uploads `--flood` groups per step (over the run's flood limit), the `eager` control 8 x
   `--hostile` (under it: not an attack, it shows the fair share); the Sybil is a copier, a reward liar and
   a poisoner in turn with a fresh key per group, the Sybil temperature liar apart (the statistical attack
@@ -53,7 +57,11 @@ sys.path.insert(0, str(REPO))
 ARMS = [
     "none", "copier", "temperature_liar", "reward_liar", "replayer", "flooder", "eager", "id_thief",
     "weight_forger", "fork_squatter", "sybil", "sybil_temperature_liar", "poisoner",
+    "cherry_within", "sybil_cherry", "cherry_whole",
 ]  # fmt: skip
+HARM_ARMS = ("poisoner", "cherry_within", "cherry_whole")
+"""Arms run for `--poison-steps` beside an undefended twin (`<arm>_undefended`: the checks off), so the
+attack's harm shows: the payload rate (poisoner), the held-out answers' length (cherry-pickers)."""
 NOT_ATTACKS = {"eager": "not an attack: honest content under the flood limit, held to a fair share"}
 """Arms that show a limit, not a detection: their groups are not expected to be rejected."""
 CHECK_SWITCHES = (
@@ -73,6 +81,8 @@ def defences_off() -> dict[str, Any]:
     off: dict[str, Any] = {n: None for n in CHECK_SWITCHES if n in SecurityConfig.model_fields}
     if off and "reject_reward_lies" in SecurityConfig.model_fields:
         off["reject_reward_lies"] = False
+    if off and "seeded_draws" in SecurityConfig.model_fields:
+        off["seeded_draws"] = False
     return {"security": off} if off else {}
 
 
@@ -114,9 +124,11 @@ def evaluation(arena: Any, tasks: int) -> dict[str, Any]:
 
     rep = arena.evaluate(tasks, seed=0, examples=tasks)
     payload = sum(PAYLOAD.strip() in t for t in rep.examples)
+    tokens = [len(arena.tokenizer.encode(t, add_special_tokens=False)) for t in rep.examples]
     return {
         "pass_at_1": rep.pass_at_1, "ci": [rep.ci_low, rep.ci_high], "tasks": rep.tasks,
         "payload": payload, "payload_rate": payload / max(1, len(rep.examples)), "version": arena.trainer.version,
+        "mean_tokens": sum(tokens) / max(1, len(tokens)),
     }  # fmt: skip
 
 
@@ -140,6 +152,11 @@ def attacker(name: str, arena: Any) -> Any:
         "sybil_temperature_liar": lambda: A.Sybil("sybil-t", source=name, inner="temperature_liar"),
         "poisoner": lambda: A.Poisoner("poisoner", source=name),
         "poisoner_undefended": lambda: A.Poisoner("poisoner", source=name),
+        "cherry_within": lambda: A.CherryPicker("picker", source=name, form="within"),
+        "cherry_within_undefended": lambda: A.CherryPicker("picker", source=name, form="within"),
+        "cherry_whole": lambda: A.CherryPicker("picker-w", source=name, form="whole"),
+        "cherry_whole_undefended": lambda: A.CherryPicker("picker-w", source=name, form="whole"),
+        "sybil_cherry": lambda: A.Sybil("sybil-p", source=name, inner="cherry_picker"),
     }[name]()
 
 
@@ -178,7 +195,7 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from pnyx_harness.attacks import HonestWorker
 
     overrides: dict[str, Any] = {"trainer": {"groups_per_step": 8}}
-    if name == "poisoner_undefended":
+    if name.endswith("_undefended"):
         overrides = {**overrides, **defences_off()}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"bench-attacks-{name}-") as root:
@@ -190,7 +207,7 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
             before = evaluation(arena, args.eval_tasks)
             served_trainer = True
             steps, hostile_n = args.steps, args.hostile
-            if name.startswith("poisoner"):
+            if name.removesuffix("_undefended") in HARM_ARMS:
                 steps, hostile_n = args.poison_steps or args.steps, args.poison or args.hostile
             elif name == "flooder":
                 hostile_n = args.flood
@@ -386,8 +403,8 @@ def main() -> None:
               f" (doubled: {res['doubled']}); hostile verdicts {res['hostile']}; {res['seconds']} s")  # fmt: skip
         return
     arms = [a for a in args.arms.split(",") if a]
-    if defences_off() and "poisoner" in arms:
-        arms.append("poisoner_undefended")
+    if defences_off():
+        arms += [f"{a}_undefended" for a in HARM_ARMS if a in arms and f"{a}_undefended" not in arms]
     results = []
     for name in arms:
         path = out / f"{name}.json"
@@ -419,6 +436,10 @@ def main() -> None:
             a = r["after"]
             print(f"payload in held-out samples, {r['arm']}: v0 {r['before']['payload']}/{r['before']['tasks']}, "
                   f"v{a['version']} {a['payload']}/{a['tasks']} ({100 * a['payload_rate']:.1f}%)")  # fmt: skip
+        if (r["arm"].startswith("cherry") or r["arm"] == "none") and "mean_tokens" in r["after"]:
+            b, a = r["before"], r["after"]
+            print(f"held-out answer length, {r['arm']}: v0 {b['mean_tokens']:.2f} tokens, "
+                  f"v{a['version']} {a['mean_tokens']:.2f} (pass@1 {a['pass_at_1']:.3f})")  # fmt: skip
     if not defences_off():
         print("(no switch turns the trainer's content checks off on this build: defended = undefended)")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -234,9 +234,10 @@ class SecurityConfig(_Section):
     checked, chosen by a hash of the group's key: your own workers are not attackers, and a mismatch there
     means an engine bug (a warning). Untrusted keys have every group checked. 1: check every group."""
     accept_unseeded: bool = False
-    """Take groups without seeded draws (the vLLM engine, whose sampler draws its own uniforms; workers
-    older than seeded draws), judged by the statistical checks only: a temperature liar with a fresh key per
-    group then passes them (docs/security.md). False: such groups are dropped (`unseeded`, a fault)."""
+    """Take groups without seeded draws from untrusted keys (the vLLM engine, whose sampler draws its own
+    uniforms; workers older than seeded draws), judged by the statistical checks only: a temperature liar
+    with a fresh key per group then passes them (docs/security.md). False: such groups are dropped
+    (`unseeded`, a fault). A trusted key's unseeded groups are always taken (your own vLLM workers)."""
     rejudge: bool = True
     """A group the step's checks would drop is judged again under the exact published weights of the
     version it claims (a second fp32 copy of the model, built at the first need; `pnyx.train.rejudge`),

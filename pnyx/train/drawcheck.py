@@ -43,6 +43,9 @@ TOLERANCE = 1e-3
 """Default largest distance of an honest token (`security.draw_tolerance`); see docs/security.md."""
 MAX_LOGITS = 32 * 1024 * 1024
 """Rows x positions x vocabulary of one forward's logits (float32: 128 MB); larger groups run in chunks."""
+THREADS = 1
+"""The check's forward runs on one thread: it runs beside the step, whose own threads already fill the
+cores (two forwards with torch's full count each oversubscribe them)."""
 CALL_TOKENS = 256
 """The prompt's KV cache is shared over the rows only if that saves more than this many token positions (a
 second forward call and copying the cache cost about that much on a small model)."""
@@ -165,6 +168,8 @@ class DrawCheck:
         self.stats = DrawStats()
         self._lock = threading.Lock()  # checks run in several ingestion threads
         self._closed = False
+        self.threads: int | None = THREADS
+        """Intra-op threads of the check's forward, in the ingestion thread that runs it (None: torch's)."""
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Refuse new checks and wait (at most `timeout_s` per model) for the one in flight: a forward that is
@@ -181,6 +186,8 @@ class DrawCheck:
             return self._count(UNSEEDED, 0, 0.0, None)
         if self._closed:
             return UNVERIFIABLE  # the trainer is stopping: the group is not filed anyway
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)  # this thread's (OpenMP's count is per thread): not the step's
         t0 = time.perf_counter()
         try:
             d = self._distances(group, key)
