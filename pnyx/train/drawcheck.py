@@ -187,7 +187,9 @@ class DrawCheck:
         if self._closed:
             return UNVERIFIABLE  # the trainer is stopping: the group is not filed anyway
         if self.threads is not None:
-            torch.set_num_threads(self.threads)  # this thread's (OpenMP's count is per thread): not the step's
+            torch.set_num_threads(
+                self.threads
+            )  # this thread's (OpenMP's count is per thread): not the step's
         t0 = time.perf_counter()
         try:
             d = self._distances(group, key)

@@ -128,7 +128,9 @@ class KeyLedger:
             cursor.scored.pop(name, None)
             cursor.disagreements.pop(name, None)
         self.evicted += len(gone)
-        log.info("ingest: %d keys without standing evicted from the books (%d so far)", len(gone), self.evicted)
+        log.info(
+            "ingest: %d keys without standing evicted from the books (%d so far)", len(gone), self.evicted
+        )
 
     def check_quarantine(self, fp: str) -> None:
         """Quarantine `fp` if its counters or evidence cross the settings' rates (caller holds the lock)."""
