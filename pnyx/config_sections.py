@@ -229,10 +229,11 @@ class SecurityConfig(_Section):
     draw_tolerance: Annotated[float, Field(ge=0, lt=0.5)] = 1e-3
     """The largest distance of a token's uniform from its CDF interval that still passes: room for engines'
     rounding at an interval's edge (honest tokens measured at exactly 0 on torch and MLX workers)."""
-    trusted_draw_share: Prob = 0.125
+    trusted_draw_share: Prob = 1 / 32
     """The share of a trusted key's groups (`trusted_keys`, `pnyx run`'s local workers) whose draws are
     checked, chosen by a hash of the group's key: your own workers are not attackers, and a mismatch there
-    means an engine bug (a warning). Untrusted keys have every group checked. 1: check every group."""
+    means an engine bug (a warning). Untrusted keys have every group checked. 1: check every group. The
+    default keeps the check under 3% of a default `pnyx run`'s time (1/8 cost 7.5%: BENCHMARKS.md)."""
     accept_unseeded: bool = False
     """Take groups without seeded draws from untrusted keys (the vLLM engine, whose sampler draws its own
     uniforms; workers older than seeded draws), judged by the statistical checks only: a temperature liar
