@@ -186,16 +186,19 @@ class DrawCheck:
             return self._count(UNSEEDED, 0, 0.0, None)
         if self._closed:
             return UNVERIFIABLE  # the trainer is stopping: the group is not filed anyway
-        if self.threads is not None:
-            torch.set_num_threads(
-                self.threads
-            )  # this thread's (OpenMP's count is per thread): not the step's
+        before = torch.get_num_threads()
+        if (
+            self.threads is not None
+        ):  # the calling thread's count (OpenMP keeps one per thread): not the step's
+            torch.set_num_threads(self.threads)
         t0 = time.perf_counter()
         try:
             d = self._distances(group, key)
         except PnyxError as e:  # fail-closed: never passed unchecked; not blamed on the key either
             log.warning("trainer: cannot check the draws of a v%d group (%s)", group.policy_version, e)
             return self._count(UNVERIFIABLE, 0, time.perf_counter() - t0, None)
+        finally:
+            torch.set_num_threads(before)
         worst = max((float(x.max()) for x in d if x.size), default=0.0)
         tokens = sum(x.size for x in d)
         reason = MISMATCH if worst > self.tolerance else None
