@@ -238,3 +238,46 @@ def test_tool_tokens_take_no_uniform_and_turns_continue_the_stream(run, name):
     check = _checker(run)
     assert check.check(group, key) is None
     assert check.stats.tokens == sum(sum(e.loss_mask) for e in episodes)
+
+
+def test_the_trainer_checks_every_untrusted_group_and_a_share_of_a_trusted_keys():
+    """The ingestion hook: every seeded group of an untrusted key is checked; a trusted key's (your own
+    workers) only `trusted_share` of them, chosen by the group key's hash; an unseeded group of a trusted key
+    is taken, of an untrusted one checked (and dropped as `unseeded`) unless `accept_unseeded`."""
+    from types import SimpleNamespace
+
+    from pnyx.envs import get_env
+    from pnyx.store import open_store
+    from pnyx.train.drawcheck import DrawCheck
+    from pnyx.train.ingest import Ingestor
+    from pnyx.train.ingest_state import IngestSettings
+    from pnyx.train.trainer_setup import _draw_hook
+
+    class Recorded(DrawCheck):
+        def __init__(self):
+            super().__init__({})
+            self.seen: list[str] = []
+
+        def check(self, group, key, staleness=None):
+            self.seen.append(group.task_id)
+            return None if group.draws else "unseeded"
+
+    ing = Ingestor(open_store("memory://"), get_env("arith"), detokenize=lambda ids: "",
+                   settings=IngestSettings(trusted_keys=frozenset({"mine"})))  # fmt: skip
+
+    def group(i: int, signer: str, draws: str = SCHEME):
+        return SimpleNamespace(key=f"rollouts/v1/w-{i}", version=1, signer=signer,
+                               group=SimpleNamespace(draws=draws, task_id=f"{signer}-{i}-{draws}"))  # fmt: skip
+
+    check = Recorded()
+    hook = _draw_hook(check, ing, accept_unseeded=False, trusted_share=1 / 32)
+    assert all(hook(group(i, "stranger")) is None for i in range(200))
+    assert len(check.seen) == 200  # every untrusted seeded group
+    check.seen.clear()
+    assert all(hook(group(i, "mine")) is None for i in range(3200))
+    assert 50 <= len(check.seen) <= 150  # about 1/32 of 3,200, the same ones on every run (a hash)
+    assert hook(group(0, "mine", draws="")) is None  # your own vLLM worker
+    assert hook(group(0, "stranger", draws="")) == "unseeded"
+    assert (
+        _draw_hook(check, ing, accept_unseeded=True, trusted_share=1 / 32)(group(1, "stranger", "")) is None
+    )
