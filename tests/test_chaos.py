@@ -177,7 +177,9 @@ def _account(store, fleet: Fleet, proxy) -> dict[str, int]:
             int(p.name.split("-")[-1].split(".")[0]) for p in fleet.spool.glob(f"*/{name}/*.grp")
         }  # fmt: skip
         seen = stored | expired | spooled | skipped
-        assert stored and not stored & expired and not stored & skipped
+        # (a skipped seq may be in the store too: a killed life's reserved, never uploaded seqs are reused by
+        # the next life, which resumes after the highest seq it finds)
+        assert stored and not stored & expired
         assert seen == set(range(max(seen) + 1)), (
             f"{name}: seqs missing: {sorted(set(range(max(seen) + 1)) - seen)}"
         )
