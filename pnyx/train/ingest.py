@@ -71,12 +71,12 @@ from pnyx.security.calibration import Allowances, ProbeRow
 from pnyx.security.keys import fingerprint
 from pnyx.store import Store
 from pnyx.train.ingest_state import Cursor, IngestSettings
-from pnyx.train.key_ledger import KeyLedger
+from pnyx.train.key_ledger import KeyLedger, id_theft
 from pnyx.train.listing import SWEEP_GRACE_S, Shared, WindowListings
 from pnyx.train.planner import BatchPlanner
 from pnyx.train.pool import DaemonPool
 from pnyx.train.ranking import Plan
-from pnyx.train.rescore import REWARD_TOL, ScoredGroup, check_sampling, rescore
+from pnyx.train.rescore import ScoredGroup, check_sampling, decode_record, disagreements, rescore
 
 log = logging.getLogger("pnyx.train.ingest")
 
@@ -84,25 +84,6 @@ FETCH_WORKERS = 16
 """Parallel GETs (and re-scores) of one trainer."""
 OUTCOMES = 256
 """How many recent admissions the survival rate and the zero-variance share are measured over."""
-
-
-def _lies(g: ScoredGroup) -> bool:
-    """Some sample's claimed reward differs from the trainer's re-score."""
-    return any(abs(a - b) > REWARD_TOL for a, b in zip(g.worker_rewards, g.rewards, strict=True))
-
-
-def _theft(worker: str, bound: str, fp: str) -> RecordRejected:
-    e = RecordRejected(
-        "id_theft", f"worker name {worker!r} is bound to key {bound}, this group is signed by {fp}"
-    )
-    e.signer = fp
-    return e
-
-
-def _default_decode(data: bytes, vocab_size: int | None) -> RolloutGroup:
-    from pnyx.protocol.codec import decode_group
-
-    return decode_group(data, vocab_size=vocab_size)
 
 
 class Ingestor:
@@ -127,7 +108,7 @@ class Ingestor:
         vocab_size: int | None = None,
         render: Callable[[Prompt], list[int]] | None = None,
         expected_digest: Callable[[int], frozenset[str] | None] | None = None,
-        decode: Callable[[bytes, int | None], RolloutGroup] = _default_decode,
+        decode: Callable[[bytes, int | None], RolloutGroup] = decode_record,
         fetch_workers: int = FETCH_WORKERS,
         sweep_grace_s: float = SWEEP_GRACE_S,
         require_signatures: bool = False,
@@ -208,13 +189,7 @@ class Ingestor:
         finally:
             with self.shared.lock:
                 self.fetched += 1
-        verdict = None
-        if (
-            self.check_draws is not None
-            and not is_zero_variance(scored.rewards)
-            and not (self.settings.reject_reward_lies and _lies(scored))
-        ):  # a group dropped anyway is not worth a forward
-            verdict = self.check_draws(scored)
+        drop = self._dropped(scored)  # outside the lock: the draw check runs a forward
         with self.shared.lock:
             if (
                 self._closed.is_set()
@@ -229,29 +204,32 @@ class Ingestor:
                 self.listing.reject(key, "quarantined")
                 self.ledger.count_key(scored.signer, "quarantined")
                 return
-            if self.settings.reject_reward_lies and _lies(scored):
-                self.ledger.count_scored(
-                    scored
-                )  # its samples, disagreements and the key's `reward_lie` fault
-                self.ledger.count_key(scored.signer, "lie_dropped")  # ...and its outcome (checks.JUDGED)
-                self.listing.reject(key, "reward_lie")
-                self._outcomes.append("reward_lie")
-                return
-            if is_zero_variance(scored.rewards):
-                self.ledger.count_scored(scored)
-                self.ledger.count_key(scored.signer, "zero_variance")
-                self.listing.reject(key, "zero_variance")
-                r = scored.rewards[0]
-                self._outcomes.append("zv_hard" if r <= 0 else "zv_easy" if r >= 1 else "zv_flat")
-                return
-            if verdict is not None:
-                self.ledger.count_scored(scored)
-                self.listing.reject(key, verdict)
-                self.ledger.count_key(scored.signer, verdict)
-                self._outcomes.append(verdict)
+            if drop is not None:
+                counter, reason, outcome = drop
+                self.ledger.count_scored(scored)  # its samples, disagreements (a `reward_lie` fault)...
+                self.ledger.count_key(scored.signer, counter)  # ...and its outcome (checks.JUDGED)
+                self.listing.reject(key, reason)
+                self._outcomes.append(outcome)
                 return
             self._outcomes.append("ok")
             self.shared.ready[key] = scored
+
+    def _dropped(self, scored: ScoredGroup) -> tuple[str, str, str] | None:
+        """(the key's counter, the rejection reason, the outcome) of a group dropped before any step, in this
+        order: a reward lie (`security.reject_reward_lies`), zero variance, then the check of seeded draws
+        (`check_draws`: a group dropped anyway is not worth its forward); None: ready."""
+        if self.settings.reject_reward_lies and disagreements(scored):
+            return "lie_dropped", "reward_lie", "reward_lie"
+        if is_zero_variance(scored.rewards):
+            r = scored.rewards[0]
+            return (
+                "zero_variance",
+                "zero_variance",
+                "zv_hard" if r <= 0 else "zv_easy" if r >= 1 else "zv_flat",
+            )
+        if self.check_draws is not None and (reason := self.check_draws(scored)) is not None:
+            return reason, reason, reason
+        return None
 
     def cursor_json(self) -> bytes:
         """The cursor as JSON, taken under the lock (background fetches keep filing results meanwhile)."""
@@ -353,7 +331,7 @@ class Ingestor:
                     bound = self.cursor.keys[parsed[1]] = signer
                     self.ledger.bind(parsed[1], signer)
             if bound != signer:
-                raise _theft(parsed[1], bound, signer)
+                raise id_theft(parsed[1], bound, signer)
         return scored
 
     def _signer_of(self, worker: str, data: bytes) -> str:
@@ -370,7 +348,7 @@ class Ingestor:
                 e.signer = fp
                 raise e
         if bound is not None and bound != fp:
-            raise _theft(worker, bound, fp)
+            raise id_theft(worker, bound, fp)
         return fp
 
     def load_many(self, keys: list[str]) -> list[ScoredGroup]:

@@ -30,9 +30,10 @@ from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from pnyx.errors import RecordRejected
 from pnyx.security.checks import FAULTS, quarantine_reason, summary
 from pnyx.train.listing import Shared, WindowListings
-from pnyx.train.rescore import REWARD_TOL, ScoredGroup
+from pnyx.train.rescore import ScoredGroup, disagreements
 
 log = logging.getLogger("pnyx.train.ingest")
 
@@ -42,6 +43,15 @@ MAX_NEW_KEYS = 10_000
 """Keys without standing kept in the cursor at most; past it the oldest tenth is evicted."""
 EVICTED = "(evicted)"
 """The `Cursor.by_key` entry that sums the counters of every evicted key."""
+
+
+def id_theft(worker: str, bound: str, fp: str) -> RecordRejected:
+    """The rejection of a group signed by `fp` under a worker name already bound to key `bound`."""
+    e = RecordRejected(
+        "id_theft", f"worker name {worker!r} is bound to key {bound}, this group is signed by {fp}"
+    )
+    e.signer = fp
+    return e
 
 
 class KeyLedger:
@@ -76,7 +86,7 @@ class KeyLedger:
         (caller holds the lock)."""
         w = g.worker_id
         self.shared.cursor.scored[w] = self.shared.cursor.scored.get(w, 0) + len(g.rewards)
-        bad = sum(abs(a - b) > REWARD_TOL for a, b in zip(g.worker_rewards, g.rewards, strict=True))
+        bad = disagreements(g)
         if bad:
             self.shared.cursor.disagreements[w] = self.shared.cursor.disagreements.get(w, 0) + bad
         self.count_key(g.signer, "scored", len(g.rewards))

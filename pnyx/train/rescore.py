@@ -52,6 +52,18 @@ class ScoredGroup:
         return sum(len(s.tokens) for s in self.group.samples)
 
 
+def decode_record(data: bytes, vocab_size: int | None) -> RolloutGroup:
+    """The group in a rollout object's bytes (`codec.decode_group`: the frame, the schema, the invariants)."""
+    from pnyx.protocol.codec import decode_group
+
+    return decode_group(data, vocab_size=vocab_size)
+
+
+def disagreements(g: ScoredGroup) -> int:
+    """Samples whose claimed reward differs from the trainer's re-score (more than `REWARD_TOL`)."""
+    return sum(abs(a - b) > REWARD_TOL for a, b in zip(g.worker_rewards, g.rewards, strict=True))
+
+
 def rescore(
     key: str,
     group: RolloutGroup,
