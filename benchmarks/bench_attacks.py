@@ -135,6 +135,7 @@ def evaluation(arena: Any, tasks: int) -> dict[str, Any]:
 def attacker(name: str, arena: Any) -> Any:
     """The hostile producer (or weight attacker) of arm `name`."""
     from pnyx_harness import attacks as A
+    from pnyx_harness import weight_attacks as W
 
     return {
         "copier": lambda: A.CopierWorker("copier", source=name),
@@ -144,8 +145,8 @@ def attacker(name: str, arena: Any) -> Any:
         "flooder": lambda: A.Flooder("flood", source=name, names=8),
         "eager": lambda: A.Flooder("eager", source=name, names=8, fresh=16),
         "id_thief": lambda: A.IdThief("thief", source=name, victim="honest-1"),
-        "weight_forger": lambda: A.WeightForger(),
-        "fork_squatter": lambda: A.ForkSquatter(ahead=2),
+        "weight_forger": lambda: W.WeightForger(),
+        "fork_squatter": lambda: W.ForkSquatter(ahead=2),
         "sybil": lambda: [
             A.Sybil("sybil", source=name, inner=i) for i in ("copier", "reward_liar", "poisoner")
         ],

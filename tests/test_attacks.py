@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from pnyx_harness import attacks as A
+from pnyx_harness import weight_attacks as W
 from pnyx_harness.arena import BENIGN, TRAINED, Arena
 
 WHOLE_GROUP_PICKER = (
@@ -72,7 +73,7 @@ def test_replayer_of_another_runs_groups_is_rejected(arena):
 
 def test_weight_forger_is_never_served_by_a_pinned_follower(arena):
     before = arena.follow()
-    forged_key = A.WeightForger().act(arena)
+    forged_key = W.WeightForger().act(arena)
     assert arena.store.exists(forged_key)
     assert arena.follow() == before  # the forged next version is invisible
     honest_round(arena, 4)
@@ -87,7 +88,7 @@ def test_fork_squatter_cannot_block_the_trainer_or_feed_the_follower(arena):
     """Squatted next versions (unsigned name, a made-up signature name, junk at the trainer's payload
     names, a HEAD naming v99999999): the trainer publishes through them and the follower serves its bits."""
     start = arena.trainer.version
-    squatter = A.ForkSquatter(ahead=2)
+    squatter = W.ForkSquatter(ahead=2)
     squatter.act(arena)
     for _ in range(2):
         honest_round(arena, 4)

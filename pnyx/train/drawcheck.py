@@ -21,6 +21,7 @@ ingestion threads, beside the step. Knows nothing about the ledger or the loop.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import logging
 import threading
@@ -109,11 +110,10 @@ def _completion_logits(
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 1 << 17)
     rows = max(1, MAX_LOGITS // max(1, (width + (0 if shared else plen)) * vocab))
     cache = last = None
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    accepted = _forward_parameters(type(model))
+    cache_arg = "cache" if "cache" in accepted else "past_key_values"
     if shared:
-        keep = (
-            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        )
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
         first = model(
             torch.tensor([prompt], device=dev), use_cache=True, **keep
         )  # the prompt's last logits only
@@ -141,6 +141,12 @@ def _completion_logits(
         else:
             logits = model(ids.to(dev), attention_mask=attn.to(dev)).logits
             yield a, logits[:, plen - 1 : plen - 1 + width].float()
+
+
+@functools.cache
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    """The keyword names a model class's `forward` takes (read once per class, not per group)."""
+    return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 def _interval_distance(logp: torch.Tensor, tokens: list[int], u: np.ndarray) -> np.ndarray:
