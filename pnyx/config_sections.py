@@ -222,18 +222,15 @@ class SecurityConfig(_Section):
     seeded_draws: bool = True
     """Check every model token against its seeded draw (docs/security.md, "Seeded draws"): a worker draws
     token t of sample i by inverse CDF from a uniform derived from the run, its key, its id, the task, the
-    version, the group's seq and i (`pnyx.protocol.draws`), and the trainer recomputes the sampling
-    distribution under exactly the published weights of that version (`pnyx.train.drawcheck`, one no-grad
-    forward per group at ingestion). A group with a token its uniform did not draw is dropped
-    (`draw_mismatch`, a fault of its key). False: only the statistical checks below."""
+    version, the group's seq and i (`pnyx.protocol.draws`). The step's own forward gives each token's
+    distance from its draw; a row over `draw_tolerance` there (drift: a stale group was sampled from older
+    weights) is measured again under exactly the published weights of its version (`pnyx.train.drawcheck`),
+    and a group with a token its uniform did not draw is dropped (`draw_mismatch`, a fault of its key).
+    Groups without seeded draws are dropped at ingestion (`unseeded`) unless `accept_unseeded` or from a
+    trusted key. False: only the statistical checks below."""
     draw_tolerance: Annotated[float, Field(ge=0, lt=0.5)] = 1e-3
     """The largest distance of a token's uniform from its CDF interval that still passes: room for engines'
     rounding at an interval's edge (honest tokens measured at exactly 0 on torch and MLX workers)."""
-    trusted_draw_share: Prob = 1 / 32
-    """The share of a trusted key's groups (`trusted_keys`, `pnyx run`'s local workers) whose draws are
-    checked, chosen by a hash of the group's key: your own workers are not attackers, and a mismatch there
-    means an engine bug (a warning). Untrusted keys have every group checked. 1: check every group. The
-    default keeps the check under 3% of a default `pnyx run`'s time (1/8 cost 7.5%: BENCHMARKS.md)."""
     accept_unseeded: bool = False
     """Take groups without seeded draws from untrusted keys (the vLLM engine, whose sampler draws its own
     uniforms; workers older than seeded draws), judged by the statistical checks only: a temperature liar

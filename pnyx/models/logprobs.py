@@ -49,6 +49,10 @@ def sampling_logprobs(
     return F.log_softmax(x, dim=-1)
 
 
+DRAW_CHUNK = 1 << 22
+"""Positions x vocabulary per float64 CDF in `draw_distance` (32 MB)."""
+
+
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
     p = logp.exp()
     return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
@@ -132,7 +136,8 @@ def _chunk_logprobs(
     with_entropy: bool,
     width: int,
     with_var: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    u: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     device = next(model.parameters()).device
     seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
     seq_len = max(len(s) for s in seqs)
@@ -156,7 +161,8 @@ def _chunk_logprobs(
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
     ent = _entropy(logp_all) if with_entropy or with_var else None
     var = _surprise_var(logp_all, ent) if with_var and ent is not None else None
-    return logp, ent, var
+    dist = draw_distance(logp_all, targets, u) if u is not None else None
+    return logp, ent, var, dist
 
 
 class CompletionStats(NamedTuple):
@@ -171,6 +177,8 @@ class CompletionStats(NamedTuple):
     var: torch.Tensor | None
     """[B, T] Var[log p(X_t)] under that distribution (with_var): with H_t, the mean and variance of the
     sampled token's log-probability under honest sampling (the plausibility test, `pnyx.security.checks`)."""
+    draw: torch.Tensor | None = None
+    """[B, T] each token's distance from the draw of its seeded uniform (with `uniforms`; `draw_distance`)."""
 
 
 def completion_logprobs(
@@ -207,9 +215,12 @@ def completion_stats(
     with_entropy: bool = False,
     max_tokens: int | None = None,
     with_var: bool = False,
+    uniforms: list[list[float] | None] | None = None,
 ) -> CompletionStats:
     """`completion_logprobs`, plus (with_var) the variance of log p under the sampling distribution at
-    every position, from the same forward (no gradient flows through the entropy's second moment)."""
+    every position, from the same forward (no gradient flows through the entropy's second moment), and
+    (with `uniforms`: per completion, its seeded uniform at each position, NaN where none; None for a
+    completion without) each token's distance from the draw of its uniform (`draw_distance`)."""
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
     if any(len(p) == 0 for p in prompt_ids):
@@ -223,21 +234,23 @@ def completion_stats(
     for i, c in enumerate(completion_ids):
         mask[i, : len(c)] = True
     mask = mask.to(device)
+    u = _uniform_matrix(uniforms, rows, width) if uniforms is not None else None
     if rows == 0 or width == 0:
         empty = torch.zeros(rows, width, dtype=torch.float32, device=device)
         ent0 = empty.clone() if with_entropy or with_var else None
-        return CompletionStats(empty, mask, ent0, empty.clone() if with_var else None)
+        return CompletionStats(empty, mask, ent0, empty.clone() if with_var else None, None if u is None else empty.clone())
 
     lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
-    parts, ents, vars_ = [], [], []
+    parts, ents, vars_, draws = [], [], [], []
     for a, b in _split_rows(lengths, max_tokens):
-        lp, ent, var = _chunk_logprobs(
+        lp, ent, var, dist = _chunk_logprobs(
             model, prompt_ids[a:b], completion_ids[a:b], temperature, top_k, top_p, with_entropy, width,
-            with_var,
+            with_var, None if u is None else u[a:b],
         )  # fmt: skip
         parts.append(lp)
         ents.append(ent)
         vars_.append(var)
+        draws.append(dist)
     logp = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
     logp = logp.masked_fill(~mask, 0.0)
     entropy = var_out = None
@@ -247,4 +260,48 @@ def completion_stats(
     if with_var:
         var_out = torch.cat(vars_, 0) if len(vars_) > 1 else vars_[0]
         var_out = var_out.masked_fill(~mask, 0.0)
-    return CompletionStats(logp, mask, entropy, var_out)
+    draw = None
+    if u is not None:
+        draw = torch.cat(draws, 0) if len(draws) > 1 else draws[0]
+        draw = draw.masked_fill(~mask, 0.0)
+    return CompletionStats(logp, mask, entropy, var_out, draw)
+
+
+def _uniform_matrix(uniforms: list[list[float] | None], rows: int, width: int) -> torch.Tensor:
+    """[rows, width] float64 of the completions' uniforms, NaN where a position has none."""
+    if len(uniforms) != rows:
+        raise ValueError(f"{rows} completions but {len(uniforms)} uniform rows")
+    u = torch.full((rows, width), float("nan"), dtype=torch.float64)
+    for i, row in enumerate(uniforms):
+        if row:
+            u[i, : len(row)] = torch.tensor(row, dtype=torch.float64)
+    return u
+
+
+def draw_distance(logp: torch.Tensor, tokens: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per position, how far uniform `u` lies outside its token's interval [F(y-1), F(y)) of the
+    vocabulary-order CDF of the sampling distribution `logp` [..., V] (`sampling_logprobs`): 0 when the
+    token is the draw of its uniform (inverse-CDF sampling, `pnyx.protocol.draws`), and 0 where `u` is NaN
+    (a position without a uniform: a tool token, padding). `tokens` and `u` are [...]. The CDF is summed
+    in float64 (float32 would move an edge by ~1e-5 at V = 49152), over `DRAW_CHUNK` positions at a time,
+    and only where there is a uniform. No gradient."""
+    with torch.no_grad():
+        out = torch.zeros(u.shape, dtype=torch.float32, device=logp.device)
+        uu = u.to(device=logp.device, dtype=torch.float64)
+        at = ~torch.isnan(uu)
+        if not bool(at.any()):
+            return out
+        rows, ys, us = logp.detach()[at], tokens[at][:, None], uu[at]
+        step = max(1, DRAW_CHUNK // max(1, rows.shape[-1]))
+        parts = []
+        for a in range(0, rows.shape[0], step):
+            p = rows[a : a + step].double().exp_()
+            y = ys[a : a + step]
+            py = p.gather(-1, y)[:, 0]
+            cdf = p.cumsum_(-1)
+            total, hi = cdf[:, -1], cdf.gather(-1, y)[:, 0]
+            lo, hi = (hi - py) / total, hi / total
+            x = us[a : a + step]
+            parts.append(torch.clamp(torch.maximum(lo - x, x - hi), min=0.0))
+        out[at] = torch.cat(parts).float()
+        return out

@@ -240,6 +240,10 @@ class Allowances:
     def plausibility_z(self) -> float | None:
         return self.floors.plausibility_z
 
+    @property
+    def draw_tolerance(self) -> float | None:
+        return self.floors.draw_tolerance
+
     def _cum(self, staleness: int) -> float:
         xs = self.drift_a
         if staleness <= 0 or not xs:

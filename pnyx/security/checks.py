@@ -82,6 +82,9 @@ QUARANTINE_RATE = 0.2
 QUARANTINE_MIN = 5
 """...once it has at least this many faulty groups."""
 
+DRAW_MISMATCH = "draw_mismatch"
+DRAW_UNVERIFIABLE = "draw_unverifiable"
+
 FAULTS = frozenset(
     {
         "logprob_gap",
@@ -103,7 +106,7 @@ FAULTS = frozenset(
 )
 """Per-key counters (`Cursor.by_key`) that count a faulty group of that key. `draw_mismatch`: a token its
 seeded uniform did not draw (`pnyx.train.drawcheck`); `unseeded`: no seeded draws where the run requires
-them (`unverifiable`, a version whose weights could not be verified, is the trainer's problem, not
+them (`draw_unverifiable`, a version whose weights could not be verified, is the trainer's problem, not
 blamed). `reward_lie`: a group with at
 least one sample whose claimed reward differs from the re-score. Signature failures (`unsigned`,
 `bad_signature`) are not in it: the key inside a badly signed frame proves nothing, so it is never blamed
@@ -170,6 +173,9 @@ class Limits(Protocol):
     @property
     def plausibility_z(self) -> float | None: ...
 
+    @property
+    def draw_tolerance(self) -> float | None: ...
+
     def gap_bound(self, staleness: int, engine: str = "") -> float: ...
 
     def z_range(self, ev: GroupEvidence) -> tuple[float, float]: ...
@@ -182,6 +188,9 @@ class CheckSettings:
     lp_gap_base: float | None = LP_GAP_BASE
     lp_gap_per_version: float = LP_GAP_PER_VERSION
     plausibility_z: float | None = Z_LIMIT
+    draw_tolerance: float | None = None
+    """The largest distance of a model token from the draw of its seeded uniform (`security.draw_tolerance`;
+    None: seeded draws are not checked)."""
 
     def gap_bound(self, staleness: int, engine: str = "") -> float:
         """`lp_gap_base + lp_gap_per_version · staleness` (inf when the check is off), for any engine."""
@@ -222,8 +231,14 @@ class GroupEvidence:
     """Samples (rows) summed so far."""
     engine: str = ""
     """The engine the group's worker says it sampled with (its calibration bucket)."""
+    draw: float | None = None
+    """The largest distance of a model token from the draw of its seeded uniform, each token's distance
+    from the exact published weights of its version wherever the trainer's own forward put it over the
+    tolerance (`pnyx.train.step`); inf: those weights could not be obtained; None: no seeded draws."""
 
     def add(self, other: GroupEvidence) -> None:
+        if other.draw is not None:
+            self.draw = other.draw if self.draw is None else max(self.draw, other.draw)
         self.rows += other.rows
         self.tokens += other.tokens
         self.gap_sum += other.gap_sum
@@ -244,10 +259,14 @@ class GroupEvidence:
 
 
 def judge(ev: GroupEvidence, a: Limits) -> str | None:
-    """The drop reason of a group with evidence `ev` (`logprob_gap`, `implausible`), or None if it passes.
+    """The drop reason of a group with evidence `ev` (`draw_mismatch`, `draw_unverifiable`, `logprob_gap`,
+    `implausible`), or None if it passes.
     With `Allowances`, z must lie in the run's honest range (`Allowances.z_range`: centred on what honest
     groups of its engine and staleness show, widened below by the drift the probe measured until that
     bucket is calibrated; `pnyx.security.calibration`)."""
+    tol = a.draw_tolerance
+    if tol is not None and ev.draw is not None and not ev.draw <= tol:
+        return DRAW_UNVERIFIABLE if ev.draw == math.inf else DRAW_MISMATCH
     if ev.tokens == 0:
         return None
     gap = ev.gap

@@ -125,8 +125,9 @@ class Ingestor:
         self.fetch_workers = fetch_workers
         self.require_signatures = require_signatures
         self.check_draws = check_draws
-        """The per-token check of seeded draws (`pnyx.train.drawcheck`): None, or a drop reason. Run on each
-        admitted group that would otherwise be ready, in the fetch pool's thread, outside the lock."""
+        """Whether a group may enter without seeded draws (`pnyx.train.drawcheck.unseeded_policy`): None, or
+        a drop reason. Run on each admitted group that would otherwise be ready, outside the lock. The
+        tokens themselves are checked by the step's forward (`pnyx.train.step`)."""
         self.shared = Shared(cursor if cursor is not None else Cursor(), settings or IngestSettings())
         """The one lock, the cursor, the settings and the fetched groups, shared with the collaborators."""
         self._selecting = threading.RLock()  # held by `select`: listings merge before or after it
@@ -189,7 +190,7 @@ class Ingestor:
         finally:
             with self.shared.lock:
                 self.fetched += 1
-        drop = self._dropped(scored)  # outside the lock: the draw check runs a forward
+        drop = self._dropped(scored)
         with self.shared.lock:
             if (
                 self._closed.is_set()
@@ -216,8 +217,8 @@ class Ingestor:
 
     def _dropped(self, scored: ScoredGroup) -> tuple[str, str, str] | None:
         """(the key's counter, the rejection reason, the outcome) of a group dropped before any step, in this
-        order: a reward lie (`security.reject_reward_lies`), zero variance, then the check of seeded draws
-        (`check_draws`: a group dropped anyway is not worth its forward); None: ready."""
+        order: a reward lie (`security.reject_reward_lies`), zero variance, then a missing seeded draw
+        (`check_draws`); None: ready."""
         if self.settings.reject_reward_lies and disagreements(scored):
             return "lie_dropped", "reward_lie", "reward_lie"
         if is_zero_variance(scored.rewards):

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from pnyx.security.checks import GroupEvidence, Limits, judge
+from pnyx.security.checks import DRAW_MISMATCH, DRAW_UNVERIFIABLE, GroupEvidence, Limits, judge
 from pnyx.train.microbatch import Row
 from pnyx.train.stepstats import PartialStats
 
 Rejudge = Callable[[list[Row], int], Mapping[str, GroupEvidence]]
 """(one group's rows, the version they claim) -> that group's evidence from a forward under exactly the
 published weights of that version (`pnyx.train.rejudge.Rejudge`): a check with no drift in it."""
+
+ExactDraws = Callable[[list[Row]], list[float]]
+"""(rows with seeded uniforms, of any versions) -> per row, its largest distance from its draws under exactly
+the published weights of its version (inf where they cannot be obtained; `pnyx.train.rejudge.Rejudge.draws`)."""
 
 
 def judge_whole(
@@ -56,6 +60,9 @@ def keep_rejudged(
         return dict(failing)
     out: dict[str, str] = {}
     for key, reason in failing.items():
+        if reason in (DRAW_MISMATCH, DRAW_UNVERIFIABLE):  # measured under the exact weights already
+            out[key] = reason
+            continue
         mine = [r for r in rows if r.key == key]
         exact = rejudge(mine, mine[0].version).get(key)
         if exact is not None and judge(exact, checks) is None:

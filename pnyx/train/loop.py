@@ -49,6 +49,7 @@ from pnyx.security.signing import Verifier
 from pnyx.store import Store
 from pnyx.train import checkpoint, hooks
 from pnyx.train.batch import Batch, StepResult
+from pnyx.train.drawcheck import MISMATCH, UNVERIFIABLE
 from pnyx.train.ingest import ScoredGroup
 from pnyx.train.progress import Progress, format_line, reward_parts
 from pnyx.train.resume import restore
@@ -86,7 +87,6 @@ class Trainer:
         self._parts: TrainerParts | None = None
         self._check_pending = True  # read a pending batch record before the first step of this process
         self._ingest_wait_s = 0.0
-        self._draw_s = 0.0  # the draw check's seconds at the previous step's metrics
         self.progress = Progress(store, self._describe)
         self.manifest: RunManifest | None = None
         self.trust: Verifier | None = None
@@ -161,7 +161,9 @@ class Trainer:
             compute_dtype=self.parts.compute_dtype,
             checks=batch.checks if batch.checks is not None else check_settings(self.cfg),
             probe=batch.probe,
-            rejudge=self.parts.rejudge,
+            rejudge=self.parts.rejudge if self.cfg.security.rejudge else None,
+            exact_draws=self.parts.rejudge.draws if self.parts.rejudge and self.cfg.security.seeded_draws else None,
+            forward_dtype=self.parts.publishing.dtype,
         )
 
     def _wait_for_batch(self) -> list[ScoredGroup] | None:
@@ -323,24 +325,18 @@ class Trainer:
             "undo_s": round(s.undo_s, 4),
             "probe_s": round(s.probe_s, 4),
             "calibration": self._calibration(r),
-            "draws": self._draw_metrics(),
+            "draws": self._draw_metrics(s),
             **self.parts.ingestor.stats(),
         }
 
-    def _draw_metrics(self) -> dict[str, Any] | None:
-        """The check of seeded draws since the trainer started (`pnyx.train.drawcheck`): groups and tokens
-        checked, its seconds (`seconds_step`: since the previous step's metrics), failures by reason, and
-        the largest distance of a token in a passing group."""
-        check = self.parts.draws
-        if check is None:
+    def _draw_metrics(self, s: StepStats) -> dict[str, Any] | None:
+        """The step's check of seeded draws (`stepstats.DrawTally`): rows measured by its forward, rows over
+        the tolerance there and measured again exactly, the seconds of those exact forwards, groups
+        dropped, the largest distances; None when the run does not check draws."""
+        if s.draws is None:
             return None
-        s = check.stats
-        out = {
-            "groups": s.groups, "tokens": s.tokens, "seconds": round(s.seconds, 4),
-            "seconds_step": round(s.seconds - self._draw_s, 4), "failed": dict(s.by_reason),
-            "max_passing": s.max_passing, "by_staleness": {k: list(v) for k, v in s.by_staleness.items()},
-        }  # fmt: skip
-        self._draw_s = s.seconds
+        out = s.draws.to_metrics()
+        out["dropped"] = sum(1 for r in s.rejected.values() if r in (MISMATCH, UNVERIFIABLE))
         return out
 
     def _calibration(self, r: StepResult) -> dict[str, Any] | None:
@@ -414,8 +410,6 @@ class Trainer:
                 sink.close()
             self.parts.prefetcher.close()
             self.parts.ingestor.close()
-            if self.parts.draws is not None:  # a check's forward must not outlive the interpreter
-                self.parts.draws.close()
         if self._stop:
             log.info("trainer v=%d: stop requested; checkpointing", self.version)
         self.progress.phase("checkpointing")

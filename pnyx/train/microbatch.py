@@ -1,16 +1,20 @@
 """Micro-batch planning: flatten scored groups into rows, pack them under a token budget, share the
 micro-batches among ranks.
 
-Pure functions of the batch (no torch, no model), so every rank and a replayed step plan identically.
+Pure functions of the batch (no torch, no model; a row's seeded uniforms are derived here), so every rank and a replayed step plan identically.
 Knows nothing about the forward, the loss or the optimizer (`pnyx.train.step` does those).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pnyx.protocol.draws import SCHEME, sample_seed, uniforms
+
 if TYPE_CHECKING:
+    from pnyx.protocol.records import RolloutGroup
     from pnyx.train.ingest import ScoredGroup
 
 
@@ -35,6 +39,11 @@ class Row:
     """The sample's index in its group."""
     engine: str = "torch"
     """The worker engine that generated it (for the per-engine behaviour-logprob check)."""
+    uniforms: list[float] | None = None
+    """Its seeded draws (`pnyx.protocol.draws`), per completion position: the uniform a model token was
+    drawn from, NaN at a tool token; None for a group without seeded draws or without a known signer."""
+    weights_digest: str = ""
+    """The chain digest of the weights its group says it sampled from (which published plane)."""
 
     @property
     def length(self) -> int:
@@ -47,9 +56,11 @@ def build_rows(groups: list[ScoredGroup]) -> list[Row]:
     for g in groups:
         rec = g.group
         sampling = (float(rec.temperature), int(rec.top_k), float(rec.top_p))
+        seeded = rec.draws == SCHEME and bool(g.signer)
         for i, (s, adv) in enumerate(zip(rec.samples, g.advantages, strict=True)):
             if not s.tokens:
                 continue
+            u = row_uniforms(rec, g.signer, i) if seeded else None
             rows.append(
                 Row(
                     list(rec.prompt_tokens),
@@ -63,9 +74,20 @@ def build_rows(groups: list[ScoredGroup]) -> list[Row]:
                     g.key,
                     i,
                     str(getattr(rec, "engine", "torch")),
+                    u,
+                    rec.weights_digest,
                 )
             )
     return rows
+
+
+def row_uniforms(group: RolloutGroup, key: str, index: int) -> list[float]:
+    """Sample `index`'s uniforms per completion position (NaN at a tool token: loss mask 0): model token t
+    was drawn from the t-th uniform of its stream, bound to the signing `key`."""
+    s = group.samples[index]
+    seed = sample_seed(group.run_id, key, group.worker_id, group.task_id, group.policy_version, group.seq, index)
+    drawn = iter(uniforms(seed, sum(1 for m in s.loss_mask if m)).tolist())
+    return [next(drawn) if m else math.nan for m in s.loss_mask]
 
 
 def plan_micro_batches(rows: list[Row], token_budget: int) -> list[list[int]]:

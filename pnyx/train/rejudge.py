@@ -23,15 +23,16 @@ reaches the forward. Knows nothing about the loop, the ingestion or the checks' 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 
 import torch
 
-from pnyx.errors import PnyxError
+from pnyx.errors import IntegrityError, PnyxError
 from pnyx.security.checks import GroupEvidence
 from pnyx.train.microbatch import Row, plan_micro_batches
 from pnyx.train.published import PublishedModel
-from pnyx.train.step import _add_evidence, _evidence, _Forward
+from pnyx.train.step import _add_evidence, _evidence, _Forward, _MicroBatch
 
 log = logging.getLogger("pnyx.trainer")
 
@@ -45,10 +46,15 @@ class Rejudge:
     Without the run's trainer key (`published.trust`, set when the run is created or joined) nothing is
     re-judged (the groups keep the master forward's verdict)."""
 
-    def __init__(self, published: PublishedModel):
+    def __init__(self, published: PublishedModel, planes: dict[str, PublishedModel] | None = None):
         self.published = published
+        self.planes = planes or {published.plane: published}
+        """Every published plane's model ("weights", and "int8" when the run publishes the actor plane): a
+        row's draws are measured on the plane whose chain digest its group records."""
         self.calls = 0
         """Groups judged again so far (each a forward of its rows)."""
+        self.draw_rows = 0
+        """Rows whose draws were measured exactly so far (`draws`)."""
 
     def __call__(self, rows: list[Row], version: int) -> Mapping[str, GroupEvidence]:
         if self.published.trust is None or not rows:
@@ -67,7 +73,53 @@ class Rejudge:
             fwd = _Forward(model, torch.device("cpu"), torch.float32, False)
             with torch.no_grad():
                 for idx in plan_micro_batches(rows, MICRO_BATCH_TOKENS):
-                    mb = fwd.run([rows[i] for i in idx], entropy=False, var=True)
-                    _add_evidence(out, _evidence(mb, version))
+                    mb = fwd.run([rows[i] for i in idx], entropy=False, var=True, draws=True)
+                    _add_evidence(out, _evidence(mb, version, _worst(mb)))
         self.calls += 1
         return out
+
+    def draws(self, rows: list[Row]) -> list[float]:
+        """`judgement.ExactDraws`: per row (each with seeded uniforms), its largest distance from its draws
+        under exactly the published weights of its own version, rows of one version in one forward per
+        micro-batch; inf for the rows of a version whose weights cannot be obtained or verified (the group
+        is then dropped as `draw_unverifiable`, not blamed on its key)."""
+        out = [math.inf] * len(rows)
+        by_version: dict[tuple[int, str], list[int]] = {}
+        for i, r in enumerate(rows):
+            by_version.setdefault((r.version, r.weights_digest), []).append(i)
+        for (version, digest), idx in sorted(by_version.items()):
+            mine = [rows[i] for i in idx]
+            try:
+                for k, d in enumerate(self._exact(mine, version, digest)):
+                    out[idx[k]] = d
+            except PnyxError as e:  # fail-closed: never passed unchecked
+                log.warning("trainer: cannot check draws against v%d (%s)", version, e)
+            self.draw_rows += len(idx)
+        return out
+
+    def _exact(self, rows: list[Row], version: int, digest: str) -> list[float]:
+        """The rows' largest distances under the plane of `version` whose chain digest is `digest`."""
+        for pm in self.planes.values():
+            if pm.trust is None:
+                raise IntegrityError("no run key to verify the published weights with")
+            with pm.lock:
+                model = pm.at(version)
+                if pm.digest != digest and len(self.planes) > 1:
+                    continue
+                fwd = _Forward(model, torch.device("cpu"), torch.float32, False)
+                out = [math.inf] * len(rows)
+                with torch.no_grad():
+                    for part in plan_micro_batches(rows, MICRO_BATCH_TOKENS):
+                        mb = fwd.run([rows[k] for k in part], entropy=False, var=False, draws=True)
+                        for k, d in zip(part, _worst(mb), strict=True):
+                            out[k] = math.inf if d is None else d
+                return out
+        raise IntegrityError(f"no published plane of v{version} has digest {digest}")
+
+
+def _worst(mb: _MicroBatch) -> list[float | None]:
+    """Per row of `mb`, its largest distance from its seeded draws (None: a row without uniforms)."""
+    if mb.draw is None:
+        return [None] * len(mb.rows)
+    worst = mb.draw.amax(1).tolist()
+    return [w if r.uniforms is not None else None for w, r in zip(worst, mb.rows, strict=True)]

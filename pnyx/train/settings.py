@@ -65,4 +65,5 @@ def check_settings(cfg: PnyxConfig) -> CheckSettings:
         lp_gap_base=sec.lp_gap_base,
         lp_gap_per_version=sec.lp_gap_per_version,
         plausibility_z=sec.plausibility_z,
+        draw_tolerance=sec.draw_tolerance if sec.seeded_draws else None,
     )

@@ -31,9 +31,10 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ from pnyx.security.calibration import Allowances, Drift
 from pnyx.security.checks import GroupEvidence, Limits
 from pnyx.train.distributed import Dist
 from pnyx.train.ingest import ScoredGroup
-from pnyx.train.judgement import Rejudge, judge_rest, judge_whole, keep_rejudged
+from pnyx.train.judgement import ExactDraws, Rejudge, judge_rest, judge_whole, keep_rejudged
 from pnyx.train.losses import LossSettings, LossTerms, policy_terms, token_weights
 from pnyx.train.microbatch import Row, assign_micro_batches, build_rows, plan_micro_batches
 from pnyx.train.stepstats import PartialStats, StepStats
@@ -73,6 +74,8 @@ def train_step(
     checks: Limits | None = None,
     probe: Sequence[Row] | None = None,
     rejudge: Rejudge | None = None,
+    exact_draws: ExactDraws | None = None,
+    forward_dtype: torch.dtype | None = None,
 ) -> StepStats:
     """Accumulate the loss of `groups` over micro-batches, clip, and take one AdamW step.
 
@@ -98,6 +101,16 @@ def train_step(
     measure its drift (`StepStats.drift`; None when no step is taken); with `Allowances` and no probe,
     rows of the batch itself stand in.
 
+    Seeded draws (`checks.draw_tolerance` set): the same forward gives each model token's distance from
+    the draw of its uniform (`logprobs.draw_distance`). Those forward weights are the trainer's, not the
+    ones a stale group was sampled from, so a row with a token over the tolerance is measured once more by
+    `exact_draws` (a forward of that row alone under the exact published weights of its version); its
+    group fails (`draw_mismatch`) only on that exact distance (`StepStats.draws` counts both). Without
+    `exact_draws`, the step's own distances are final.
+    `forward_dtype` (the run's publish dtype): on one process computing in fp32, the forward and backward
+    run on the trained parameters rounded to it, as published (mixed precision: the fp32 masters take the
+    update), so a fresh group's tokens are measured under the very weights it was sampled from.
+
     `dist` (a `distributed.Dist`; default one process): every rank passes the same groups, trains on its
     share of the micro-batches and the sharded model sums the gradients, so the update and the returned
     statistics are those of the whole batch on every rank. Ranks with fewer micro-batches run a zero-weight
@@ -107,7 +120,7 @@ def train_step(
     """
     t0 = time.perf_counter()
     st = _setup(model, groups, settings, micro_batch_tokens, max_len, ref_logprobs, policy_version, dist,
-                compute_dtype, checks, rejudge)  # fmt: skip
+                compute_dtype, checks, rejudge, exact_draws)  # fmt: skip
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -121,14 +134,15 @@ def train_step(
     probe_s = time.perf_counter() - t2 if probe_rows else 0.0
 
     part = PartialStats()
-    _rounds(st, st.plan, 1.0, part)  # stages 1-3, micro-batch by micro-batch
-    total = PartialStats()
-    for p in dist.all_gather(part) if dist is not None else [part]:
-        total.merge(p)
-    done = {**total.rejected, **total.rejudged}  # judged already: rejected, or kept by the exact re-check
-    late = judge_rest(total.evidence, done, st.checks) if st.checks is not None else {}
-    late = keep_rejudged(st.rejudge, st.checks, st.rows, late, total)  # the same on every rank
-    undo_s = _undo(st, late)
+    with _rounded(model, forward_dtype if st.world == 1 and not st.fwd.autocast else None):
+        _rounds(st, st.plan, 1.0, part)  # stages 1-3, micro-batch by micro-batch
+        total = PartialStats()
+        for p in dist.all_gather(part) if dist is not None else [part]:
+            total.merge(p)
+        done = {**total.rejected, **total.rejudged}  # judged already: rejected, or kept by the exact re-check
+        late = judge_rest(total.evidence, done, st.checks) if st.checks is not None else {}
+        late = keep_rejudged(st.rejudge, st.checks, st.rows, late, total)  # the same on every rank
+        undo_s = _undo(st, late)
     rejected = {**total.rejected, **late}
     step = _rescale(model, st, rejected)
     grad_norm = _clip(model, grad_clip)
@@ -192,6 +206,8 @@ class _MicroBatch:
     ref: torch.Tensor | None
     entropy: torch.Tensor | None
     var: torch.Tensor | None
+    draw: torch.Tensor | None = None
+    """[rows, T] each token's distance from its seeded draw (with `draws`; 0 where a row has no uniform)."""
 
 
 @dataclass(frozen=True)
@@ -204,16 +220,21 @@ class _Forward:
     dtype: torch.dtype
     autocast: bool
 
-    def run(self, mb: list[Row], *, entropy: bool, var: bool, ref: _RefLogprobs | None = None) -> _MicroBatch:
+    def run(
+        self, mb: list[Row], *, entropy: bool, var: bool, ref: _RefLogprobs | None = None, draws: bool = False
+    ) -> _MicroBatch:
         """Forward `mb` (rows of one sampling setting) and assemble its tensors; the one micro-batch
-        preparation of the step, `measure_evidence` and the drift probe. The caller picks grad or no_grad."""
+        preparation of the step, `measure_evidence`, the drift probe and the exact re-checks. The caller
+        picks grad or no_grad. `draws`: also each token's distance from its seeded draw (rows with
+        uniforms)."""
         from pnyx.models.logprobs import completion_stats
 
         temp, top_k, top_p = mb[0].sampling
+        uniforms = [r.uniforms for r in mb] if draws and any(r.uniforms for r in mb) else None
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
             out = completion_stats(
                 self.view, [r.prompt for r in mb], [r.completion for r in mb], temperature=temp, top_k=top_k,
-                top_p=top_p, with_entropy=entropy, with_var=var,
+                top_p=top_p, with_entropy=entropy, with_var=var, uniforms=uniforms,
             )  # fmt: skip
         width, device = out.logp.shape[1], self.device
         mu = _pad([r.behaviour_logp for r in mb], width, torch.float32, device)
@@ -225,7 +246,7 @@ class _Forward:
         if ref is not None:
             ref_logp = _pad([list(ref[(r.key, r.index)]) for r in mb], width, torch.float32, device)
             ref_logp = ref_logp.masked_fill(~lmask, 0.0)
-        return _MicroBatch(mb, logp, mu, lmask, adv, ref_logp, out.entropy, out.var)
+        return _MicroBatch(mb, logp, mu, lmask, adv, ref_logp, out.entropy, out.var, out.draw)
 
 
 @dataclass
@@ -248,8 +269,14 @@ class _Step:
     checks: Limits | None
     """The limits, when `train_step` got both `checks` and `policy_version`; else None."""
     rejudge: Rejudge | None
+    exact_draws: ExactDraws | None
     rank: int
     world: int
+
+    @property
+    def draws(self) -> bool:
+        """Whether this step checks seeded draws."""
+        return self.checks is not None and self.checks.draw_tolerance is not None
 
 
 def _setup(
@@ -264,6 +291,7 @@ def _setup(
     compute_dtype: torch.dtype | None,
     checks: Limits | None,
     rejudge: Rejudge | None = None,
+    exact_draws: ExactDraws | None = None,
 ) -> _Step:
     """The step's state for this batch, model and rank. ValueError for a batch it cannot train on (no
     completion tokens; `kl_coef > 0` without reference logprobs)."""
@@ -283,7 +311,8 @@ def _setup(
         fwd=fwd, rows=rows, plan=plan_micro_batches(rows, micro_batch_tokens), n_seq=len(rows),
         n_tok=sum(sum(r.loss_mask) for r in rows), rows_of=Counter(r.key for r in rows), settings=settings,
         max_len=max_len, ref=ref_logprobs if settings.kl_coef > 0 else None, policy_version=policy_version,
-        checks=checks if policy_version is not None else None, rejudge=rejudge, rank=rank, world=world,
+        checks=checks if policy_version is not None else None, rejudge=rejudge, exact_draws=exact_draws,
+        rank=rank, world=world,
     )  # fmt: skip
 
 
@@ -308,11 +337,12 @@ def _forward_backward(st: _Step, rows: list[Row], scale: float, part: PartialSta
     """One micro-batch: forward (stage 1); with the checks and `part`, its groups' evidence and the
     verdict on those whole in it (stage 2); the backward of its loss times `scale`, a rejected group
     weighing 0 (stage 3); its statistics into `part`."""
-    mb = st.fwd.run(rows, entropy=True, var=st.checks is not None and part is not None, ref=st.ref)
+    judging = st.checks is not None and part is not None
+    mb = st.fwd.run(rows, entropy=True, var=judging, ref=st.ref, draws=judging and st.draws)
     terms = policy_terms(mb.logp, mb.mu, mb.adv, mb.lmask, st.settings, mb.ref)
     w = token_weights(mb.lmask, st.settings.aggregation, st.n_seq, st.n_tok, st.max_len)
     if st.checks is not None and part is not None:
-        here = _evidence(mb, st.policy_version)
+        here = _evidence(mb, st.policy_version, _row_draws(st, mb, part))
         failing = judge_whole(here, st.rows_of, st.checks)
         part.rejected.update(keep_rejudged(st.rejudge, st.checks, st.rows, failing, part))
         _add_evidence(part.evidence, here)
@@ -327,9 +357,34 @@ def _forward_backward(st: _Step, rows: list[Row], scale: float, part: PartialSta
         _accumulate(part, terms, mb, st.policy_version)
 
 
-def _evidence(mb: _MicroBatch, policy_version: int | None) -> dict[str, GroupEvidence]:
+def _row_draws(st: _Step, mb: _MicroBatch, part: PartialStats) -> list[float | None] | None:
+    """Per row of `mb`, its largest distance from its seeded draws (None: a row without), the exact one
+    (`st.exact_draws`) for each row the step's own forward put over the tolerance; counted in `part.draws`."""
+    if mb.draw is None or st.checks is None or (tol := st.checks.draw_tolerance) is None:
+        return None
+    worst: list[float] = mb.draw.detach().amax(1).tolist()
+    seeded = [r.uniforms is not None for r in mb.rows]
+    flagged = [j for j, (d, s) in enumerate(zip(worst, seeded, strict=True)) if s and not d <= tol]
+    tally = part.draws
+    stale = [st.policy_version - r.version if st.policy_version is not None else 0 for r in mb.rows]
+    for j in range(len(mb.rows)):
+        if seeded[j]:
+            tally.count(stale[j], worst[j], j in flagged)
+    if flagged and st.exact_draws is not None:
+        t0 = time.perf_counter()
+        exact = st.exact_draws([mb.rows[j] for j in flagged])
+        tally.seconds += time.perf_counter() - t0
+        for j, d in zip(flagged, exact, strict=True):
+            worst[j] = d
+            tally.exact(d, d <= tol, stale[j])
+    return [d if s else None for d, s in zip(worst, seeded, strict=True)]
+
+
+def _evidence(
+    mb: _MicroBatch, policy_version: int | None, draws: Sequence[float | None] | None = None
+) -> dict[str, GroupEvidence]:
     """Each group's sums over its model tokens in this micro-batch (`pnyx.security.checks`); `mb` must
-    come from a forward with `var`."""
+    come from a forward with `var`. `draws`: per row, its largest distance from its seeded draws."""
     if mb.entropy is None or mb.var is None:
         raise ValueError("_evidence: the micro-batch was forwarded without var=True")
     with torch.no_grad():
@@ -345,7 +400,8 @@ def _evidence(mb: _MicroBatch, policy_version: int | None) -> dict[str, GroupEvi
         ev = out.get(r.key)
         if ev is None:
             ev = out[r.key] = GroupEvidence(staleness, engine=r.engine)
-        ev.add(GroupEvidence(staleness, int(n[j]), float(gap[j]), float(dev[j]), float(v[j]), 1))
+        draw = draws[j] if draws is not None else None
+        ev.add(GroupEvidence(staleness, int(n[j]), float(gap[j]), float(dev[j]), float(v[j]), 1, draw=draw))
     return out
 
 
@@ -397,6 +453,26 @@ def _undo(st: _Step, late: Mapping[str, str]) -> float:
     t1 = time.perf_counter()
     _rounds(st, [mb for mb in st.plan if st.rows[mb[0]].key in late], -1.0, None)
     return time.perf_counter() - t1
+
+
+@contextlib.contextmanager
+def _rounded(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """Within: every trained fp32 parameter holds its value rounded to `dtype` (None or fp32: unchanged);
+    after: the fp32 master values again (their gradients stay)."""
+    if dtype is None or dtype == torch.float32:
+        yield
+        return
+    masters: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad and p.dtype == torch.float32:
+                masters.append((p, p.data))
+                p.data = p.data.to(dtype).to(torch.float32)
+    try:
+        yield
+    finally:
+        for p, master in masters:
+            p.data = master
 
 
 def _rescale(model: torch.nn.Module, st: _Step, rejected: Mapping[str, str]) -> bool:

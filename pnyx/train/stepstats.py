@@ -16,6 +16,62 @@ from pnyx.security.checks import GroupEvidence
 
 
 @dataclass
+class DrawTally:
+    """The step's check of seeded draws (`train_step`, `checks.draw_tolerance`): rows measured by its own
+    forward, rows over the tolerance there (each measured again under the exact published weights of its
+    version), the seconds of those exact forwards, and the largest distances seen."""
+
+    rows: int = 0
+    flagged: int = 0
+    """Rows with a token over the tolerance under the step's forward (each re-measured exactly)."""
+    failed: int = 0
+    """Flagged rows over the tolerance under the exact weights too (their groups are dropped)."""
+    seconds: float = 0.0
+    """Seconds of the exact forwards (the check's only cost beyond the step's own forward)."""
+    max_step: float = 0.0
+    """The largest distance under the step's forward."""
+    max_exact_kept: float = 0.0
+    """The largest exact distance of a flagged row that passed: how close honest rows come to the
+    tolerance once drift is out of the way."""
+    by_staleness: dict[str, list[int]] = field(default_factory=dict)
+    """Staleness -> [rows, flagged, failed]."""
+
+    def count(self, staleness: int, distance: float, flagged: bool) -> None:
+        self.rows += 1
+        self.flagged += flagged
+        self.max_step = max(self.max_step, distance)
+        row = self.by_staleness.setdefault(str(staleness), [0, 0, 0])
+        row[0] += 1
+        row[1] += flagged
+
+    def exact(self, distance: float, passed: bool, staleness: int | None = None) -> None:
+        self.failed += not passed
+        if passed:
+            self.max_exact_kept = max(self.max_exact_kept, distance)
+        if staleness is not None:
+            self.by_staleness.setdefault(str(staleness), [0, 0, 0])[2] += not passed
+
+    def merge(self, o: DrawTally) -> None:
+        self.rows += o.rows
+        self.flagged += o.flagged
+        self.failed += o.failed
+        self.seconds += o.seconds
+        self.max_step = max(self.max_step, o.max_step)
+        self.max_exact_kept = max(self.max_exact_kept, o.max_exact_kept)
+        for k, v in o.by_staleness.items():
+            row = self.by_staleness.setdefault(k, [0, 0, 0])
+            for i, x in enumerate(v):
+                row[i] += x
+
+    def to_metrics(self) -> dict:
+        return {
+            "rows": self.rows, "flagged": self.flagged, "failed": self.failed, "exact_s": round(self.seconds, 4),
+            "max_step": self.max_step, "max_exact_kept": self.max_exact_kept,
+            "by_staleness": {k: list(v) for k, v in sorted(self.by_staleness.items())},
+        }  # fmt: skip
+
+
+@dataclass
 class StepStats:
     """What one step measured (logged and written as metrics)."""
 
@@ -59,6 +115,8 @@ class StepStats:
     (`pnyx.security.calibration`). None when no probe was taken."""
     probe_s: float = 0.0
     """Seconds the drift probe took (two forwards of its rows, no gradient)."""
+    draws: DrawTally | None = None
+    """The check of seeded draws (None when the step did not check them)."""
 
     @property
     def verdict_evidence(self) -> dict[str, GroupEvidence]:
@@ -91,8 +149,10 @@ class PartialStats:
     rejected: dict[str, str] = field(default_factory=dict)
     rejudged: dict[str, str] = field(default_factory=dict)
     exact: dict[str, GroupEvidence] = field(default_factory=dict)
+    draws: DrawTally = field(default_factory=DrawTally)
 
     def merge(self, o: PartialStats) -> None:
+        self.draws.merge(o.draws)
         self.loss += o.loss
         self.counts.update(o.counts)
         self.iw_sum += o.iw_sum
@@ -111,7 +171,7 @@ class PartialStats:
             mine = self.evidence.get(k)
             if mine is None:
                 self.evidence[k] = GroupEvidence(
-                    ev.staleness, ev.tokens, ev.gap_sum, ev.dev_sum, ev.var_sum, ev.rows, ev.engine
+                    ev.staleness, ev.tokens, ev.gap_sum, ev.dev_sum, ev.var_sum, ev.rows, ev.engine, ev.draw
                 )
             else:
                 mine.add(ev)
@@ -154,4 +214,5 @@ class PartialStats:
             undo_s=undo_s,
             drift=drift,
             probe_s=probe_s,
+            draws=self.draws if self.draws.rows else None,
         )

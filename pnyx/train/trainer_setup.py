@@ -14,7 +14,6 @@ Knows nothing about how a step chooses or trains on its batch (`loop.py`) or abo
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -32,8 +31,8 @@ from pnyx.store import Store
 from pnyx.train import bootstrap, hooks
 from pnyx.train.checkpointer import Checkpointer, local_folder
 from pnyx.train.distributed import Dist
-from pnyx.train.drawcheck import DrawCheck
-from pnyx.train.ingest import Ingestor, ScoredGroup
+from pnyx.train.drawcheck import unseeded_policy
+from pnyx.train.ingest import Ingestor
 from pnyx.train.prefetch import Prefetcher
 from pnyx.train.published import PublishedModel
 from pnyx.train.reference import Reference
@@ -155,9 +154,8 @@ class TrainerParts:
     ingestor: Ingestor
     prefetcher: Prefetcher
     rejudge: Rejudge | None = None
-    """The exact re-check of groups the step would drop (`security.rejudge`), or None."""
-    draws: DrawCheck | None = None
-    """The per-token check of seeded draws at ingestion (`security.seeded_draws`), or None."""
+    """The exact forwards under a version's published weights (`security.rejudge`: of groups the step
+    would drop; `security.seeded_draws`: of rows the step's forward puts over the draw tolerance), or None."""
     published: list[PublishedModel] = field(default_factory=list)
     """The second models the exact checks compute with (one per plane), pointed at the run's key by
     `attach_run`."""
@@ -232,9 +230,6 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         if sec.seeded_draws or sec.rejudge
         else {}
     )
-    draws = (
-        DrawCheck(published, sec.draw_tolerance, tokenizer.pad_token_id or 0) if sec.seeded_draws else None
-    )
     ingestor = Ingestor(
         store=store,
         env=env,
@@ -245,8 +240,8 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         expected_digest=digests,
         require_signatures=True,  # every group signed by its worker's key (docs/security.md)
     )
-    if draws is not None:
-        ingestor.check_draws = _draw_hook(draws, ingestor, sec.accept_unseeded, sec.trusted_draw_share)
+    if sec.seeded_draws:
+        ingestor.check_draws = unseeded_policy(sec.accept_unseeded, ingestor.settings.trusted_keys)
     ingestor.decode = hooks.decoder(ingestor.decode)
     return TrainerParts(
         cfg=cfg,
@@ -265,37 +260,9 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         digests=digests,
         ingestor=ingestor,
         prefetcher=Prefetcher(ingestor, t.groups_per_step),
-        rejudge=Rejudge(published["weights"]) if sec.rejudge else None,
-        draws=draws,
+        rejudge=Rejudge(published["weights"], published) if published else None,
         published=list(published.values()),
     )
-
-
-def _draw_hook(
-    draws: DrawCheck, ingestor: Ingestor, accept_unseeded: bool, trusted_share: float
-) -> Callable[[ScoredGroup], str | None]:
-    """The ingestor's per-group check of seeded draws. An unseeded group passes with `accept_unseeded`, or
-    from a trusted key (your own vLLM worker); only `trusted_share` of a trusted key's seeded groups are
-    checked (chosen by the hash of the group's key)."""
-    from pnyx.envs import stable_hash
-
-    trusted = ingestor.settings.trusted_keys
-
-    def check(g: ScoredGroup) -> str | None:
-        if not g.group.draws and (accept_unseeded or g.signer in trusted):
-            return None
-        if g.signer in trusted and stable_hash("draws", g.key) >= trusted_share * 2**64:
-            return None
-        with ingestor.shared.lock:  # the newest version listed or published
-            newest = max(ingestor.listing.versions, default=g.version)
-        reason = draws.check(g.group, g.signer, staleness=max(0, newest - g.version))
-        if reason is not None and g.signer in trusted:
-            log.warning(
-                "trainer: a group of trusted key %s failed its draw check (%s): %s", g.signer, reason, g.key
-            )
-        return reason
-
-    return check
 
 
 def merge_resume_config(run_config: dict[str, Any], given: PnyxConfig) -> PnyxConfig:
