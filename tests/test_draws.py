@@ -328,7 +328,9 @@ def test_the_step_measures_every_token_in_its_own_forward_and_rechecks_only_rows
     )  # fmt: skip
     tally = stats.draws
     assert tally is not None
-    rows = {v: sum(1 for g in gs for s in g.samples if s.tokens) for v, gs in ((1, fresh), (0, stale + liars))}
+    rows = {
+        v: sum(1 for g in gs for s in g.samples if s.tokens) for v, gs in ((1, fresh), (0, stale + liars))
+    }
     assert tally.by_staleness["0"] == [rows[1], 0, 0]  # fresh rows: measured in the step's forward alone
     n1, flagged, failed = tally.by_staleness["1"]
     assert n1 == rows[0] and 0 < failed <= flagged < n1 and exact.rejudge.draw_rows == flagged

@@ -238,7 +238,9 @@ def completion_stats(
     if rows == 0 or width == 0:
         empty = torch.zeros(rows, width, dtype=torch.float32, device=device)
         ent0 = empty.clone() if with_entropy or with_var else None
-        return CompletionStats(empty, mask, ent0, empty.clone() if with_var else None, None if u is None else empty.clone())
+        return CompletionStats(
+            empty, mask, ent0, empty.clone() if with_var else None, None if u is None else empty.clone()
+        )
 
     lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
     parts, ents, vars_, draws = [], [], [], []

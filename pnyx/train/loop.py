@@ -162,7 +162,9 @@ class Trainer:
             checks=batch.checks if batch.checks is not None else check_settings(self.cfg),
             probe=batch.probe,
             rejudge=self.parts.rejudge if self.cfg.security.rejudge else None,
-            exact_draws=self.parts.rejudge.draws if self.parts.rejudge and self.cfg.security.seeded_draws else None,
+            exact_draws=self.parts.rejudge.draws
+            if self.parts.rejudge and self.cfg.security.seeded_draws
+            else None,
             forward_dtype=self.parts.publishing.dtype,
         )
 

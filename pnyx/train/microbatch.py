@@ -85,7 +85,9 @@ def row_uniforms(group: RolloutGroup, key: str, index: int) -> list[float]:
     """Sample `index`'s uniforms per completion position (NaN at a tool token: loss mask 0): model token t
     was drawn from the t-th uniform of its stream, bound to the signing `key`."""
     s = group.samples[index]
-    seed = sample_seed(group.run_id, key, group.worker_id, group.task_id, group.policy_version, group.seq, index)
+    seed = sample_seed(
+        group.run_id, key, group.worker_id, group.task_id, group.policy_version, group.seq, index
+    )
     drawn = iter(uniforms(seed, sum(1 for m in s.loss_mask if m)).tolist())
     return [next(drawn) if m else math.nan for m in s.loss_mask]
 

@@ -127,7 +127,11 @@ def format_line(m: dict[str, Any]) -> str:
         f"ingest={m.get('ingest_wait_s', 0.0):.2f}s backlog=waiting:{b.get('waiting', 0)},fetched:{b.get('fetched', 0)} "
         f"drops={fmt_counts(m['drops'])} disagree={fmt_counts(m['disagreements'])}"
         + (f" rejudged={fmt_counts(m['rejudged'])}" if m.get("rejudged") else "")
-        + (f" draws={m['draws']['flagged']}/{m['draws']['rows']}:{m['draws']['exact_s']:.2f}s" if m.get("draws") else "")
+        + (
+            f" draws={m['draws']['flagged']}/{m['draws']['rows']}:{m['draws']['exact_s']:.2f}s"
+            if m.get("draws")
+            else ""
+        )
         + "".join(f" lp_gap[{e}]={g:.2e}" for e, g in sorted((m.get("lp_gap_engine") or {}).items()))
     )
 

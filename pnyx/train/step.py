@@ -32,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -104,8 +105,9 @@ def train_step(
     Seeded draws (`checks.draw_tolerance` set): the same forward gives each model token's distance from
     the draw of its uniform (`logprobs.draw_distance`). Those forward weights are the trainer's, not the
     ones a stale group was sampled from, so a row with a token over the tolerance is measured once more by
-    `exact_draws` (a forward of that row alone under the exact published weights of its version); its
-    group fails (`draw_mismatch`) only on that exact distance (`StepStats.draws` counts both). Without
+    `exact_draws` (a forward of that row, up to its last token over, under the exact published weights of
+    its version); its group fails (`draw_mismatch`) only on that exact distance (`StepStats.draws` counts
+    both). Without
     `exact_draws`, the step's own distances are final.
     `forward_dtype` (the run's publish dtype): on one process computing in fp32, the forward and backward
     run on the trained parameters rounded to it, as published (mixed precision: the fp32 masters take the
@@ -372,12 +374,23 @@ def _row_draws(st: _Step, mb: _MicroBatch, part: PartialStats) -> list[float | N
             tally.count(stale[j], worst[j], j in flagged)
     if flagged and st.exact_draws is not None:
         t0 = time.perf_counter()
-        exact = st.exact_draws([mb.rows[j] for j in flagged])
+        over = (mb.draw.detach() > tol).float()
+        ends = (over.shape[1] - over.flip(1).argmax(1)).tolist()  # one past each row's last token over
+        exact = st.exact_draws([_prefix(mb.rows[j], ends[j]) for j in flagged])
         tally.seconds += time.perf_counter() - t0
         for j, d in zip(flagged, exact, strict=True):
             worst[j] = d
             tally.exact(d, d <= tol, stale[j])
     return [d if s else None for d, s in zip(worst, seeded, strict=True)]
+
+
+def _prefix(row: Row, n: int) -> Row:
+    """`row` cut after its first `n` completion tokens: a causal model's distances there do not depend on
+    what follows, so the exact re-check of a row forwards it only up to its last token over the tolerance."""
+    return dataclasses.replace(
+        row, completion=row.completion[:n], behaviour_logp=row.behaviour_logp[:n], loss_mask=row.loss_mask[:n],
+        uniforms=None if row.uniforms is None else row.uniforms[:n],
+    )  # fmt: skip
 
 
 def _evidence(
