@@ -1,30 +1,33 @@
-"""The per-token check of seeded draws (issue #25) on a real run: honest groups rejected, liars caught, cost.
+"""The check of seeded draws (issue #25) in the trainer's step: honest rows flagged and rejected, liars
+caught, and the check's cost against the step it rides in, per staleness.
 
 Samples groups with the run's own engines (torch, MLX) from the published weights of chosen versions, with
-seeded draws under a worker key (`pnyx.protocol.draws`), exactly as `pnyx worker` does, and checks every
-group with the trainer's `DrawCheck` (`pnyx.train.drawcheck`) while the trainer is `s` versions ahead
-(staleness 0-3: the check model is first moved to v+s, as a trainer that just checked a fresher group; the
-group is then judged under v's weights, kept in memory or rebuilt from the store). Beside it:
+seeded draws under a worker key (`pnyx.protocol.draws`), exactly as `pnyx worker` does. Then, for each
+staleness s, steps a trainer whose master holds version v+s (the published weights: with the run's
+publish dtype as `forward_dtype`, the step's forward is the published model's) on those groups, in batches
+of the run's `groups_per_step`, twice from the same weights, alternating:
 
-- the temperature liar: samples at half the run's temperature with the same seeded uniforms (its best try
-  at looking honest) and claims the run's; caught, or token for token the honest draw;
-- the cost: seconds of the check per group against seconds of the trainer's own `train_step` (fp32
-  masters, AdamW, the run's groups per step) on the same groups, in the same process;
-- bytes a group carries for it: the signed record with and without the `draws` field.
+- **on**: `train_step` with the draw check (`checks.draw_tolerance`, `exact_draws` = `Rejudge.draws`):
+  every token measured in the step's own forward, rows over the tolerance measured again under v's exact
+  weights (kept in memory or rebuilt from the store);
+- **off**: the same step without it.
 
-Needs a run that kept its versions (`--trainer.keep_anchors 1000`), e.g.
+Printed per row: rows flagged by the step's forward (their exact re-check is the cost), groups rejected
+(honest: must be 0), the exact forwards' seconds, and the step's seconds on and off; the ratio
+(on - off) / off is the check's whole cost (its share of the forward and its exact re-checks).
+
+Beside it, the temperature liar (samples at half the run's temperature with the same seeded uniforms, its
+best try at looking honest, and claims the run's) stepped on the same way, and the bytes a group carries
+for the scheme. Needs a run that kept its versions (`--trainer.keep_anchors 1000`), e.g.
 
     pnyx run --run.name drawtiny --run.steps 40 --run.eval_every 0 --trainer.keep_anchors 1000
-    python benchmarks/bench_draw_check.py --run runs/drawtiny --versions 10,30 --groups 64
-
-    python benchmarks/bench_draw_check.py --run <a run of examples/smollm2-135m.toml> --versions 2,8 --groups 24
-
-Prints one table row per (engine, sampled version, staleness) and a summary per engine.
+    python benchmarks/bench_draw_check.py --run runs/drawtiny --versions 10,30 --groups 32
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import sys
@@ -42,10 +45,10 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--versions", default="10,30", help="versions sampled from")
     p.add_argument("--staleness", default="0,1,2,3")
-    p.add_argument("--groups", type=int, default=64, help="groups per engine and version")
+    p.add_argument("--groups", type=int, default=32, help="groups per engine and version")
     p.add_argument("--engines", default="torch,mlx")
     p.add_argument("--tolerance", type=float, default=None, help="default: the run's security.draw_tolerance")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="also write the figures here")
     return p.parse_args()
 
@@ -66,8 +69,8 @@ def main() -> None:
     from pnyx.rollout.engines import make_engine
     from pnyx.security.signing import Signer
     from pnyx.store import open_store
-    from pnyx.train.drawcheck import DrawCheck
     from pnyx.train.published import PublishedModel
+    from pnyx.train.rejudge import Rejudge
     from pnyx.weights import Syncer
     from pnyx.weights.manifest import latest_version
     from pnyx.weights.trust import run_verifier
@@ -86,25 +89,23 @@ def main() -> None:
     tolerance = cfg.security.draw_tolerance if args.tolerance is None else args.tolerance
     published = PublishedModel(store, base)
     published.trust = trust
-    check = DrawCheck({"weights": published}, tolerance, tok.pad_token_id or 0)
+    exact = Rejudge(published)
     key = Signer(Ed25519PrivateKey.generate()).fingerprint  # a worker's key: its draws are bound to it
     versions = [int(x) for x in args.versions.split(",")]
     stale = [int(x) for x in args.staleness.split(",")]
     newest = latest_version(store, trust) or 0
-
-    def words(ids: list[int]) -> str:
-        return tok.decode(ids, skip_special_tokens=True)
+    stepper = _Stepper(published, exact, env, tok, t, tolerance, getattr(torch, t.publish_dtype), key)
 
     print(
         f"run {args.run} ({cfg.env.name}, T={w.temperature}, top_p={w.top_p}, top_k={w.top_k}, G={w.group_size}, "
-        f"max_new_tokens={w.max_new_tokens}), base {base}, tolerance {tolerance:g}, {args.groups} groups per "
-        f"engine and version, {args.threads} thread(s)"
+        f"max_new_tokens={w.max_new_tokens}, lr={t.lr}, {t.groups_per_step} groups per step), base {base}, "
+        f"tolerance {tolerance:g}, {args.groups} groups per engine and version, {args.threads} thread(s)"
     )
     print(
-        f"{'engine':>6} {'sampled':>7} {'stale':>5} {'groups':>6} {'tokens':>7} {'rejected':>8} {'max dist':>9} "
-        f"{'check s/group':>13}"
+        f"{'engine':>6} {'sampled':>7} {'stale':>5} {'groups':>6} {'rows':>5} {'flagged':>7} {'rejected':>8} "
+        f"{'exact s':>8} {'step on':>8} {'step off':>8} {'cost':>7}"
     )
-    results: dict = {"tolerance": tolerance, "rows": [], "liar": {}, "cost": {}, "bytes": {}}
+    results: dict = {"tolerance": tolerance, "rows": [], "liar": {}, "bytes": {}}
     seqs = itertools.count()
     for name in args.engines.split(","):
         try:
@@ -113,12 +114,11 @@ def main() -> None:
             print(f"{name:>6} unavailable: {e}")
             continue
         syncer = Syncer(store, trust=trust)
-        liar_caught = liar_same = liar_n = 0
+        liar = {"groups": 0, "differ": 0, "caught": 0, "caught_differ": 0}
         honest_all = []
         for v in versions:
             syncer.sync(v)
             engine.update(v, syncer.state, syncer.manifest)
-
             tasks = env.sample("train", seed=1000 + v, n=args.groups)
             first = next(seqs) * 10_000
             made = {}
@@ -135,45 +135,30 @@ def main() -> None:
             for s in stale:
                 if v + s > newest:
                     continue
-                rejected = tokens = 0
-                worst = seconds = 0.0
-                for g in honest:
-                    with published.lock:
-                        published.at(v + s)  # the trainer just checked a group of v + s
-                    t0 = time.perf_counter()
-                    before = check.stats.max_passing
-                    check.stats.max_passing = 0.0
-                    reason = check.check(g, key, staleness=s)
-                    seconds += time.perf_counter() - t0
-                    worst = max(worst, check.stats.max_passing)
-                    check.stats.max_passing = max(before, check.stats.max_passing)
-                    rejected += reason is not None
-                    tokens += sum(sum(x.loss_mask) for x in g.samples)
-                row = {
-                    "engine": name, "version": v, "staleness": s, "groups": len(honest), "tokens": tokens,
-                    "rejected": rejected, "max_distance": worst, "check_s_per_group": seconds / len(honest),
-                }  # fmt: skip
+                row = {"engine": name, "version": v, "staleness": s, **stepper.run(honest, v + s)}
                 results["rows"].append(row)
                 print(
-                    f"{name:>6} {v:>7} {s:>5} {len(honest):>6} {tokens:>7} {rejected:>8} {worst:>9.1e} "
-                    f"{seconds / len(honest):>13.4f}",
+                    f"{name:>6} {v:>7} {s:>5} {row['groups']:>6} {row['rows']:>5} {row['flagged']:>7} "
+                    f"{row['rejected']:>8} {row['exact_s']:>8.3f} {row['step_on_s']:>8.3f} {row['step_off_s']:>8.3f} "
+                    f"{100 * row['cost']:>6.1f}%",
                     flush=True,
                 )
-            for lg, hg in zip(liars, honest, strict=True):
-                lg = msgspec.structs.replace(lg, temperature=w.temperature)
+            claimed = [msgspec.structs.replace(x, temperature=w.temperature) for x in liars]
+            out = stepper.run(claimed, v, off=False)
+            for lg, hg in zip(claimed, honest, strict=True):
                 same = all(a.tokens == b.tokens for a, b in zip(lg.samples, hg.samples, strict=True))
-                liar_n += 1
-                liar_same += same
-                liar_caught += check.check(lg, key) is not None
-        differ = liar_n - liar_same
-        results["liar"][name] = {"groups": liar_n, "caught": liar_caught, "identical_to_honest": liar_same}
+                caught = stepper.key_of(lg) in out["rejected_keys"]
+                liar["groups"] += 1
+                liar["differ"] += not same
+                liar["caught"] += caught
+                liar["caught_differ"] += caught and not same
+        results["liar"][name] = liar
         print(
-            f"{name:>6} temperature liar (T/2, same uniforms): {liar_caught} of {liar_n} caught, {liar_same} "
-            f"token for token the honest draw; caught among those that differ: {liar_caught}/{differ}"
+            f"{name:>6} temperature liar (T/2, same uniforms, claims T): {liar['caught']} of {liar['groups']} "
+            f"rejected; among those that differ from the honest draw: {liar['caught_differ']}/{liar['differ']}"
         )
         engine.close()
-        if name == args.engines.split(",")[0]:  # cost and bytes: once, on the first engine's groups
-            results["cost"] = _cost(honest_all, key, check, published, env, words, t)
+        if not results["bytes"]:
             plain = [len(encode_group(msgspec.structs.replace(g, draws=""))) for g in honest_all]
             seeded = [len(encode_group(g)) for g in honest_all]
             results["bytes"] = {
@@ -184,66 +169,84 @@ def main() -> None:
                 f"bytes per group: {results['bytes']['added']:.1f} added to a {results['bytes']['mean_record']:.0f}-byte "
                 "record (the `draws` field; the uniforms are derived, never sent)"
             )
+    rows = results["rows"]
+    if rows:
+        on = sum(r["step_on_s"] for r in rows)
+        off = sum(r["step_off_s"] for r in rows)
+        ex = sum(r["exact_s"] for r in rows)
+        results["summary"] = {"cost": (on - off) / off, "exact_share": ex / off}
+        print(
+            f"all rows: step with the check {on:.2f} s, without {off:.2f} s: cost {100 * (on - off) / off:.1f}% "
+            f"of the step (exact re-checks {100 * ex / off:.1f}%); honest groups rejected "
+            f"{sum(r['rejected'] for r in rows)} of {sum(r['groups'] for r in rows)}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
-def _cost(groups, key, check, published, env, words, t) -> dict:
-    """Check seconds per group against the trainer's `train_step` seconds per group, same groups."""
-    import copy
+class _Stepper:
+    """Steps a trainer at a chosen published version on groups, with and without the draw check."""
 
-    from pnyx.protocol import layout
-    from pnyx.train.ingest_state import IngestSettings
-    from pnyx.train.losses import LossSettings
-    from pnyx.train.rescore import rescore
-    from pnyx.train.step import make_optimizer, train_step
+    def __init__(self, published, exact, env, tok, t, tolerance, publish_dtype, key):
+        self.published, self.exact, self.env, self.tok, self.t = published, exact, env, tok, t
+        self.tolerance, self.dtype, self.key = tolerance, publish_dtype, key
 
-    v = groups[0].policy_version
-    same = [g for g in groups if g.policy_version == v]
-    with published.lock:
-        model = published.at(v)
-    master = copy.deepcopy(model).train()  # the trainer's fp32 master, at v's weights
-    for p in master.parameters():
-        p.requires_grad_(True)
-    opt = make_optimizer(master, t.lr, t.betas, t.weight_decay)
-    scored = [
-        rescore(
-            layout.rollout_key(g.policy_version, "bench", g.seq),
-            g,
-            env=env,
-            detokenize=words,
-            settings=IngestSettings(),
-        )  # fmt: skip
-        for g in same
-    ]
-    per = t.groups_per_step
-    batches = [scored[i : i + per] for i in range(0, len(scored) - per + 1, per)]
-    check_s = step_s = 0.0
-    n_check = n_step = 0
-    for batch in batches:
-        t0 = time.perf_counter()
-        for g in batch:
-            check.check(g.group, key)
-        check_s += time.perf_counter() - t0
-        n_check += len(batch)
-        t0 = time.perf_counter()
-        train_step(
-            master, opt, batch, LossSettings(), micro_batch_tokens=t.micro_batch_tokens, grad_clip=t.grad_clip
-        )
-        step_s += time.perf_counter() - t0
-        n_step += len(batch)
-    out = {
-        "check_s_per_group": check_s / max(1, n_check),
-        "train_step_s_per_group": step_s / max(1, n_step),
-        "groups_per_step": per,
-        "batches": len(batches),
-    }
-    out["ratio"] = out["check_s_per_group"] / max(1e-9, out["train_step_s_per_group"])
-    print(
-        f"cost: check {out['check_s_per_group']:.4f} s/group, train_step {out['train_step_s_per_group']:.4f} s/group "
-        f"({per} groups per step, {len(batches)} steps): check / train_step = {out['ratio']:.3f}"
-    )
-    return out
+    def key_of(self, g) -> str:
+        from pnyx.protocol import layout
+
+        return layout.rollout_key(g.policy_version, g.worker_id, g.seq, stamp_ms=0)
+
+    def run(self, groups, at: int, off: bool = True) -> dict:
+        """Step on `groups` (batches of groups_per_step) from version `at`'s weights; figures summed."""
+        from pnyx.security.checks import CheckSettings
+        from pnyx.train.ingest_state import IngestSettings
+        from pnyx.train.losses import LossSettings
+        from pnyx.train.rescore import rescore
+        from pnyx.train.step import make_optimizer, train_step
+
+        def words(ids):
+            return self.tok.decode(ids, skip_special_tokens=True)
+
+        scored = [
+            rescore(self.key_of(g), g, env=self.env, detokenize=words, settings=IngestSettings())
+            for g in groups
+        ]
+        for s in scored:
+            s.signer = self.key
+        with self.published.lock:
+            master = copy.deepcopy(self.published.at(at)).train()
+        for p in master.parameters():
+            p.requires_grad_(True)
+        per = self.t.groups_per_step
+        out = {"groups": len(groups), "rows": 0, "flagged": 0, "rejected": 0, "exact_s": 0.0, "step_on_s": 0.0,
+               "step_off_s": 0.0, "rejected_keys": set()}  # fmt: skip
+        arms = [("on", True), ("off", False)] if off else [("on", True)]
+        for i, a in enumerate(range(0, len(scored), per)):
+            batch = scored[a : a + per]
+            for label, on in arms if i % 2 == 0 else arms[::-1]:  # alternate which arm goes first
+                model = copy.deepcopy(master)
+                opt = make_optimizer(model, self.t.lr, self.t.betas, self.t.weight_decay)
+                checks = CheckSettings(
+                    lp_gap_base=None, plausibility_z=None, draw_tolerance=self.tolerance if on else None
+                )
+                t0 = time.perf_counter()
+                stats = train_step(
+                    model, opt, batch, LossSettings(), micro_batch_tokens=self.t.micro_batch_tokens,
+                    grad_clip=self.t.grad_clip, policy_version=at, checks=checks,
+                    exact_draws=self.exact.draws if on else None, forward_dtype=self.dtype,
+                )  # fmt: skip
+                out[f"step_{label}_s"] += time.perf_counter() - t0
+                if on and stats.draws is not None:
+                    out["rows"] += stats.draws.rows
+                    out["flagged"] += stats.draws.flagged
+                    out["exact_s"] += stats.draws.seconds
+                    out["rejected"] += len(stats.rejected)
+                    out["rejected_keys"] |= set(stats.rejected)
+        out["cost"] = (out["step_on_s"] - out["step_off_s"]) / max(1e-9, out["step_off_s"]) if off else 0.0
+        if not off:
+            return out
+        out.pop("rejected_keys")
+        return out
 
 
 if __name__ == "__main__":

@@ -124,9 +124,16 @@ def test_reward_liar_is_quarantined(arena):
 
 
 def _hostile_step(arena: Arena, producer: A.Producer, n: int = 2) -> None:
+    """Upload `n` of `producer`'s groups beside an honest round and step until none of them waits: the
+    draws and the statistical checks judge a group in the step that would train on it."""
     arena.upload(producer.produce(arena, n))
     honest_round(arena)
     arena.step()
+    for _ in range(3):
+        if not arena.tally(producer.source).get("waiting"):
+            break
+        honest_round(arena)
+        arena.step()
 
 
 def test_copier_with_made_up_logprobs_is_rejected(arena):

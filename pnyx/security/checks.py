@@ -263,7 +263,9 @@ def judge(ev: GroupEvidence, a: Limits) -> str | None:
     `implausible`), or None if it passes.
     With `Allowances`, z must lie in the run's honest range (`Allowances.z_range`: centred on what honest
     groups of its engine and staleness show, widened below by the drift the probe measured until that
-    bucket is calibrated; `pnyx.security.calibration`)."""
+    bucket is calibrated; `pnyx.security.calibration`). A group whose draws were checked (`ev.draw` set)
+    skips z: its tokens are proven to be the draws of uniforms it could not choose, which z only tests
+    statistically (honest groups beyond its limit are its false positives, 2 of 800 in a default run)."""
     tol = a.draw_tolerance
     if tol is not None and ev.draw is not None and not ev.draw <= tol:
         return DRAW_UNVERIFIABLE if ev.draw == math.inf else DRAW_MISMATCH
@@ -272,7 +274,8 @@ def judge(ev: GroupEvidence, a: Limits) -> str | None:
     gap = ev.gap
     if math.isnan(gap) or gap > a.gap_bound(ev.staleness, ev.engine):
         return "logprob_gap"
-    if a.plausibility_z is not None:
+    proven = tol is not None and ev.draw is not None  # a seeded group's tokens are proven draws
+    if a.plausibility_z is not None and not proven:
         low, high = a.z_range(ev)
         if not low <= ev.z <= high:
             return "implausible"

@@ -23,6 +23,8 @@ class Batch:
     """The sampling checks' allowances for this step (derived from the run on rank 0; None: off)."""
     probe: list[Row] | None = None
     """The drift probe's rows (from the previous step's batch; None: none)."""
+    rounded: str | None = None
+    """`BatchRecord.rounded`: the dtype the step's forward rounds the trained weights to (None: none)."""
 
 
 @dataclass

@@ -61,13 +61,28 @@ class BatchRecord(msgspec.Struct):
     created_at: float
     lr: float | None = None
     """The learning rate of the step (None in records written before schedules: the configured lr)."""
+    rounded: str | None = None
+    """The dtype the step's forward rounded the trained weights to (`train_step(forward_dtype=)`), so a
+    replay does the same; None: the masters as they are (sharded runs, records written before it)."""
 
 
 def write_batch_record(
-    store: Store, version: int, keys: list[str], trainer_id: str, lr: float | None = None
+    store: Store,
+    version: int,
+    keys: list[str],
+    trainer_id: str,
+    lr: float | None = None,
+    rounded: str | None = None,
 ) -> BatchRecord:
     """Record the step's batch create-only; if a record already exists, return it (it wins, use it)."""
-    rec = BatchRecord(version=version, keys=list(keys), trainer_id=trainer_id, created_at=time.time(), lr=lr)
+    rec = BatchRecord(
+        version=version,
+        keys=list(keys),
+        trainer_id=trainer_id,
+        created_at=time.time(),
+        lr=lr,
+        rounded=rounded,
+    )
     try:
         store.put(batch_key(version), msgspec.json.encode(rec), mode="create")
         return rec

@@ -42,6 +42,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 from pnyx.config import PnyxConfig
 from pnyx.errors import IntegrityError, NotFoundError, RecordRejected
 from pnyx.protocol.records import RunManifest
@@ -143,7 +145,16 @@ class Trainer:
             Row(p.prompt, p.completion, [0.0] * len(p.completion), p.mask, 0.0, p.sampling)
             for p in self.parts.ingestor.probe()
         ]
-        return Batch(list(rec.keys), groups, lr, ref, checks, probe)
+        return Batch(list(rec.keys), groups, lr, ref, checks, probe, rec.rounded)
+
+    def _rounded(self) -> str | None:
+        """The dtype this trainer's steps round their forward weights to: the publish dtype, so a fresh
+        group is measured under the weights it was sampled from (`train_step(forward_dtype=)`), when one
+        process computes in fp32; None when sharded (its ranks hold shards) or computing in bf16 already."""
+        p = self.parts
+        if p.dist.world > 1 or p.compute_dtype != torch.float32 or p.publishing.dtype == torch.float32:
+            return None
+        return str(p.publishing.dtype).removeprefix("torch.")
 
     def train_batch(self, batch: Batch) -> StepStats:
         return train_step(
@@ -165,7 +176,7 @@ class Trainer:
             exact_draws=self.parts.rejudge.draws
             if self.parts.rejudge and self.cfg.security.seeded_draws
             else None,
-            forward_dtype=self.parts.publishing.dtype,
+            forward_dtype=getattr(torch, batch.rounded) if batch.rounded else None,
         )
 
     def _wait_for_batch(self) -> list[ScoredGroup] | None:
@@ -238,8 +249,9 @@ class Trainer:
                 return None
             self._ingest_wait_s = time.perf_counter() - t0
             rec = checkpoint.write_batch_record(
-                self.store, target, [g.key for g in chosen], self.trainer_id, self.parts.schedule.at(target)
-            )
+                self.store, target, [g.key for g in chosen], self.trainer_id, self.parts.schedule.at(target),
+                self._rounded(),
+            )  # fmt: skip
             by_key = {g.key: g for g in chosen}
             groups = (
                 [by_key[k] for k in rec.keys] if set(rec.keys) == set(by_key) else self.load_recorded(rec)

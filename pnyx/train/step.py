@@ -136,7 +136,7 @@ def train_step(
     probe_s = time.perf_counter() - t2 if probe_rows else 0.0
 
     part = PartialStats()
-    with _rounded(model, forward_dtype if st.world == 1 and not st.fwd.autocast else None):
+    with _rounded(model, forward_dtype if st.world == 1 and st.fwd.dtype == torch.float32 else None):
         _rounds(st, st.plan, 1.0, part)  # stages 1-3, micro-batch by micro-batch
         total = PartialStats()
         for p in dist.all_gather(part) if dist is not None else [part]:
@@ -471,7 +471,7 @@ def _undo(st: _Step, late: Mapping[str, str]) -> float:
 @contextlib.contextmanager
 def _rounded(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
     """Within: every trained fp32 parameter holds its value rounded to `dtype` (None or fp32: unchanged);
-    after: the fp32 master values again (their gradients stay)."""
+    after: the fp32 master values again (their gradients stay). Not for sharded parameters."""
     if dtype is None or dtype == torch.float32:
         yield
         return
