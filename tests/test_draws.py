@@ -336,3 +336,27 @@ def test_the_step_measures_every_token_in_its_own_forward_and_rechecks_only_rows
     assert n1 == rows[0] and 0 < failed <= flagged < n1 and exact.rejudge.draw_rows == flagged
     assert stats.rejected == dict.fromkeys(sorted(differ), "draw_mismatch")
     assert tally.max_exact_kept == 0.0  # the stale honest rows: exactly their draws under v0
+
+
+def test_the_exact_recheck_shares_a_groups_prompt_or_not_with_the_same_distances(run, monkeypatch):
+    """`Rejudge.draws` forwards a group's prompt once and its rows on its KV cache when that saves work
+    (long prompts: SmolLM2's chat template), else each row whole: the same distances either way."""
+    from pnyx.train import drawcheck
+    from pnyx.train.microbatch import build_rows
+    from pnyx.train.rejudge import _distances
+
+    engine, digest = _engine(run, "torch", 0)
+    g = _groups(run, engine, digest, 0, key="k1", n=1)[0]
+    s0 = g.samples[0]
+    flipped = msgspec.structs.replace(s0, tokens=[(s0.tokens[0] + 1) % 10, *s0.tokens[1:]])
+    rows = build_rows([_scored(msgspec.structs.replace(g, samples=[flipped, *g.samples[1:]]), "k1")])
+    published = _Exact(run).rejudge.published
+    with published.lock:
+        model = published.at(0)
+    found = {}
+    for label, call in (("shared", -(10**6)), ("plain", 10**6)):
+        monkeypatch.setattr(drawcheck, "CALL_TOKENS", call)
+        found[label] = _distances(model, rows)
+    assert found["shared"][0] > 1e-3 and found["plain"][0] > 1e-3  # the tampered row, either way
+    assert max(found["plain"][1:]) == 0.0 and max(found["shared"][1:]) <= 1e-5
+    assert np.allclose(found["shared"], found["plain"], atol=1e-5)

@@ -24,12 +24,16 @@ This module holds what the rest shares: the reasons, the ingestion's policy for 
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 
 import numpy as np
 import torch
 
+from pnyx.errors import ConfigError
 from pnyx.protocol.draws import SCHEME
 from pnyx.protocol.records import RolloutGroup
 from pnyx.security.checks import DRAW_MISMATCH, DRAW_UNVERIFIABLE
@@ -45,6 +49,11 @@ UNVERIFIABLE = DRAW_UNVERIFIABLE
 """Reason of a group whose version's published weights could not be obtained or verified (not a fault)."""
 UNSEEDED = "unseeded"
 """Reason of a group without seeded draws in a run that requires them (a fault of its key)."""
+MAX_LOGITS = 32 * 1024 * 1024
+"""Rows x positions x vocabulary of one shared-prompt forward's logits (float32: 128 MB)."""
+CALL_TOKENS = 256
+"""A prompt's KV cache is shared over a group's rows only if that saves more than this many token positions
+(a second forward call and copying the cache cost about that much on a small model)."""
 
 
 def unseeded_policy(accept_unseeded: bool, trusted: Collection[str]) -> Callable[[ScoredGroup], str | None]:
@@ -57,6 +66,52 @@ def unseeded_policy(accept_unseeded: bool, trusted: Collection[str]) -> Callable
         return UNSEEDED
 
     return check
+
+
+def shares_prompt(plen: int, widths: list[int]) -> bool:
+    """Whether forwarding a prompt once and its rows' completions on its KV cache saves work over forwarding
+    each row whole (`shared_prompt_logits`)."""
+    n, width = len(widths), max(widths, default=0)
+    return plen + n * width + CALL_TOKENS < n * (plen + width)
+
+
+def shared_prompt_logits(
+    model: torch.nn.Module, prompt: list[int], completions: list[list[int]]
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, logits [rows, width, V] float32) per chunk of `completions` after one shared `prompt`:
+    position j predicts completion token j. The prompt is forwarded once (its last logits only) and its KV
+    cache repeated over the rows; completions are right-padded, so real tokens keep their positions."""
+    dev = next(model.parameters()).device
+    n, width, plen = len(completions), max(len(c) for c in completions), len(prompt)
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 1 << 17)
+    rows = max(1, MAX_LOGITS // max(1, width * vocab))
+    accepted = _forward_parameters(type(model))
+    cache_arg = "cache" if "cache" in accepted else "past_key_values"
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
+    first = model(torch.tensor([prompt], device=dev), use_cache=True, **keep)
+    cache = getattr(first, "cache", None) or getattr(first, "past_key_values", None)
+    if cache is None:
+        raise ConfigError(f"{type(model).__name__} returned no KV cache: its prompt cannot be shared")
+    last = first.logits[:, -1:].float()
+    for a in range(0, n, rows):
+        chunk = completions[a : a + rows]
+        k = len(chunk)
+        ids = torch.zeros((k, width), dtype=torch.long)
+        attn = torch.zeros((k, plen + width), dtype=torch.long)
+        attn[:, :plen] = 1
+        for i, c in enumerate(chunk):
+            ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+            attn[i, plen : plen + len(c)] = 1
+        kv = copy.deepcopy(cache)
+        kv.batch_repeat_interleave(k)
+        logits = model(ids.to(dev), attention_mask=attn.to(dev), use_cache=True, **{cache_arg: kv}).logits
+        yield a, torch.cat([last.expand(k, 1, -1), logits[:, :-1].float()], dim=1)
+
+
+@functools.cache
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    """The keyword names a model class's `forward` takes (read once per class, not per group)."""
+    return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 def distances(model: torch.nn.Module, group: RolloutGroup, key: str) -> list[np.ndarray]:

@@ -148,13 +148,9 @@ class Trainer:
         return Batch(list(rec.keys), groups, lr, ref, checks, probe, rec.rounded)
 
     def _rounded(self) -> str | None:
-        """The dtype this trainer's steps round their forward weights to: the publish dtype, so a fresh
-        group is measured under the weights it was sampled from (`train_step(forward_dtype=)`), when one
-        process computes in fp32; None when sharded (its ranks hold shards) or computing in bf16 already."""
-        p = self.parts
-        if p.dist.world > 1 or p.compute_dtype != torch.float32 or p.publishing.dtype == torch.float32:
-            return None
-        return str(p.publishing.dtype).removeprefix("torch.")
+        """The dtype this trainer's steps round their forward weights to, for the batch record."""
+        r = self.parts.rounding
+        return None if r is None else str(r).removeprefix("torch.")
 
     def train_batch(self, batch: Batch) -> StepStats:
         return train_step(

@@ -35,10 +35,22 @@ CACHE_GROUPS = 4096
 class Reference:
     """The reference model and its per-group logprob cache, filled by a prefetch thread."""
 
-    def __init__(self, model_dir: Path, device: str | torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        model_dir: Path,
+        device: str | torch.device,
+        dtype: torch.dtype,
+        round_to: torch.dtype | None = None,
+    ):
+        """`round_to`: the dtype the trainer's steps round their weights to (`train_step(forward_dtype=)`):
+        the reference is then v0 as published, the weights the policy's forward starts from."""
         from pnyx.models import load_model
 
         self.model = load_model(model_dir, dtype=str(dtype).removeprefix("torch."), device=device)
+        if round_to is not None:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.copy_(p.to(round_to))
         self.model.requires_grad_(False)
         self.model.eval()
         self._cache: OrderedDict[str, list[list[float]]] = OrderedDict()

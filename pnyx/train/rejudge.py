@@ -106,15 +106,47 @@ class Rejudge:
                 model = pm.at(version)
                 if pm.digest != digest and len(self.planes) > 1:
                     continue
-                fwd = _Forward(model, torch.device("cpu"), torch.float32, False)
-                out = [math.inf] * len(rows)
-                with torch.no_grad():
-                    for part in plan_micro_batches(rows, MICRO_BATCH_TOKENS):
-                        mb = fwd.run([rows[k] for k in part], entropy=False, var=False, draws=True)
-                        for k, d in zip(part, _worst(mb), strict=True):
-                            out[k] = math.inf if d is None else d
-                return out
+                return _distances(model, rows)
         raise IntegrityError(f"no published plane of v{version} has digest {digest}")
+
+
+def _distances(model: torch.nn.Module, rows: list[Row]) -> list[float]:
+    """Per row (each with uniforms), its largest distance from its draws under `model`: a group's rows over
+    one forward of its prompt where sharing it saves work (`drawcheck.shared_prompt_logits`), the others in
+    plain micro-batches."""
+    from pnyx.models.logprobs import draw_distance, sampling_logprobs
+    from pnyx.train.drawcheck import shared_prompt_logits, shares_prompt
+
+    out = [math.inf] * len(rows)
+    by_group: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_group.setdefault(r.key, []).append(i)
+    plain: list[int] = []
+    with torch.no_grad():
+        for idx in by_group.values():
+            mine = [rows[i] for i in idx]
+            if not shares_prompt(len(mine[0].prompt), [len(r.completion) for r in mine]):
+                plain += idx
+                continue
+            temp, top_k, top_p = mine[0].sampling
+            for a, logits in shared_prompt_logits(model, mine[0].prompt, [r.completion for r in mine]):
+                chunk = mine[a : a + logits.shape[0]]
+                width = logits.shape[1]
+                targets = torch.zeros((len(chunk), width), dtype=torch.long)
+                u = torch.full((len(chunk), width), math.nan, dtype=torch.float64)
+                for j, r in enumerate(chunk):
+                    targets[j, : len(r.completion)] = torch.tensor(r.completion, dtype=torch.long)
+                    u[j, : len(r.uniforms or ())] = torch.tensor(r.uniforms or [], dtype=torch.float64)
+                d = draw_distance(sampling_logprobs(logits, temp, top_k, top_p), targets.to(logits.device), u)
+                for j, w in enumerate(d.amax(1).tolist()):
+                    out[idx[a + j]] = w
+        fwd = _Forward(model, torch.device("cpu"), torch.float32, False)
+        rest = [rows[i] for i in plain]
+        for part in plan_micro_batches(rest, MICRO_BATCH_TOKENS):
+            mb = fwd.run([rest[k] for k in part], entropy=False, var=False, draws=True)
+            for k, w in zip(part, _worst(mb), strict=True):
+                out[plain[k]] = math.inf if w is None else w
+    return out
 
 
 def _worst(mb: _MicroBatch) -> list[float | None]:

@@ -156,6 +156,8 @@ class TrainerParts:
     rejudge: Rejudge | None = None
     """The exact forwards under a version's published weights (`security.rejudge`: of groups the step
     would drop; `security.seeded_draws`: of rows the step's forward puts over the draw tolerance), or None."""
+    rounding: torch.dtype | None = None
+    """The dtype the steps round their weights to in the forward (`forward_rounding`), or None."""
     published: list[PublishedModel] = field(default_factory=list)
     """The second models the exact checks compute with (one per plane), pointed at the run's key by
     `attach_run`."""
@@ -197,9 +199,10 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
     # and workers and the Dr.GRPO normaliser read that one number.
     budget = resolve_max_new_tokens(cfg.worker.max_new_tokens, env)
     cfg = cfg.model_copy(update={"worker": cfg.worker.model_copy(update={"max_new_tokens": budget})})
+    rounding = forward_rounding(dist.world, compute_dtype, getattr(torch, t.publish_dtype))
     reference = None
     if cfg.algorithm.kl_coef > 0 and dist.is_main:
-        reference = Reference(model_dir, t.reference_device or dist.device, compute_dtype)
+        reference = Reference(model_dir, t.reference_device or dist.device, compute_dtype, rounding)
     publisher = Publisher(
         store, anchor_every=t.anchor_every, int8_plane=cfg.worker.int8, chunk_bytes=t.publish_chunk_bytes,
         comm=dist, hook=hooks.point,
@@ -226,7 +229,10 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
     sec, lora = cfg.security, (t.lora if adapter is not None else None)
     planes: list[Plane] = ["weights", "int8"] if cfg.worker.int8 else ["weights"]
     published = (
-        {p: PublishedModel(store, model_dir, lora, plane=p) for p in planes}
+        {
+            p: PublishedModel(store, model_dir, lora, plane=p, keep=cfg.algorithm.max_staleness + 1)
+            for p in planes
+        }
         if sec.seeded_draws or sec.rejudge
         else {}
     )
@@ -262,7 +268,19 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         prefetcher=Prefetcher(ingestor, t.groups_per_step),
         rejudge=Rejudge(published["weights"], published) if published else None,
         published=list(published.values()),
+        rounding=rounding,
     )
+
+
+def forward_rounding(
+    world: int, compute_dtype: torch.dtype, publish_dtype: torch.dtype
+) -> torch.dtype | None:
+    """The dtype a trainer's steps round their weights to in the forward (`train_step(forward_dtype=)`): the
+    publish dtype, so a fresh group is measured under the very weights it was sampled from, when one
+    process computes in fp32; None when sharded (its ranks hold shards) or computing in bf16 already."""
+    if world > 1 or compute_dtype != torch.float32 or publish_dtype == torch.float32:
+        return None
+    return publish_dtype
 
 
 def merge_resume_config(run_config: dict[str, Any], given: PnyxConfig) -> PnyxConfig:
