@@ -99,6 +99,13 @@ def _fast_mlx() -> str | None:
     return None
 
 
+SMOLLM2_ONE_AT_A_TIME = pytest.mark.xdist_group("smollm2")
+"""The SmolLM2 runs share one xdist worker (`pytest -n 2 --dist loadgroup`): two at once peak at ~7 GB of
+trainer, ~3 GB of worker and ~2 GB of `pnyx run` each, 23.7 of this machine's 24 GB (measured
+2026-12-03); the short configs run beside them on the other worker."""
+
+
+@SMOLLM2_ONE_AT_A_TIME
 @pytest.mark.parametrize(
     "engine",
     [
@@ -207,6 +214,7 @@ def test_the_fleet_s3_example_runs_against_an_s3_store(tmp_path, s3_url):
     assert json.loads(open_store(s3_url).get("trainer/status.json")).get("quarantined") == {}
 
 
+@SMOLLM2_ONE_AT_A_TIME
 def test_the_smollm2_lora_recipe_learns_with_every_check_on(tmp_path, smollm2_gguf):
     """`examples/smollm2-135m-lora.toml` (issue #26): the same task with a rank-16 adapter on every linear
     layer. The worker merges each published adapter into its own base; the held-out intervals of v0 and the

@@ -87,7 +87,10 @@ class Rejudge:
         by_version: dict[tuple[int, str], list[int]] = {}
         for i, r in enumerate(rows):
             by_version.setdefault((r.version, r.weights_digest), []).append(i)
-        for (version, digest), idx in sorted(by_version.items()):
+        held = {pm.version for pm in self.planes.values()}  # first the version a model holds: no copy
+        for (version, digest), idx in sorted(
+            by_version.items(), key=lambda kv: (kv[0][0] not in held, kv[0])
+        ):
             mine = [rows[i] for i in idx]
             try:
                 for k, d in enumerate(self._exact(mine, version, digest)):
