@@ -18,17 +18,22 @@ tolerance there is measured once more under exactly the published weights of its
 (`pnyx.train.rejudge.Rejudge.draws`, `published.PublishedModel`), and only that exact distance can fail
 its group (`draw_mismatch`, a fault of its key). Measured design and costs: docs/verifiable-sampling.md.
 
-This module holds what the rest shares: the reasons, the ingestion's policy for unseeded groups, and
-`distances` (one group under one model: benchmarks and tests).
+This module holds what the rest shares: the reasons, the ingestion's policy for unseeded groups, the
+step's per-row verdict (`row_draws`) and weight rounding (`rounded_weights`), the shared-prompt forward of
+the exact re-check, and `distances` (one group under one model: benchmarks and tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Callable, Collection, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +43,10 @@ from pnyx.protocol.draws import SCHEME
 from pnyx.protocol.records import RolloutGroup
 from pnyx.security.checks import DRAW_MISMATCH, DRAW_UNVERIFIABLE
 from pnyx.train.rescore import ScoredGroup
+
+if TYPE_CHECKING:
+    from pnyx.train.microbatch import Row
+    from pnyx.train.stepstats import DrawTally
 
 log = logging.getLogger("pnyx.trainer")
 
@@ -66,6 +75,68 @@ def unseeded_policy(accept_unseeded: bool, trusted: Collection[str]) -> Callable
         return UNSEEDED
 
     return check
+
+
+def row_draws(
+    draw: torch.Tensor,
+    rows: list[Row],
+    tolerance: float,
+    staleness: list[int],
+    exact: Callable[[list[Row]], list[float]] | None,
+    tally: DrawTally,
+) -> list[float | None]:
+    """Per row, its largest distance from its seeded draws (None: a row without uniforms): from the step's
+    forward (`draw` [rows, T]), or, for a row with a token over `tolerance` there, from `exact`
+    (`Rejudge.draws`: its version's published weights), which measures the row cut after its last token
+    over (`prefix`). Counted in `tally` by `staleness` (per row). Without `exact`, the step's distances
+    stand."""
+    worst: list[float] = draw.amax(1).tolist()
+    seeded = [r.uniforms is not None for r in rows]
+    flagged = [j for j, (d, s) in enumerate(zip(worst, seeded, strict=True)) if s and not d <= tolerance]
+    for j in range(len(rows)):
+        if seeded[j]:
+            tally.count(staleness[j], worst[j], j in flagged)
+    if flagged and exact is not None:
+        t0 = time.perf_counter()
+        over = (draw > tolerance).float()
+        ends = (over.shape[1] - over.flip(1).argmax(1)).tolist()  # one past each row's last token over
+        measured = exact([prefix(rows[j], ends[j]) for j in flagged])
+        tally.seconds += time.perf_counter() - t0
+        for j, d in zip(flagged, measured, strict=True):
+            worst[j] = d
+            tally.exact(d, d <= tolerance, staleness[j])
+    return [d if s else None for d, s in zip(worst, seeded, strict=True)]
+
+
+def prefix(row: Row, n: int) -> Row:
+    """`row` cut after its first `n` completion tokens: a causal model's distances there do not depend on
+    what follows, so the exact re-check of a row forwards it only up to its last token over the tolerance."""
+    return dataclasses.replace(
+        row, completion=row.completion[:n], behaviour_logp=row.behaviour_logp[:n], loss_mask=row.loss_mask[:n],
+        uniforms=None if row.uniforms is None else row.uniforms[:n],
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def rounded_weights(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """Within: every trained fp32 parameter holds its value rounded to `dtype`, the publish dtype (None or
+    fp32: unchanged), so the step's forward is the published model's and a fresh row is measured under the
+    very weights it was sampled from; after: the fp32 master values again (their gradients stay). Not for
+    sharded parameters."""
+    if dtype is None or dtype == torch.float32:
+        yield
+        return
+    masters: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad and p.dtype == torch.float32:
+                masters.append((p, p.data))
+                p.data = p.data.to(dtype).to(torch.float32)
+    try:
+        yield
+    finally:
+        for p, master in masters:
+            p.data = master
 
 
 def shares_prompt(plen: int, widths: list[int]) -> bool:

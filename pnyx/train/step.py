@@ -31,11 +31,9 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +41,7 @@ import torch
 from pnyx.security.calibration import Allowances, Drift
 from pnyx.security.checks import GroupEvidence, Limits
 from pnyx.train.distributed import Dist
+from pnyx.train.drawcheck import rounded_weights, row_draws
 from pnyx.train.ingest import ScoredGroup
 from pnyx.train.judgement import ExactDraws, Rejudge, judge_rest, judge_whole, keep_rejudged
 from pnyx.train.losses import LossSettings, LossTerms, policy_terms, token_weights
@@ -136,7 +135,7 @@ def train_step(
     probe_s = time.perf_counter() - t2 if probe_rows else 0.0
 
     part = PartialStats()
-    with _rounded(model, forward_dtype if st.world == 1 and st.fwd.dtype == torch.float32 else None):
+    with rounded_weights(model, forward_dtype if st.world == 1 and st.fwd.dtype == torch.float32 else None):
         _rounds(st, st.plan, 1.0, part)  # stages 1-3, micro-batch by micro-batch
         total = PartialStats()
         for p in dist.all_gather(part) if dist is not None else [part]:
@@ -360,37 +359,12 @@ def _forward_backward(st: _Step, rows: list[Row], scale: float, part: PartialSta
 
 
 def _row_draws(st: _Step, mb: _MicroBatch, part: PartialStats) -> list[float | None] | None:
-    """Per row of `mb`, its largest distance from its seeded draws (None: a row without), the exact one
-    (`st.exact_draws`) for each row the step's own forward put over the tolerance; counted in `part.draws`."""
+    """Per row of `mb`, its largest distance from its seeded draws (`drawcheck.row_draws`: the exact one
+    for each row this forward put over the tolerance); None when the step does not check draws."""
     if mb.draw is None or st.checks is None or (tol := st.checks.draw_tolerance) is None:
         return None
-    worst: list[float] = mb.draw.detach().amax(1).tolist()
-    seeded = [r.uniforms is not None for r in mb.rows]
-    flagged = [j for j, (d, s) in enumerate(zip(worst, seeded, strict=True)) if s and not d <= tol]
-    tally = part.draws
     stale = [st.policy_version - r.version if st.policy_version is not None else 0 for r in mb.rows]
-    for j in range(len(mb.rows)):
-        if seeded[j]:
-            tally.count(stale[j], worst[j], j in flagged)
-    if flagged and st.exact_draws is not None:
-        t0 = time.perf_counter()
-        over = (mb.draw.detach() > tol).float()
-        ends = (over.shape[1] - over.flip(1).argmax(1)).tolist()  # one past each row's last token over
-        exact = st.exact_draws([_prefix(mb.rows[j], ends[j]) for j in flagged])
-        tally.seconds += time.perf_counter() - t0
-        for j, d in zip(flagged, exact, strict=True):
-            worst[j] = d
-            tally.exact(d, d <= tol, stale[j])
-    return [d if s else None for d, s in zip(worst, seeded, strict=True)]
-
-
-def _prefix(row: Row, n: int) -> Row:
-    """`row` cut after its first `n` completion tokens: a causal model's distances there do not depend on
-    what follows, so the exact re-check of a row forwards it only up to its last token over the tolerance."""
-    return dataclasses.replace(
-        row, completion=row.completion[:n], behaviour_logp=row.behaviour_logp[:n], loss_mask=row.loss_mask[:n],
-        uniforms=None if row.uniforms is None else row.uniforms[:n],
-    )  # fmt: skip
+    return row_draws(mb.draw.detach(), mb.rows, tol, stale, st.exact_draws, part.draws)
 
 
 def _evidence(
@@ -466,26 +440,6 @@ def _undo(st: _Step, late: Mapping[str, str]) -> float:
     t1 = time.perf_counter()
     _rounds(st, [mb for mb in st.plan if st.rows[mb[0]].key in late], -1.0, None)
     return time.perf_counter() - t1
-
-
-@contextlib.contextmanager
-def _rounded(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
-    """Within: every trained fp32 parameter holds its value rounded to `dtype` (None or fp32: unchanged);
-    after: the fp32 master values again (their gradients stay). Not for sharded parameters."""
-    if dtype is None or dtype == torch.float32:
-        yield
-        return
-    masters: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad and p.dtype == torch.float32:
-                masters.append((p, p.data))
-                p.data = p.data.to(dtype).to(torch.float32)
-    try:
-        yield
-    finally:
-        for p, master in masters:
-            p.data = master
 
 
 def _rescale(model: torch.nn.Module, st: _Step, rejected: Mapping[str, str]) -> bool:
