@@ -103,7 +103,9 @@ def test_torchrun_trains_with_a_worker_and_one_process_replays_it_within_toleran
         one.parts.ingestor.commit(
             batch.keys, batch.groups, stats.rejected, stats.evidence, batch.checks, stats.drift, v - 1
         )
-        assert stats.loss == pytest.approx(metrics[v - 1]["loss"], rel=1e-4, abs=1e-7)
+        # the loss is a near-cancelling sum (~5e-4 here): fp32 summation order across 2 ranks moved it by
+        # 1.04e-7 once in a loaded suite (2026-12-03); the weights below are the replay's real test
+        assert stats.loss == pytest.approx(metrics[v - 1]["loss"], rel=1e-4, abs=1e-6)
         assert stats.tokens == metrics[v - 1]["tokens"]
         _, published = Syncer(store).sync(to_version=v)
         assert_within_tolerance(one.parts.publishing.tensors(), published)
