@@ -17,7 +17,12 @@ claims (`published.PublishedModel`: verified against the run's trainer key only)
 (staleness 0); a group that fails there is dishonest at any staleness. It costs a forward of the failing
 group (plus, on a version change, applying the deltas in between) and is paid only for groups the master
 forward would reject; a key that sends many failing groups is quarantined by the ledger and then never
-reaches the forward. Knows nothing about the loop, the ingestion or the checks' thresholds.
+reaches the forward.
+
+`Rejudge.draws` is the same exact forward for seeded draws (`pnyx.train.drawcheck`): a row whose tokens
+the step's forward put over the draw tolerance is measured under the published weights of its version
+(on the plane its group records, its group's prompt forwarded once where that saves work), and only that
+distance can drop its group. Knows nothing about the loop, the ingestion or the checks' thresholds.
 """
 
 from __future__ import annotations
