@@ -4,7 +4,7 @@ Runs what an honest fleet does, in one process on the CPU: the shipped tiny mode
 algorithm and learning rate. Per version v, an honest worker generates groups from the **bf16 cast** of
 the trainer's weights (as published), through pnyx's own engine and cohort code; the trainer re-scores
 them and takes a real `train_step` (fp32 master weights) on some of them to reach v+1. Then every group
-of version v is measured (`pnyx.train.step.measure_evidence`: the same per-group sums `train_step`
+of version v is measured (`pnyx.train.forward.measure_evidence`: the same per-group sums `train_step`
 computes with `checks`) under the trainer's fp32 masters of versions v, v+1, ..., v+S, i.e. at staleness
 0..S. It prints, per staleness, the distribution of the group logprob gap (mean |claimed − trainer|
 logprob over the group's model tokens) and of the plausibility z, and the share of honest groups the
@@ -70,9 +70,10 @@ def main() -> None:
         judge,
         quarantine_reason,
     )
+    from pnyx.train.forward import measure_evidence
     from pnyx.train.rescore import rescore
     from pnyx.train.settings import ingest_settings, loss_settings
-    from pnyx.train.step import make_optimizer, measure_evidence, train_step
+    from pnyx.train.step import make_optimizer, train_step
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

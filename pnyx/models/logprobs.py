@@ -234,7 +234,7 @@ def completion_stats(
     for i, c in enumerate(completion_ids):
         mask[i, : len(c)] = True
     mask = mask.to(device)
-    u = _uniform_matrix(uniforms, rows, width) if uniforms is not None else None
+    u = uniform_matrix(uniforms, rows, width) if uniforms is not None else None
     if rows == 0 or width == 0:
         empty = torch.zeros(rows, width, dtype=torch.float32, device=device)
         ent0 = empty.clone() if with_entropy or with_var else None
@@ -269,7 +269,7 @@ def completion_stats(
     return CompletionStats(logp, mask, entropy, var_out, draw)
 
 
-def _uniform_matrix(uniforms: list[list[float] | None], rows: int, width: int) -> torch.Tensor:
+def uniform_matrix(uniforms: list[list[float] | None], rows: int, width: int) -> torch.Tensor:
     """[rows, width] float64 of the completions' uniforms, NaN where a position has none."""
     if len(uniforms) != rows:
         raise ValueError(f"{rows} completions but {len(uniforms)} uniform rows")

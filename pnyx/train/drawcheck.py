@@ -20,7 +20,7 @@ its group (`draw_mismatch`, a fault of its key). Measured design and costs: docs
 
 This module holds what the rest shares: the reasons, the ingestion's policy for unseeded groups, the
 step's per-row verdict (`row_draws`) and weight rounding (`rounded_weights`), the shared-prompt forward of
-the exact re-check, and `distances` (one group under one model: benchmarks and tests).
+the exact re-check.
 """
 
 from __future__ import annotations
@@ -30,17 +30,14 @@ import copy
 import dataclasses
 import functools
 import inspect
-import logging
 import time
 from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from pnyx.errors import ConfigError
 from pnyx.protocol.draws import SCHEME
-from pnyx.protocol.records import RolloutGroup
 from pnyx.security.checks import DRAW_MISMATCH, DRAW_UNVERIFIABLE
 from pnyx.train.rescore import ScoredGroup
 
@@ -48,10 +45,6 @@ if TYPE_CHECKING:
     from pnyx.train.microbatch import Row
     from pnyx.train.stepstats import DrawTally
 
-log = logging.getLogger("pnyx.trainer")
-
-TOLERANCE = 1e-3
-"""Default largest distance of an honest token (`security.draw_tolerance`); see docs/security.md."""
 MISMATCH = DRAW_MISMATCH
 """Reason of a group with a token its uniform did not draw (a fault of its key)."""
 UNVERIFIABLE = DRAW_UNVERIFIABLE
@@ -183,23 +176,3 @@ def shared_prompt_logits(
 def _forward_parameters(model_class: type) -> frozenset[str]:
     """The keyword names a model class's `forward` takes (read once per class, not per group)."""
     return frozenset(inspect.signature(model_class.forward).parameters)
-
-
-def distances(model: torch.nn.Module, group: RolloutGroup, key: str) -> list[np.ndarray]:
-    """Per sample, the distance of each model token from the draw of its uniform under `model` (its
-    sampling distribution at the group's settings), as the step measures them."""
-    from pnyx.models.logprobs import completion_stats
-    from pnyx.train.microbatch import row_uniforms
-
-    samples = list(group.samples)
-    if group.draws != SCHEME or not samples:
-        raise ValueError("the group has no seeded draws")
-    prompt = list(group.prompt_tokens)
-    with torch.no_grad():
-        out = completion_stats(
-            model, [prompt] * len(samples), [list(s.tokens) for s in samples], group.temperature, group.top_k,
-            group.top_p, uniforms=[row_uniforms(group, key, i) for i in range(len(samples))],
-        )  # fmt: skip
-    assert out.draw is not None
-    draw = out.draw.to("cpu").numpy()
-    return [draw[i, : len(s.tokens)][np.asarray(s.loss_mask, dtype=bool)] for i, s in enumerate(samples)]

@@ -12,7 +12,7 @@ honest groups were dropped as `implausible` (docs/security.md, section 4; `bench
 `Rejudge` is the exact check those groups get before their verdict takes effect: a second model in fp32
 (how CPU and MLX workers compute) loaded with the run's own published weights of the version the group
 claims (`published.PublishedModel`: verified against the run's trainer key only), and the same evidence
-(`step._Forward` and `step._evidence`) from its forward. There the honest gap is the engines' rounding
+(`forward.Forward` and `forward.group_evidence`) from its forward. There the honest gap is the engines' rounding
 (0.000 measured for mlx against torch) and z has no drift in it, so the group is judged as a fresh one
 (staleness 0); a group that fails there is dishonest at any staleness. It costs a forward of the failing
 group (plus, on a version change, applying the deltas in between) and is paid only for groups the master
@@ -35,9 +35,9 @@ import torch
 
 from pnyx.errors import IntegrityError, PnyxError
 from pnyx.security.checks import GroupEvidence
+from pnyx.train.forward import Forward, MicroBatch, group_evidence, merge_evidence
 from pnyx.train.microbatch import Row, plan_micro_batches
 from pnyx.train.published import PublishedModel
-from pnyx.train.step import _add_evidence, _evidence, _Forward, _MicroBatch
 
 log = logging.getLogger("pnyx.trainer")
 
@@ -75,11 +75,11 @@ class Rejudge:
                     "trainer: cannot re-judge against v%d (%s); the group keeps its verdict", version, e
                 )
                 return {}
-            fwd = _Forward(model, torch.device("cpu"), torch.float32, False)
+            fwd = Forward(model, torch.device("cpu"), torch.float32, False)
             with torch.no_grad():
                 for idx in plan_micro_batches(rows, MICRO_BATCH_TOKENS):
                     mb = fwd.run([rows[i] for i in idx], entropy=False, var=True, draws=True)
-                    _add_evidence(out, _evidence(mb, version, _worst(mb)))
+                    merge_evidence(out, group_evidence(mb, version, _worst(mb)))
         self.calls += 1
         return out
 
@@ -122,7 +122,7 @@ def _distances(model: torch.nn.Module, rows: list[Row]) -> list[float]:
     """Per row (each with uniforms), its largest distance from its draws under `model`: a group's rows over
     one forward of its prompt where sharing it saves work (`drawcheck.shared_prompt_logits`), the others in
     plain micro-batches."""
-    from pnyx.models.logprobs import draw_distance, sampling_logprobs
+    from pnyx.models.logprobs import draw_distance, sampling_logprobs, uniform_matrix
     from pnyx.train.drawcheck import shared_prompt_logits, shares_prompt
 
     out = [math.inf] * len(rows)
@@ -141,14 +141,13 @@ def _distances(model: torch.nn.Module, rows: list[Row]) -> list[float]:
                 chunk = mine[a : a + logits.shape[0]]
                 width = logits.shape[1]
                 targets = torch.zeros((len(chunk), width), dtype=torch.long)
-                u = torch.full((len(chunk), width), math.nan, dtype=torch.float64)
                 for j, r in enumerate(chunk):
                     targets[j, : len(r.completion)] = torch.tensor(r.completion, dtype=torch.long)
-                    u[j, : len(r.uniforms or ())] = torch.tensor(r.uniforms or [], dtype=torch.float64)
+                u = uniform_matrix([r.uniforms for r in chunk], len(chunk), width)
                 d = draw_distance(sampling_logprobs(logits, temp, top_k, top_p), targets.to(logits.device), u)
                 for j, w in enumerate(d.amax(1).tolist()):
                     out[idx[a + j]] = w
-        fwd = _Forward(model, torch.device("cpu"), torch.float32, False)
+        fwd = Forward(model, torch.device("cpu"), torch.float32, False)
         rest = [rows[i] for i in plain]
         for part in plan_micro_batches(rest, MICRO_BATCH_TOKENS):
             mb = fwd.run([rest[k] for k in part], entropy=False, var=False, draws=True)
@@ -157,7 +156,7 @@ def _distances(model: torch.nn.Module, rows: list[Row]) -> list[float]:
     return out
 
 
-def _worst(mb: _MicroBatch) -> list[float | None]:
+def _worst(mb: MicroBatch) -> list[float | None]:
     """Per row of `mb`, its largest distance from its seeded draws (None: a row without uniforms)."""
     if mb.draw is None:
         return [None] * len(mb.rows)

@@ -7,7 +7,8 @@ micro-batch plan is `pnyx.train.microbatch` and the statistics records are `pnyx
 pure); this module runs the forward, the backward and the optimizer.
 
 Stages, the first and third alternating micro-batch by micro-batch (a graph lives until its backward):
-1. forward and evidence (`_Forward.run`, also used by `measure_evidence` and the drift probe; `_evidence`);
+1. forward and evidence (`forward.Forward.run`, also used by the drift probe and the exact re-checks;
+   `forward.group_evidence`, each row's distance from its seeded draws settled by `drawcheck.row_draws`);
 2. judgement (`judgement.py`: `judge_whole` before a micro-batch's backward for the groups whole in it,
    `judge_rest` on the evidence merged from every micro-batch and rank, `keep_rejudged` for a failing
    group's exact re-check; `security.checks.judge`);
@@ -39,9 +40,10 @@ from dataclasses import dataclass
 import torch
 
 from pnyx.security.calibration import Allowances, Drift
-from pnyx.security.checks import GroupEvidence, Limits
+from pnyx.security.checks import Limits
 from pnyx.train.distributed import Dist
 from pnyx.train.drawcheck import rounded_weights, row_draws
+from pnyx.train.forward import Forward, MicroBatch, RefLogprobs, group_evidence, merge_evidence
 from pnyx.train.ingest import ScoredGroup
 from pnyx.train.judgement import ExactDraws, Rejudge, judge_rest, judge_whole, keep_rejudged
 from pnyx.train.losses import LossSettings, LossTerms, policy_terms, token_weights
@@ -106,8 +108,7 @@ def train_step(
     ones a stale group was sampled from, so a row with a token over the tolerance is measured once more by
     `exact_draws` (a forward of that row, up to its last token over, under the exact published weights of
     its version); its group fails (`draw_mismatch`) only on that exact distance (`StepStats.draws` counts
-    both). Without
-    `exact_draws`, the step's own distances are final.
+    both). Without `exact_draws`, the step's own distances are final.
     `forward_dtype` (the run's publish dtype): on one process computing in fp32, the forward and backward
     run on the trained parameters rounded to it, as published (mixed precision: the fp32 masters take the
     update), so a fresh group's tokens are measured under the very weights it was sampled from.
@@ -161,93 +162,7 @@ def train_step(
     )  # fmt: skip
 
 
-def measure_evidence(
-    model: torch.nn.Module,
-    groups: list[ScoredGroup],
-    policy_version: int,
-    *,
-    micro_batch_tokens: int = 8192,
-    compute_dtype: torch.dtype | None = None,
-) -> dict[str, GroupEvidence]:
-    """The per-group evidence `train_step(checks=...)` computes, from a forward alone (no gradient, no
-    step): for measuring honest distributions (`benchmarks/bench_lp_gap.py`) and for tools."""
-    device = next(model.parameters()).device
-    if compute_dtype is None:
-        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    fwd = _Forward(model, device, compute_dtype, compute_dtype != torch.float32)
-    rows = build_rows(groups)
-    evidence: dict[str, GroupEvidence] = {}
-    with torch.no_grad():
-        for idx in plan_micro_batches(rows, micro_batch_tokens):
-            mb = fwd.run([rows[i] for i in idx], entropy=False, var=True)
-            _add_evidence(evidence, _evidence(mb, policy_version))
-    return evidence
-
-
 # --- the step's state -----------------------------------------------------------------------------------
-
-
-_RefLogprobs = Mapping[tuple[str, int], Sequence[float]]
-"""(group key, sample index) -> the reference policy's logprobs of that completion."""
-
-
-@dataclass
-class _MicroBatch:
-    """One micro-batch's rows and, [rows, T] (T: its longest completion), the trainer's forward over them
-    next to the rows' padded tensors: `logp` (log π, float32, with a graph unless run under no_grad), `mu`
-    (the behaviour logprobs), `ref` (the reference logprobs, when asked for), all 0 off `lmask` (bool:
-    loss mask 1, within the completion); `entropy` (with `entropy` or `var`) and `var` (Var[log q], with
-    `var`) per position; `adv` [rows]."""
-
-    rows: list[Row]
-    logp: torch.Tensor
-    mu: torch.Tensor
-    lmask: torch.Tensor
-    adv: torch.Tensor
-    ref: torch.Tensor | None
-    entropy: torch.Tensor | None
-    var: torch.Tensor | None
-    draw: torch.Tensor | None = None
-    """[rows, T] each token's distance from its seeded draw (with `draws`; 0 where a row has no uniform)."""
-
-
-@dataclass(frozen=True)
-class _Forward:
-    """How a micro-batch is forwarded: the model as `completion_stats` calls it (a `RootForward` duck-typed
-    as a Module when sharded), its device, and the compute dtype (autocast or not)."""
-
-    view: torch.nn.Module
-    device: torch.device
-    dtype: torch.dtype
-    autocast: bool
-
-    def run(
-        self, mb: list[Row], *, entropy: bool, var: bool, ref: _RefLogprobs | None = None, draws: bool = False
-    ) -> _MicroBatch:
-        """Forward `mb` (rows of one sampling setting) and assemble its tensors; the one micro-batch
-        preparation of the step, `measure_evidence`, the drift probe and the exact re-checks. The caller
-        picks grad or no_grad. `draws`: also each token's distance from its seeded draw (rows with
-        uniforms)."""
-        from pnyx.models.logprobs import completion_stats
-
-        temp, top_k, top_p = mb[0].sampling
-        uniforms = [r.uniforms for r in mb] if draws and any(r.uniforms for r in mb) else None
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
-            out = completion_stats(
-                self.view, [r.prompt for r in mb], [r.completion for r in mb], temperature=temp, top_k=top_k,
-                top_p=top_p, with_entropy=entropy, with_var=var, uniforms=uniforms,
-            )  # fmt: skip
-        width, device = out.logp.shape[1], self.device
-        mu = _pad([r.behaviour_logp for r in mb], width, torch.float32, device)
-        lmask = _pad([r.loss_mask for r in mb], width, torch.long, device).bool() & out.mask
-        logp = out.logp.float().masked_fill(~lmask, 0.0)
-        mu = mu.masked_fill(~lmask, 0.0)
-        adv = torch.tensor([r.advantage for r in mb], dtype=torch.float32, device=device)
-        ref_logp = None
-        if ref is not None:
-            ref_logp = _pad([list(ref[(r.key, r.index)]) for r in mb], width, torch.float32, device)
-            ref_logp = ref_logp.masked_fill(~lmask, 0.0)
-        return _MicroBatch(mb, logp, mu, lmask, adv, ref_logp, out.entropy, out.var, out.draw)
 
 
 @dataclass
@@ -255,7 +170,7 @@ class _Step:
     """What the stages of one step read: the batch as rows, its plan and batch-global counts, the loss
     settings, the checks (None: not judging), and this rank's place."""
 
-    fwd: _Forward
+    fwd: Forward
     rows: list[Row]
     plan: list[list[int]]
     n_seq: int
@@ -264,7 +179,7 @@ class _Step:
     """Group key -> its number of rows in the batch (a group whole in a micro-batch is judged there)."""
     settings: LossSettings
     max_len: int | None
-    ref: _RefLogprobs | None
+    ref: RefLogprobs | None
     """The reference logprobs, when `settings.kl_coef > 0`; else None."""
     policy_version: int | None
     checks: Limits | None
@@ -286,7 +201,7 @@ def _setup(
     settings: LossSettings,
     micro_batch_tokens: int,
     max_len: int | None,
-    ref_logprobs: _RefLogprobs | None,
+    ref_logprobs: RefLogprobs | None,
     policy_version: int | None,
     dist: Dist | None,
     compute_dtype: torch.dtype | None,
@@ -307,7 +222,7 @@ def _setup(
         raise ValueError("train_step: kl_coef > 0 needs the reference logprobs of the batch")
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    fwd = _Forward(forward_view(model), device, compute_dtype, world == 1 and compute_dtype != torch.float32)
+    fwd = Forward(forward_view(model), device, compute_dtype, world == 1 and compute_dtype != torch.float32)
     return _Step(
         fwd=fwd, rows=rows, plan=plan_micro_batches(rows, micro_batch_tokens), n_seq=len(rows),
         n_tok=sum(sum(r.loss_mask) for r in rows), rows_of=Counter(r.key for r in rows), settings=settings,
@@ -343,10 +258,10 @@ def _forward_backward(st: _Step, rows: list[Row], scale: float, part: PartialSta
     terms = policy_terms(mb.logp, mb.mu, mb.adv, mb.lmask, st.settings, mb.ref)
     w = token_weights(mb.lmask, st.settings.aggregation, st.n_seq, st.n_tok, st.max_len)
     if st.checks is not None and part is not None:
-        here = _evidence(mb, st.policy_version, _row_draws(st, mb, part))
+        here = group_evidence(mb, st.policy_version, _row_draws(st, mb, part))
         failing = judge_whole(here, st.rows_of, st.checks)
         part.rejected.update(keep_rejudged(st.rejudge, st.checks, st.rows, failing, part))
-        _add_evidence(part.evidence, here)
+        merge_evidence(part.evidence, here)
         drop = [k for k, r in enumerate(rows) if r.key in part.rejected]
         if drop:  # judged here: the group weighs nothing in this backward
             w = w.clone()
@@ -358,7 +273,7 @@ def _forward_backward(st: _Step, rows: list[Row], scale: float, part: PartialSta
         _accumulate(part, terms, mb, st.policy_version)
 
 
-def _row_draws(st: _Step, mb: _MicroBatch, part: PartialStats) -> list[float | None] | None:
+def _row_draws(st: _Step, mb: MicroBatch, part: PartialStats) -> list[float | None] | None:
     """Per row of `mb`, its largest distance from its seeded draws (`drawcheck.row_draws`: the exact one
     for each row this forward put over the tolerance); None when the step does not check draws."""
     if mb.draw is None or st.checks is None or (tol := st.checks.draw_tolerance) is None:
@@ -367,42 +282,7 @@ def _row_draws(st: _Step, mb: _MicroBatch, part: PartialStats) -> list[float | N
     return row_draws(mb.draw.detach(), mb.rows, tol, stale, st.exact_draws, part.draws)
 
 
-def _evidence(
-    mb: _MicroBatch, policy_version: int | None, draws: Sequence[float | None] | None = None
-) -> dict[str, GroupEvidence]:
-    """Each group's sums over its model tokens in this micro-batch (`pnyx.security.checks`); `mb` must
-    come from a forward with `var`. `draws`: per row, its largest distance from its seeded draws."""
-    if mb.entropy is None or mb.var is None:
-        raise ValueError("_evidence: the micro-batch was forwarded without var=True")
-    with torch.no_grad():
-        lp, lmask = mb.logp.detach().float(), mb.lmask
-        zero = torch.zeros_like(lp)
-        gap = torch.where(lmask, (lp - mb.mu).abs(), zero).sum(1).tolist()
-        dev = torch.where(lmask, lp + mb.entropy.detach().float(), zero).sum(1).tolist()
-        v = torch.where(lmask, mb.var.float(), zero).sum(1).tolist()
-        n = lmask.sum(1).tolist()
-    out: dict[str, GroupEvidence] = {}
-    for j, r in enumerate(mb.rows):
-        staleness = (policy_version - r.version) if policy_version is not None else 0
-        ev = out.get(r.key)
-        if ev is None:
-            ev = out[r.key] = GroupEvidence(staleness, engine=r.engine)
-        draw = draws[j] if draws is not None else None
-        ev.add(GroupEvidence(staleness, int(n[j]), float(gap[j]), float(dev[j]), float(v[j]), 1, draw=draw))
-    return out
-
-
-def _add_evidence(into: dict[str, GroupEvidence], here: Mapping[str, GroupEvidence]) -> None:
-    """Sum one micro-batch's evidence into the running per-group evidence (in plan order)."""
-    for key, ev in here.items():
-        known = into.get(key)
-        if known is None:
-            into[key] = ev
-        else:
-            known.add(ev)
-
-
-def _accumulate(part: PartialStats, terms: LossTerms, mb: _MicroBatch, policy_version: int | None) -> None:
+def _accumulate(part: PartialStats, terms: LossTerms, mb: MicroBatch, policy_version: int | None) -> None:
     """Add one micro-batch's counts and sums (tool and padding tokens never count)."""
     counted = terms.counted
     iw = terms.iw[counted].double()
@@ -505,13 +385,13 @@ def _own_rows(rows: list[Row]) -> list[Row]:
     return out
 
 
-def _probe(st: _Step, rows: list[Row]) -> _MicroBatch:
+def _probe(st: _Step, rows: list[Row]) -> MicroBatch:
     """The probe rows' log q under the current weights, no gradient."""
     with torch.no_grad():
         return st.fwd.run(rows, entropy=False, var=False)
 
 
-def _drift(before: _MicroBatch, after: _MicroBatch, held_out: bool) -> Drift | None:
+def _drift(before: MicroBatch, after: MicroBatch, held_out: bool) -> Drift | None:
     """Per model token (finite ones): mean |Δ log q|, the token count, and whether the rows were held out
     from the step (else they are the step's own rows, which the update moves further)."""
     d = after.logp - before.logp
@@ -520,13 +400,3 @@ def _drift(before: _MicroBatch, after: _MicroBatch, held_out: bool) -> Drift | N
     if n == 0:
         return None
     return Drift(float(d[ok].abs().mean()), n, held_out)
-
-
-def _pad(
-    seqs: Sequence[Sequence[float]], width: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """[len(seqs), width] of `dtype` on `device`: each sequence left-aligned, zeros after it."""
-    out = torch.zeros(len(seqs), width, dtype=dtype)
-    for i, s in enumerate(seqs):
-        out[i, : len(s)] = torch.tensor(s, dtype=dtype)
-    return out.to(device)

@@ -44,12 +44,11 @@ class DrawTally:
         row[0] += 1
         row[1] += flagged
 
-    def exact(self, distance: float, passed: bool, staleness: int | None = None) -> None:
+    def exact(self, distance: float, passed: bool, staleness: int) -> None:
         self.failed += not passed
         if passed:
             self.max_exact_kept = max(self.max_exact_kept, distance)
-        if staleness is not None:
-            self.by_staleness.setdefault(str(staleness), [0, 0, 0])[2] += not passed
+        self.by_staleness.setdefault(str(staleness), [0, 0, 0])[2] += not passed
 
     def merge(self, o: DrawTally) -> None:
         self.rows += o.rows

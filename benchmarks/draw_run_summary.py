@@ -1,0 +1,59 @@
+"""The check of seeded draws over a finished run, from the trainer's per-step metrics (`draws`): rows
+measured, rows flagged by the step's forward (per staleness), rows failed, the exact re-checks' seconds
+against the steps' own seconds, and the groups the steps rejected by reason.
+
+    python benchmarks/draw_run_summary.py runs/<name>
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    from pnyx.store import open_store
+    from pnyx.train.checkpoint import read_metrics
+
+    metrics = read_metrics(open_store(sys.argv[1]))
+    checked = [m for m in metrics if m.get("draws")]
+    if not checked:
+        sys.exit(f"{sys.argv[1]}: no step checked seeded draws")
+    total = Counter()
+    by_staleness: dict[str, list[int]] = {}
+    for m in checked:
+        d = m["draws"]
+        for k in ("rows", "flagged", "failed", "dropped"):
+            total[k] += d[k]
+        total["exact_s"] += d["exact_s"]
+        total["step_s"] += m["step_s"]
+        for s, row in d["by_staleness"].items():
+            acc = by_staleness.setdefault(s, [0, 0, 0])
+            for i, x in enumerate(row):
+                acc[i] += x
+    rejected = Counter()
+    for m in metrics:
+        rejected.update(m["rejected"])
+    print(
+        f"{len(checked)} of {len(metrics)} steps checked draws: rows {total['rows']}, flagged {total['flagged']}, "
+        f"failed {total['failed']}, groups dropped {total['dropped']}; exact re-checks {total['exact_s']:.2f} s of "
+        f"{total['step_s']:.2f} s of step time = {100 * total['exact_s'] / total['step_s']:.1f}%"
+    )
+    print(
+        "by staleness [rows, flagged, failed]:", dict(sorted(by_staleness.items(), key=lambda kv: int(kv[0])))
+    )
+    print(
+        f"largest distance under the step's forward {max(m['draws']['max_step'] for m in checked):.3g}, "
+        f"of a flagged row kept {max(m['draws']['max_exact_kept'] for m in checked):.3g}; "
+        f"rejected by reason {dict(rejected)}"
+    )
+
+
+if __name__ == "__main__":
+    main()
