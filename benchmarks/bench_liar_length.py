@@ -16,7 +16,7 @@ pnyx's own engine and cohort code and re-scored by the trainer's `rescore`. Each
 its first L tokens per completion, for each L in `--lengths`: a completion sampled with a budget of L is
 exactly the first L tokens of one sampled with a larger budget (sampling is autoregressive), so the cut
 groups are what a run with budget L would have produced. Every cut group is judged with the trainer's
-own per-group evidence (`pnyx.train.step.measure_evidence`, the sums `train_step` computes) and
+own per-group evidence (`pnyx.train.forward.measure_evidence`, the sums `train_step` computes) and
 `checks.judge` at the default bounds. Printed per L: model tokens per group, the honest z's mean, sd and
 rejections (false positives), the liar's median z and the share of its groups rejected, and how many
 liar groups one key needs before its running z quarantines it.
@@ -92,9 +92,9 @@ def main() -> None:
         judge,
         quarantine_reason,
     )
+    from pnyx.train.forward import measure_evidence
     from pnyx.train.rescore import rescore
     from pnyx.train.settings import ingest_settings
-    from pnyx.train.step import measure_evidence
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

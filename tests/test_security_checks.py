@@ -443,8 +443,9 @@ def test_measure_evidence_is_the_evidence_the_step_judges(shipped, budget):
     the same per-group sums, to the bit."""
     import torch
 
+    from pnyx.train.forward import measure_evidence
     from pnyx.train.losses import LossSettings
-    from pnyx.train.step import measure_evidence, train_step
+    from pnyx.train.step import train_step
 
     model, tok = shipped
     groups = _generated(model, tok, 4, seed=5)[:3]
@@ -467,7 +468,7 @@ def test_temperature_liar_is_implausible_and_honest_groups_are_not(shipped):
     import torch
 
     from pnyx.models import completion_logprobs
-    from pnyx.train.step import measure_evidence
+    from pnyx.train.forward import measure_evidence
 
     model, tok = shipped
     honest = _generated(model, tok, 24, seed=3)
