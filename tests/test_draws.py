@@ -338,25 +338,53 @@ def test_the_step_measures_every_token_in_its_own_forward_and_rechecks_only_rows
     assert tally.max_exact_kept == 0.0  # the stale honest rows: exactly their draws under v0
 
 
-def test_the_exact_recheck_shares_a_groups_prompt_or_not_with_the_same_distances(run, monkeypatch):
-    """`Rejudge.draws` forwards a group's prompt once and its rows on its KV cache when that saves work
-    (long prompts: SmolLM2's chat template), else each row whole: the same distances either way."""
-    from pnyx.train import drawcheck
+def test_the_exact_recheck_forwards_each_prompt_once_with_the_same_distances_as_whole_rows(run):
+    """`Rejudge.draws` forwards each distinct prompt once and every row's completion on its prompt's KV
+    cache (rows of several groups, prompts of different lengths, rows cut at different lengths, positions
+    without a uniform, as a tool's tokens): the same distances as forwarding each row whole, and a tampered
+    token is found either way."""
+    import dataclasses
+
+    import torch
+
+    from pnyx.train.drawcheck import cached_prompt_logits, prefix
     from pnyx.train.microbatch import build_rows
     from pnyx.train.rejudge import _distances
 
     engine, digest = _engine(run, "torch", 0)
-    g = _groups(run, engine, digest, 0, key="k1", n=1)[0]
-    s0 = g.samples[0]
+    groups = _groups(run, engine, digest, 0, key="k1", n=8)
+    assert len(groups) >= 3
+    s0 = groups[0].samples[0]
     flipped = msgspec.structs.replace(s0, tokens=[(s0.tokens[0] + 1) % 10, *s0.tokens[1:]])
-    rows = build_rows([_scored(msgspec.structs.replace(g, samples=[flipped, *g.samples[1:]]), "k1")])
+    groups[0] = msgspec.structs.replace(groups[0], samples=[flipped, *groups[0].samples[1:]])
+    rows = build_rows([_scored(g, "k1") for g in groups])
+    # cut at different lengths; in every other row the even positions after the first take no uniform
+    rows = [prefix(r, len(r.completion) - i % 3) for i, r in enumerate(rows)]
+    rows = [
+        r
+        if i % 2 == 0
+        else dataclasses.replace(
+            r, uniforms=[u if t == 0 or t % 2 else math.nan for t, u in enumerate(r.uniforms or ())]
+        )
+        for i, r in enumerate(rows)
+    ]
+    honest = len(rows)
+    # and a group's rows under a shorter prompt (its distances are whatever they are, the same both ways)
+    rows += [dataclasses.replace(r, prompt=r.prompt[3:]) for r in rows if r.key == rows[-1].key]
     published = _Exact(run).rejudge.published
     with published.lock:
         model = published.at(0)
-    found = {}
-    for label, call in (("shared", -(10**6)), ("plain", 10**6)):
-        monkeypatch.setattr(drawcheck, "CALL_TOKENS", call)
-        found[label] = _distances(model, rows)
-    assert found["shared"][0] > 1e-3 and found["plain"][0] > 1e-3  # the tampered row, either way
-    assert max(found["plain"][1:]) == 0.0 and max(found["shared"][1:]) <= 1e-5
-    assert np.allclose(found["shared"], found["plain"], atol=1e-5)
+    shared, whole = _distances(model, rows), _distances(model, rows, share_prompts=False)
+    assert shared[0] > 1e-3 and whole[0] > 1e-3  # the tampered row, either way
+    assert max(whole[1:honest]) == 0.0 and max(shared[1:honest]) <= 1e-5
+    assert np.allclose(shared, whole, atol=1e-5)
+    # the logits themselves, at the wanted positions, against the row forwarded whole
+    wanted = [[t for t, x in enumerate(r.uniforms or ()) if x == x] for r in rows]
+    assert any(len(w) < len(r.completion) for w, r in zip(wanted, rows, strict=True))
+    with torch.no_grad():
+        calls = cached_prompt_logits(model, [r.prompt for r in rows], [r.completion for r in rows], wanted)
+        for part, logits in calls:
+            for j, k in enumerate(part):
+                r = rows[k]
+                alone = model(torch.tensor([r.prompt + r.completion])).logits[0, len(r.prompt) - 1 : -1]
+                assert torch.allclose(logits[j, : len(wanted[k])], alone[wanted[k]], atol=1e-4), k

@@ -383,3 +383,28 @@ def test_cli_exits_with_code_3_when_another_trainer_owns_the_run(tmp_path, model
     with pytest.raises(typer.Exit) as e:
         trainer(url, cfg, resume=False, steps=1)
     assert e.value.exit_code == 3
+
+
+def test_each_version_the_trainer_publishes_reaches_its_exact_checks_without_a_fetch(tmp_path, model_dir):
+    """`Publishing.publish` hands each version to the exact checks' model as published: `at(v)` then holds
+    the bits a worker syncs from the store, and no syncer was ever built to fetch them."""
+    from pnyx.weights import Syncer
+
+    t = make_trainer(str(tmp_path / "run"), model_dir)
+    t.start()
+    write_groups(t.store, model_dir, 0, 6)
+    assert t.run() == 3
+    (pm,) = t.parts.published
+    assert list(pm._states) == [0, 1, 2, 3]
+    for v in (2, 0, 3):
+        worker = Syncer(t.store, trust=t.trust)
+        worker.sync(to_version=v)
+        model = pm.at(v)
+        assert pm.digest == worker.digest
+        held = model.state_dict()
+        for name, published in worker.tensors.items():
+            assert torch.equal(held[name], published.float()), name
+    assert pm._syncer is None
+    pm.keep = 2  # past `keep`, the oldest versions go, whatever was used last (v2 above)
+    pm.remember(4, "d4", pm._states[3][1])
+    assert sorted(pm._states) == [3, 4]

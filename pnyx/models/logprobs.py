@@ -20,6 +20,7 @@ imports this module.
 
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple
 
 import torch
@@ -89,7 +90,14 @@ def _split_rows(lengths: list[int], max_tokens: int | None) -> list[tuple[int, i
 def _picked_logits(
     model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, gather_pos: torch.Tensor
 ) -> torch.Tensor:
-    """Logits [B, W, V] at positions `gather_pos` [B, W], exactly as the model's own forward computes them.
+    """Logits [B, W, V] at positions `gather_pos` [B, W], exactly as the model's own forward computes them
+    (`picked_forward`)."""
+    return picked_forward(model, gather_pos, input_ids=ids, attention_mask=attn, use_cache=False).logits
+
+
+def picked_forward(model: torch.nn.Module, gather_pos: torch.Tensor, **inputs: Any) -> Any:
+    """The model's output for `inputs` (`input_ids` [B, T] among them), its logits [B, W, V] only at
+    positions `gather_pos` [B, W].
 
     The model's forward runs unchanged (so a final logit soft-cap, a logit scale or any other step after the
     output projection is applied), but a pre-hook on the output projection narrows its input from every
@@ -97,6 +105,7 @@ def _picked_logits(
     does not call its output-embedding module on [B, T, H] hidden states (the hook does not fire) gives full
     logits, which are gathered afterwards: same values, more memory.
     """
+    shape = inputs["input_ids"].shape
     get_head: Any = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
     fired = False
@@ -104,12 +113,7 @@ def _picked_logits(
     def narrow(module: torch.nn.Module, args: tuple) -> tuple | None:
         nonlocal fired
         hidden = args[0] if args else None
-        if (
-            fired
-            or not isinstance(hidden, torch.Tensor)
-            or hidden.dim() != 3
-            or hidden.shape[:2] != ids.shape
-        ):
+        if fired or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != shape:
             return None
         fired = True
         picked = hidden.gather(1, gather_pos[..., None].expand(-1, -1, hidden.shape[-1]))
@@ -117,13 +121,13 @@ def _picked_logits(
 
     handle = head.register_forward_pre_hook(narrow) if isinstance(head, torch.nn.Module) else None
     try:
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        out = model(**inputs)
     finally:
         if handle is not None:
             handle.remove()
-    if fired:
-        return logits
-    return logits.gather(1, gather_pos[..., None].expand(-1, -1, logits.shape[-1]))
+    if not fired:
+        out.logits = out.logits.gather(1, gather_pos[..., None].expand(-1, -1, out.logits.shape[-1]))
+    return out
 
 
 def _chunk_logprobs(
@@ -137,7 +141,7 @@ def _chunk_logprobs(
     width: int,
     with_var: bool = False,
     u: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, float]:
     device = next(model.parameters()).device
     seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
     seq_len = max(len(s) for s in seqs)
@@ -161,8 +165,14 @@ def _chunk_logprobs(
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
     ent = _entropy(logp_all) if with_entropy or with_var else None
     var = _surprise_var(logp_all, ent) if with_var and ent is not None else None
-    dist = draw_distance(logp_all, targets, u) if u is not None else None
-    return logp, ent, var, dist
+    dist, draw_s = None, 0.0
+    if u is not None:
+        t0 = time.perf_counter()
+        dist = draw_distance(logp_all, targets, u)
+        if dist.is_cuda:
+            torch.cuda.synchronize(dist.device)
+        draw_s = time.perf_counter() - t0
+    return logp, ent, var, dist, draw_s
 
 
 class CompletionStats(NamedTuple):
@@ -179,6 +189,8 @@ class CompletionStats(NamedTuple):
     sampled token's log-probability under honest sampling (the plausibility test, `pnyx.security.checks`)."""
     draw: torch.Tensor | None = None
     """[B, T] each token's distance from the draw of its seeded uniform (with `uniforms`; `draw_distance`)."""
+    draw_s: float = 0.0
+    """Seconds spent computing `draw` (the draw check's share of this forward)."""
 
 
 def completion_logprobs(
@@ -243,9 +255,9 @@ def completion_stats(
         )
 
     lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
-    parts, ents, vars_, draws = [], [], [], []
+    parts, ents, vars_, draws, draw_s = [], [], [], [], 0.0
     for a, b in _split_rows(lengths, max_tokens):
-        lp, ent, var, dist = _chunk_logprobs(
+        lp, ent, var, dist, seconds = _chunk_logprobs(
             model, prompt_ids[a:b], completion_ids[a:b], temperature, top_k, top_p, with_entropy, width,
             with_var, None if u is None else u[a:b],
         )  # fmt: skip
@@ -253,6 +265,7 @@ def completion_stats(
         ents.append(ent)
         vars_.append(var)
         draws.append(dist)
+        draw_s += seconds
     logp = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
     logp = logp.masked_fill(~mask, 0.0)
     entropy = var_out = None
@@ -266,7 +279,7 @@ def completion_stats(
     if u is not None:
         draw = torch.cat(draws, 0) if len(draws) > 1 else draws[0]
         draw = draw.masked_fill(~mask, 0.0)
-    return CompletionStats(logp, mask, entropy, var_out, draw)
+    return CompletionStats(logp, mask, entropy, var_out, draw, draw_s)
 
 
 def uniform_matrix(uniforms: list[list[float] | None], rows: int, width: int) -> torch.Tensor:

@@ -41,6 +41,8 @@ class MicroBatch:
     var: torch.Tensor | None
     draw: torch.Tensor | None = None
     """[rows, T] each token's distance from its seeded draw (with `draws`; 0 where a row has no uniform)."""
+    draw_s: float = 0.0
+    """Seconds the forward spent computing `draw`."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class Forward:
         if ref is not None:
             ref_logp = _pad([list(ref[(r.key, r.index)]) for r in mb], width, torch.float32, device)
             ref_logp = ref_logp.masked_fill(~lmask, 0.0)
-        return MicroBatch(mb, logp, mu, lmask, adv, ref_logp, out.entropy, out.var, out.draw)
+        return MicroBatch(mb, logp, mu, lmask, adv, ref_logp, out.entropy, out.var, out.draw, out.draw_s)
 
 
 def group_evidence(

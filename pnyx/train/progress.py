@@ -128,7 +128,7 @@ def format_line(m: dict[str, Any]) -> str:
         f"drops={fmt_counts(m['drops'])} disagree={fmt_counts(m['disagreements'])}"
         + (f" rejudged={fmt_counts(m['rejudged'])}" if m.get("rejudged") else "")
         + (
-            f" draws={m['draws']['flagged']}/{m['draws']['rows']}:{m['draws']['exact_s']:.2f}s"
+            f" draws={m['draws']['flagged']}/{m['draws']['rows']}:{m['draws']['exact_s'] + m['draws'].get('forward_s', 0.0):.2f}s"
             if m.get("draws")
             else ""
         )

@@ -9,9 +9,12 @@ loads with the published weights of version `v`, rebuilt from the store by a `Sy
 run's trainer key (fail-closed: a version that does not verify is never computed with).
 
 A group may claim any version in the staleness window, in any order, so the verified states of the
-`keep` most recently used versions stay in memory (bf16 arrays; a tensor unchanged between versions is one
-array). Moving the model between two of them copies only the tensors whose arrays differ; a version older
-than the syncer's and not kept is rebuilt by a fresh syncer from the newest anchor at or before it. Both
+`keep` newest versions used stay in memory (bf16 arrays; a tensor unchanged between versions is one
+array). Moving the model between two of them copies only the tensors whose arrays differ. A trainer that
+publishes alone hands each version it publishes over as it published it (`remember`), so in a run the
+checks never fetch; other versions (published before a restart, or by N ranks together) are synced from
+the store: a version older than the syncer's and not kept is rebuilt by a fresh syncer from the newest
+anchor at or before it. Both
 plane kinds are served: "weights" (the published dtype) and "int8" (the actor plane, dequantized as workers
 dequantize it), one model per plane, built at the first need. Calls come from the ingestion threads and
 the step: hold `lock` from `at` to the end of the forward. Knows nothing about checks or the loop.
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -67,7 +69,7 @@ class PublishedModel:
         self._model: torch.nn.Module | None = None
         self._syncer: Syncer | None = None
         self._params: dict[str, torch.Tensor] = {}
-        self._states: OrderedDict[int, tuple[str, dict[str, torch.Tensor]]] = OrderedDict()
+        self._states: dict[int, tuple[str, dict[str, torch.Tensor]]] = {}
         self._loaded: dict[str, torch.Tensor] = {}  # the state tensors last copied in (kept alive: pointers)
 
     def at(self, version: int) -> torch.nn.Module:
@@ -93,6 +95,23 @@ class PublishedModel:
         self.version, self.digest = version, digest
         return model
 
+    def remember(self, version: int, digest: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep `version`'s state as this trainer has just published it (`Publisher.published_tensors`: the
+        very bits it uploaded, chain digest `digest`), so a check of that version neither fetches nor
+        verifies it: the trainer trusts its own output. Tensors are kept by reference (never written).
+        The first call also builds the model (its load, seconds on a real model, then falls at start-up,
+        not in the step that first needs it)."""
+        with self.lock:
+            self._keep(version, (digest, dict(tensors)))
+            self._build()
+
+    def _keep(self, version: int, state: tuple[str, dict[str, torch.Tensor]]) -> None:
+        """Keep `state` as `version`'s, then drop the oldest versions past `keep`: a trainer checks the newest
+        versions (its staleness window), whatever order it used them in."""
+        self._states[version] = state
+        while len(self._states) > self.keep:
+            del self._states[min(self._states)]
+
     def _build(self) -> torch.nn.Module:
         if self._model is not None:
             return self._model
@@ -115,7 +134,6 @@ class PublishedModel:
         """(chain digest, tensors) of `version`: kept, or synced (forward through deltas, or rebuilt)."""
         kept = self._states.get(version)
         if kept is not None:
-            self._states.move_to_end(version)
             return kept
         syncer = self._syncer
         if syncer is None or (syncer.version is not None and version < syncer.version):
@@ -124,9 +142,7 @@ class PublishedModel:
             syncer = self._syncer = Syncer(self.store, self.plane, trust=self.trust)
         _, tensors = syncer.sync(to_version=version)  # IntegrityError if it does not verify
         kept = (syncer.digest or "", dict(tensors))
-        self._states[version] = kept
-        while len(self._states) > self.keep:
-            self._states.popitem(last=False)
+        self._keep(version, kept)
         log.info(
             "trainer: published weights of v%d (%s plane) loaded for the exact checks", version, self.plane
         )

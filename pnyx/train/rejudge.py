@@ -21,8 +21,8 @@ reaches the forward.
 
 `Rejudge.draws` is the same exact forward for seeded draws (`pnyx.train.drawcheck`): a row whose tokens
 the step's forward put over the draw tolerance is measured under the published weights of its version
-(on the plane its group records, its group's prompt forwarded once where that saves work), and only that
-distance can drop its group. Knows nothing about the loop, the ingestion or the checks' thresholds.
+(on the plane its group records; each distinct prompt forwarded once, the completions on its KV cache),
+and only that distance can drop its group. Knows nothing about the loop, the ingestion or the checks' thresholds.
 """
 
 from __future__ import annotations
@@ -118,41 +118,48 @@ class Rejudge:
         raise IntegrityError(f"no published plane of v{version} has digest {digest}")
 
 
-def _distances(model: torch.nn.Module, rows: list[Row]) -> list[float]:
-    """Per row (each with uniforms), its largest distance from its draws under `model`: a group's rows over
-    one forward of its prompt where sharing it saves work (`drawcheck.shared_prompt_logits`), the others in
-    plain micro-batches."""
-    from pnyx.models.logprobs import draw_distance, sampling_logprobs, uniform_matrix
-    from pnyx.train.drawcheck import shared_prompt_logits, shares_prompt
+def _distances(model: torch.nn.Module, rows: list[Row], share_prompts: bool = True) -> list[float]:
+    """Per row (each with uniforms and a completion), its largest distance from its draws under `model` over
+    its model tokens (a tool token has no uniform: NaN), rows of one sampling setting together: each distinct prompt forwarded once and the completions on its
+    KV cache (`drawcheck.cached_prompt_logits`), or, for a model without a cache (or `share_prompts`
+    False), each row whole; rows sorted by length in calls of `drawcheck.CHUNK_TOKENS` either way."""
+    from pnyx.models.logprobs import draw_distance, sampling_logprobs
+    from pnyx.train.drawcheck import cached_prompt_logits, caches_prompts, chunks
 
     out = [math.inf] * len(rows)
-    by_group: dict[str, list[int]] = {}
+    by_setting: dict[tuple[float, int, float], list[int]] = {}
     for i, r in enumerate(rows):
-        by_group.setdefault(r.key, []).append(i)
-    plain: list[int] = []
+        by_setting.setdefault(r.sampling, []).append(i)
+    shared = share_prompts and caches_prompts(model)
+    fwd = Forward(model, torch.device("cpu"), torch.float32, False)
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 1 << 17)
     with torch.no_grad():
-        for idx in by_group.values():
+        for (temp, top_k, top_p), idx in by_setting.items():
             mine = [rows[i] for i in idx]
-            if not shares_prompt(len(mine[0].prompt), [len(r.completion) for r in mine]):
-                plain += idx
+            if not shared:
+                for part in chunks([len(r.prompt) + len(r.completion) for r in mine], vocab):
+                    for k, w in zip(
+                        part,
+                        _worst(fwd.run([mine[k] for k in part], entropy=False, var=False, draws=True)),
+                        strict=True,
+                    ):
+                        out[idx[k]] = math.inf if w is None else w
                 continue
-            temp, top_k, top_p = mine[0].sampling
-            for a, logits in shared_prompt_logits(model, mine[0].prompt, [r.completion for r in mine]):
-                chunk = mine[a : a + logits.shape[0]]
-                width = logits.shape[1]
-                targets = torch.zeros((len(chunk), width), dtype=torch.long)
-                for j, r in enumerate(chunk):
-                    targets[j, : len(r.completion)] = torch.tensor(r.completion, dtype=torch.long)
-                u = uniform_matrix([r.uniforms for r in chunk], len(chunk), width)
+            wanted = [[t for t, x in enumerate(r.uniforms or ()) if x == x] for r in mine]  # model tokens
+            calls = cached_prompt_logits(
+                model, [r.prompt for r in mine], [r.completion for r in mine], wanted
+            )
+            for part, logits in calls:
+                npos = logits.shape[1]
+                targets = torch.zeros((len(part), npos), dtype=torch.long)
+                u = torch.full((len(part), npos), math.nan, dtype=torch.float64)
+                for j, k in enumerate(part):
+                    at, r = wanted[k], mine[k]
+                    targets[j, : len(at)] = torch.tensor([r.completion[t] for t in at], dtype=torch.long)
+                    u[j, : len(at)] = torch.tensor([(r.uniforms or ())[t] for t in at], dtype=torch.float64)
                 d = draw_distance(sampling_logprobs(logits, temp, top_k, top_p), targets.to(logits.device), u)
-                for j, w in enumerate(d.amax(1).tolist()):
-                    out[idx[a + j]] = w
-        fwd = Forward(model, torch.device("cpu"), torch.float32, False)
-        rest = [rows[i] for i in plain]
-        for part in plan_micro_batches(rest, MICRO_BATCH_TOKENS):
-            mb = fwd.run([rest[k] for k in part], entropy=False, var=False, draws=True)
-            for k, w in zip(part, _worst(mb), strict=True):
-                out[plain[k]] = math.inf if w is None else w
+                for k, w in zip(part, d.amax(1).tolist(), strict=True):
+                    out[idx[k]] = w
     return out
 
 

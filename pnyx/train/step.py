@@ -278,6 +278,7 @@ def _row_draws(st: _Step, mb: MicroBatch, part: PartialStats) -> list[float | No
     for each row this forward put over the tolerance); None when the step does not check draws."""
     if mb.draw is None or st.checks is None or (tol := st.checks.draw_tolerance) is None:
         return None
+    part.draws.forward_s += mb.draw_s
     stale = [st.policy_version - r.version if st.policy_version is not None else 0 for r in mb.rows]
     return row_draws(mb.draw.detach(), mb.rows, tol, stale, st.exact_draws, part.draws)
 

@@ -27,7 +27,9 @@ class DrawTally:
     failed: int = 0
     """Flagged rows over the tolerance under the exact weights too (their groups are dropped)."""
     seconds: float = 0.0
-    """Seconds of the exact forwards (the check's only cost beyond the step's own forward)."""
+    """Seconds of the exact re-checks (loading a version's weights into the exact model included)."""
+    forward_s: float = 0.0
+    """Seconds the step's own forward spent computing the distances (the check's share of that forward)."""
     max_step: float = 0.0
     """The largest distance under the step's forward."""
     max_exact_kept: float = 0.0
@@ -55,6 +57,7 @@ class DrawTally:
         self.flagged += o.flagged
         self.failed += o.failed
         self.seconds += o.seconds
+        self.forward_s += o.forward_s
         self.max_step = max(self.max_step, o.max_step)
         self.max_exact_kept = max(self.max_exact_kept, o.max_exact_kept)
         for k, v in o.by_staleness.items():
@@ -65,7 +68,7 @@ class DrawTally:
     def to_metrics(self) -> dict:
         return {
             "rows": self.rows, "flagged": self.flagged, "failed": self.failed, "exact_s": round(self.seconds, 4),
-            "max_step": self.max_step, "max_exact_kept": self.max_exact_kept,
+            "forward_s": round(self.forward_s, 4), "max_step": self.max_step, "max_exact_kept": self.max_exact_kept,
             "by_staleness": {k: list(v) for k, v in sorted(self.by_staleness.items())},
         }  # fmt: skip
 

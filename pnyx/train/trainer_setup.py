@@ -14,6 +14,7 @@ Knows nothing about how a step chooses or trains on its batch (`loop.py`) or abo
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -103,6 +104,9 @@ class Publishing:
     names: dict[str, str] | None = None
     """A LoRA run: {state-dict key: published name} of the adapter, the only tensors published
     (`pnyx.models.lora`); None: the whole state dict, under its own keys."""
+    exact: Sequence[PublishedModel] = ()
+    """The exact checks' models (`PublishedModel`, one per plane): each version published is handed to them
+    as published (`PublishedModel.remember`), so they never fetch it back from the store."""
 
     @cached_property
     def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -128,7 +132,13 @@ class Publishing:
 
     def publish(self, version: int, force_anchor: bool = False) -> WeightManifest:
         """Publish the current weights as `version` (every rank takes part; rank 0 commits)."""
-        return self.publisher.publish(version, self.tensors(), force_anchor, self.layout)
+        m = self.publisher.publish(version, self.tensors(), force_anchor, self.layout)
+        for pm in self.exact:
+            plane = m.weights if pm.plane == "weights" else m.int8
+            tensors = self.publisher.published_tensors(pm.plane)
+            if plane is not None and tensors is not None:
+                pm.remember(version, plane.chain_digest, tensors)
+        return m
 
 
 @dataclass
@@ -259,7 +269,9 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         reference=reference,
         optimizer=make_optimizer(model, t.lr, t.betas, t.weight_decay),
         schedule=Schedule(t.lr, t.lr_schedule, t.warmup_steps, steps, t.min_lr_ratio),
-        publishing=Publishing(publisher, model, getattr(torch, t.publish_dtype), adapter),
+        publishing=Publishing(
+            publisher, model, getattr(torch, t.publish_dtype), adapter, tuple(published.values())
+        ),
         checkpointer=checkpoints,
         supply=DemandPublisher(store, t.groups_per_step, cfg.algorithm.max_staleness),
         model_info=model_info,

@@ -39,7 +39,7 @@ from pnyx.errors import (
 from pnyx.protocol import layout
 from pnyx.store import IfMatch, Store
 from pnyx.weights import int8 as q8
-from pnyx.weights.bits import ZERO_DIGEST, BitState, TensorBits, from_torch
+from pnyx.weights.bits import ZERO_DIGEST, BitState, TensorBits, from_torch, to_torch
 from pnyx.weights.codec import CHUNK_BYTES, DeltaStats
 from pnyx.weights.manifest import (
     SCHEMA,
@@ -289,6 +289,17 @@ class Publisher:
                 s.seconds,
             )
         return m
+
+    def published_tensors(self, plane: str = "weights") -> dict[str, torch.Tensor] | None:
+        """The last version this publisher published, as workers decode it: the weights plane in the published
+        dtype (sharing memory with the bits kept as the next delta's base: read only), the int8 plane
+        dequantized to float32. None when this process does not hold the whole state (N ranks publish
+        together) or has published nothing (or no int8 plane)."""
+        if self.comm.world != 1:
+            return None
+        if plane == "weights":
+            return None if self._state is None else to_torch(self._state)
+        return None if self._int8 is None else q8.dequantize_torch(self._int8)
 
     # -- internals --
     def _decide(self, version: int, force_anchor: bool) -> tuple[int | None, bool]:
