@@ -92,10 +92,8 @@ def row_draws(
             tally.count(staleness[j], worst[j], j in flagged)
     if flagged and exact is not None:
         t0 = time.perf_counter()
-        over = ~(draw <= tolerance)  # NaN counts as over
-        ends = (
-            over.shape[1] - over.float().flip(1).argmax(1)
-        ).tolist()  # one past each row's last token over
+        over = (~(draw <= tolerance)).float()  # NaN counts as over
+        ends = (over.shape[1] - over.flip(1).argmax(1)).tolist()  # one past each row's last token over
         measured = exact([prefix(rows[j], ends[j]) for j in flagged])
         tally.seconds += time.perf_counter() - t0
         for j, d in zip(flagged, measured, strict=True):

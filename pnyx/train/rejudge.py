@@ -22,7 +22,8 @@ reaches the forward.
 `Rejudge.draws` is the same exact forward for seeded draws (`pnyx.train.drawcheck`): a row whose tokens
 the step's forward put over the draw tolerance is measured under the published weights of its version
 (on the plane its group records; each distinct prompt forwarded once, the completions on its KV cache),
-and only that distance can drop its group. Knows nothing about the loop, the ingestion or the checks' thresholds.
+and only that distance can drop its group. Knows nothing about the loop, the ingestion or the checks'
+thresholds.
 """
 
 from __future__ import annotations
@@ -120,9 +121,10 @@ class Rejudge:
 
 def _distances(model: torch.nn.Module, rows: list[Row], share_prompts: bool = True) -> list[float]:
     """Per row (each with uniforms and a completion), its largest distance from its draws under `model` over
-    its model tokens (a tool token has no uniform: NaN), rows of one sampling setting together: each distinct prompt forwarded once and the completions on its
-    KV cache (`drawcheck.cached_prompt_logits`), or, for a model without a cache (or `share_prompts`
-    False), each row whole; rows sorted by length in calls of `drawcheck.CHUNK_TOKENS` either way."""
+    its model tokens (a tool token has no uniform: NaN), rows of one sampling setting together: each
+    distinct prompt forwarded once and the completions on its KV cache (`drawcheck.cached_prompt_logits`),
+    or, for a model without a cache (or `share_prompts` False), each row whole; rows sorted by length in
+    calls of `drawcheck.CHUNK_TOKENS` either way."""
     from pnyx.models.logprobs import draw_distance, sampling_logprobs
     from pnyx.train.drawcheck import cached_prompt_logits, caches_prompts, chunks
 
