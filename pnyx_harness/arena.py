@@ -32,10 +32,10 @@ from pnyx.protocol import layout
 
 log = logging.getLogger("pnyx_harness.arena")
 
-BENIGN = frozenset({"zero_variance", "stale"})
-"""Drop reasons that say nothing about honesty: a group every sample of which got the same reward, and one
-whose version left the window before a step took it. An honest group dropped for any other reason is a
-false positive."""
+BENIGN = frozenset({"zero_variance", "stale", "skipped"})
+"""Drop reasons that say nothing about honesty: a group every sample of which got the same reward, one
+whose version left the window before a step took it, and a skip record that passed its audit. An honest
+group dropped for any other reason is a false positive."""
 TRAINED = "trained"
 WAITING = "waiting"
 

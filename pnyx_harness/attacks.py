@@ -80,6 +80,9 @@ class Producer:
     signer: Signer = field(default_factory=new_signer)
     seq: int = 0
     seed: int = 0
+    skipped: list[Any] = field(default_factory=list)
+    """Seeded zero-variance groups drawn and not offered for training (`skip_uploads` announces them)."""
+    _spare: list[Any] = field(default_factory=list)  # mixed groups drawn beyond what `sampled` returned
     _made: Counter[str] = field(default_factory=Counter)
 
     def _next_seed(self) -> int:
@@ -99,9 +102,11 @@ class Producer:
         worker_id: str | None = None,
         seq: int | None = None,
         payload: bool = False,
+        skip: bool = False,
     ) -> Upload:
-        """`group` under this producer's (or the given) name, seq and key, signed, as an upload. A group with
-        seeded draws keeps the seq it was drawn under unless another is given."""
+        """`group` under this producer's (or the given) name, seq and key, signed, as an upload (`skip`: as
+        its skip record). A group with seeded draws keeps the seq it was drawn under unless another is
+        given."""
         signer = signer or self.signer
         worker_id = worker_id or self.worker_id
         if seq is None and group.draws:
@@ -109,7 +114,7 @@ class Producer:
         elif seq is None:
             seq = self.reserve()
         group = msgspec.structs.replace(group, worker_id=worker_id, seq=seq)
-        key = layout.rollout_key(group.policy_version, worker_id, seq)
+        key = layout.rollout_key(group.policy_version, worker_id, seq, skip=skip)
         self._made[signer.fingerprint] += 1
         return Upload(
             key=key, data=encode_group(group, signer=signer), source=self.source, signer=signer.fingerprint,
@@ -131,14 +136,23 @@ class Producer:
 
     def sampled(self, arena: Arena, n: int, temperature: float | None = None) -> list[Any]:
         """`n` groups sampled by the follower's engine whose samples do not all share one reward (what a
-        worker uploads: it skips zero-variance groups)."""
-        out: list[Any] = []
+        worker offers for training); the zero-variance ones drawn meanwhile go to `skipped` (a worker
+        uploads their skip records: `skip_uploads`), mixed ones beyond `n` are kept for the next call."""
+        out, self._spare = self._spare[:n], self._spare[n:]
         for _ in range(50 * n + 10):
             if len(out) >= n:
                 break
             tasks = self.tasks(arena, max(2, n - len(out)))
-            out += [g for g in self.draw(arena, tasks, temperature) if not is_zero_variance(g)]
+            for g in self.draw(arena, tasks, temperature):
+                (self.skipped if is_zero_variance(g) else out).append(g)
+        self._spare += out[n:]
         return out[:n]
+
+    def skip_uploads(self) -> list[Upload]:
+        """The skip records of the seeded zero-variance groups drawn so far (each seq accounted for)."""
+        out = [self.pack(g, skip=True) for g in self.skipped if g.draws]
+        self.skipped = []
+        return out
 
     def produce(self, arena: Arena, n: int) -> list[Upload]:
         raise NotImplementedError
@@ -148,7 +162,7 @@ class HonestWorker(Producer):
     """A worker that does what `pnyx worker` does (see the module docstring)."""
 
     def produce(self, arena: Arena, n: int) -> list[Upload]:
-        return [self.pack(g) for g in self.sampled(arena, n)]
+        return [self.pack(g) for g in self.sampled(arena, n)] + self.skip_uploads()
 
 
 def _fabricate(arena: Arena, task: Any, texts: list[str], rewards_from_env: bool = True) -> list[Any]:
@@ -391,6 +405,10 @@ def brevity(group: Any) -> float:
     return sum(wrong) / len(wrong) - sum(right) / len(right)
 
 
+WHOLE_FORMS = ("whole", "whole_skip", "whole_forged")
+"""The cherry-picker's forms that choose whole groups (`CherryPicker`)."""
+
+
 @dataclass
 class CherryPicker(Producer):
     """Samples honestly and uploads a chosen subset, so GRPO rewards what it chose (here: short answers).
@@ -398,21 +416,37 @@ class CherryPicker(Producer):
     - `form="within"`: draws `pool` seeded groups of one task (pool x G honest samples, each with exact
       logprobs) and uploads one group of G: its shortest right samples and longest wrong ones, half each;
     - `form="whole"`: draws groups and uploads only those that already favour short answers (`brevity` > 0),
-      never the others (their seqs stay unused)."""
+      never the others (their seqs stay unused: gaps); its zero-variance groups' skip records it uploads
+      like an honest worker;
+    - `form="whole_skip"`: the same choice, and each group it keeps back is announced as a skip record (as
+      if it had zero variance) with its honest tokens;
+    - `form="whole_forged"`: the same, with the skip record's samples forged to zero variance (every sample
+      a copy of the first)."""
 
     form: str = "within"
     pool: int = 4
 
     def produce(self, arena: Arena, n: int) -> list[Upload]:
-        if self.form == "whole":
+        if self.form in WHOLE_FORMS:
             out: list[Upload] = []
+            kept = 0
             for _ in range(50 * n + 10):
-                if len(out) >= n:
+                if kept >= n:
                     break
-                out += [self.pack(g) for g in self.sampled(arena, 1) if brevity(g) > 0]
-            return out[:n]
+                for g in self.sampled(arena, 1):
+                    if brevity(g) > 0:
+                        kept += 1
+                        out.append(self.pack(g))
+                    elif self.form == "whole_skip":
+                        out.append(self.pack(g, skip=True))
+                    elif self.form == "whole_forged":
+                        forged = [g.samples[0]] * len(g.samples)
+                        out.append(self.pack(msgspec.structs.replace(g, samples=forged), skip=True))
+            return out + self.skip_uploads()
         if self.form != "within":
-            raise ValueError(f"cherry-picker form must be 'within' or 'whole', got {self.form!r}")
+            raise ValueError(
+                f"cherry-picker form must be 'within' or one of {WHOLE_FORMS}, got {self.form!r}"
+            )
         return [
             self.pack(g) for g in (picked_group(self, arena, self.pool) for _ in range(n)) if g is not None
         ]

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import pytest
 
+from pnyx.protocol import layout
 from pnyx_harness import attacks as A
 from pnyx_harness import weight_attacks as W
 from pnyx_harness.arena import BENIGN, TRAINED, Arena
 
 WHOLE_GROUP_PICKER = (
-    "a worker that drops whole groups by their outcome uploads only honest draws; the seqs it leaves unused "
-    "are not told apart from honest zero-variance skips (no signed record announces a skip yet), and a Sybil "
-    "that abandons a key leaves no trace (issue #25, open)"
+    "a worker that drops whole groups by their outcome uploads only honest draws; the seqs it leaves empty are "
+    "counted as gaps against its key but not judged (honest workers leave gaps when spooled groups expire, and "
+    "a listing counts keys anyone may write under a name), and a Sybil that abandons a key leaves no trace "
+    "(issue #25, open)"
 )
 
 HONEST = [A.HonestWorker("honest-1"), A.HonestWorker("honest-2")]
@@ -234,3 +236,53 @@ def test_whole_group_cherry_picker_is_detected(arena):
     """Uploads only the honest groups that already favour short answers; the others' seqs stay unused."""
     _hostile_step(arena, A.CherryPicker("picker-w", source="cherry_whole", form="whole"), 4)
     assert_all_rejected(arena, "cherry_whole")
+
+
+def _picker_report(arena: Arena, picker: A.Producer) -> dict:
+    return arena.trainer.parts.ingestor.key_report()[picker.signer.fingerprint]
+
+
+def test_whole_group_picker_that_announces_its_dropped_groups_as_skips_is_quarantined(arena):
+    """It keeps back the groups that do not favour short answers and announces each as a skip record (its
+    honest tokens, as if zero variance): the trainer re-scores every skip record, finds mixed rewards, and
+    quarantines the key before any of its groups is chosen."""
+    picker = A.CherryPicker("picker-s", source="cherry_skip", form="whole_skip")
+    _hostile_step(arena, picker, 6)
+    report = _picker_report(arena, picker)
+    assert "false skip" in (report["quarantined"] or ""), report
+    assert report["counts"]["false_skip"] >= 1
+    groups = [u.key for u in arena.uploads if u.source == "cherry_skip" and not layout.is_skip_key(u.key)]
+    assert groups and {arena.verdict(k) for k in groups} == {"quarantined"}, arena.tally("cherry_skip")
+    assert arena.tally("cherry_skip").get("false_skip", 0) >= 1
+
+
+def test_whole_group_picker_with_forged_skip_records_is_quarantined_by_their_draws(arena):
+    """Its skip records are forged to zero variance (every sample a copy of the first), so they pass the
+    re-score; the exact check of their seeded draws at the next step finds tokens its uniforms did not draw,
+    and the key is quarantined: nothing it uploads after that is trained on."""
+    picker = A.CherryPicker("picker-f", source="cherry_forged", form="whole_forged")
+    _hostile_step(arena, picker, 4)
+    honest_round(arena)
+    arena.step()  # the step checks the draws of the skip records re-scored since the last one
+    report = _picker_report(arena, picker)
+    assert "false skip" in (report["quarantined"] or ""), report
+    arena.upload(picker.produce(arena, 4))
+    late = {u.key for u in arena.uploads[-4:]}
+    honest_round(arena)
+    arena.step()
+    assert all(arena.verdict(k) not in (TRAINED, "waiting") for k in late), [arena.verdict(k) for k in late]
+
+
+def test_honest_skip_records_pass_their_audit(arena):
+    """The honest workers' zero-variance groups, uploaded as skip records all along, were re-scored and
+    their draws checked: none was a `false_skip`. (Their names' gap counts are not asserted here: the id
+    thief and the replayer upload under honest names, and the listing counts any key under a name.)"""
+    honest_round(arena)
+    arena.step()
+    arena.step()
+    verdicts = arena.tally("honest")
+    assert verdicts.get("skipped", 0) > 0, verdicts
+    assert "false_skip" not in verdicts
+    for h in HONEST:
+        report = _picker_report(arena, h)
+        assert report["counts"].get("false_skip", 0) == 0 and report["quarantined"] is None, report

@@ -53,9 +53,10 @@ def _write_demand(store, version: int, waiting: int, staleness: int = 3) -> None
     store.put(layout.WEIGHTS_DEMAND, encode_json(d))
 
 
-def test_zero_variance_groups_are_skipped_counted_and_leave_their_seq_unused(tmp_path, tiny_model_dir):
-    """A seeded group's seq is reserved before it is generated (its draws name it): a skipped group leaves
-    a gap, and every uploaded group keeps the seq it was drawn under."""
+def test_zero_variance_groups_are_skipped_counted_and_their_seqs_accounted_for(tmp_path, tiny_model_dir):
+    """A seeded group's seq is reserved before it is generated (its draws name it): a skipped group is
+    uploaded as its skip record, so the worker's seqs in the store are contiguous, and every uploaded group
+    keeps the seq it was drawn under."""
     run = make_run(str(tmp_path / "run"), tiny_model_dir, skip_zero_variance=True, supply_control=False)
     worker = Worker(run.store, WorkerOptions(worker_id="w1", max_groups=4, spool_dir=str(tmp_path / "spool")))
     worker.join()
@@ -67,8 +68,11 @@ def test_zero_variance_groups_are_skipped_counted_and_leave_their_seq_unused(tmp
     assert not any(is_zero_variance([s.reward for s in g.samples]) for g in groups)
     seqs = sorted(g.seq for g in groups)
     assert all(g.draws for g in groups)
-    unused = set(range(seqs[-1] + 1)) - set(seqs)  # the gaps: seqs of skipped groups
-    assert len(set(seqs)) == 4 and len(unused) <= summary.groups_skipped_zero_variance
+    skips = [g for _, g in rollout_groups(run.store, skips=True)]
+    assert skips and all(g.draws and is_zero_variance([s.reward for s in g.samples]) for g in skips)
+    accounted = sorted(seqs + [g.seq for g in skips])
+    assert accounted == list(range(len(accounted)))  # contiguous: nothing kept back unseen
+    assert len(set(seqs)) == 4 and len(skips) <= summary.groups_skipped_zero_variance
     hb = decode_json(run.store.get(layout.worker_heartbeat("w1")), Heartbeat)
     assert hb.groups == 4 and hb.groups_skipped_zero_variance == summary.groups_skipped_zero_variance
 

@@ -129,11 +129,16 @@ def make_run(
     return run
 
 
-def rollout_groups(store: Any) -> list[tuple[str, Any]]:
-    """Every (key, decoded group) under rollouts/, validated by the protocol's decoder."""
+def rollout_groups(store: Any, skips: bool = False) -> list[tuple[str, Any]]:
+    """Every (key, decoded group) under rollouts/, validated by the protocol's decoder: the groups offered for
+    training, or with `skips` the skip records (`layout.is_skip_key`)."""
     from pnyx.protocol import decode_group, layout
 
-    return [(m.key, decode_group(store.get(m.key))) for m in store.list(layout.ROLLOUTS_PREFIX)]
+    return [
+        (m.key, decode_group(store.get(m.key)))
+        for m in store.list(layout.ROLLOUTS_PREFIX)
+        if layout.is_skip_key(m.key) == skips
+    ]
 
 
 def logprob_error(model: Any, group: Any, sample: Any) -> float:

@@ -12,6 +12,9 @@ A store URL points at one run's root; keys are relative to it (docs/architecture
     rollouts/v{V:08d}/{ms:013d}~{worker}-{seq:010d}
                                             create-only rollout groups, by producing policy version, then
                                             by upload stamp (the uploader's clock, in ms)
+    rollouts/v{V:08d}/{ms:013d}~{worker}-{seq:010d}.skip
+                                            create-only skip record: a seeded group the worker does not
+                                            offer for training (zero variance), so its seq is accounted for
     workers/{worker}.json                   worker heartbeat (overwritten)
     trainer/{name}                          trainer batch records and metrics
     trainer/ckpt-{V:08d}/{name}             sharded (DCP) checkpoint objects, COMMIT.json last
@@ -55,7 +58,11 @@ _VERSION_DIR = re.compile(r"^v(\d{8})/$")
 MANIFEST_TAG_PREFIX = "manifest-"
 _TAG = re.compile(r"^[0-9a-f]{128}$")
 _ANY_MANIFEST = re.compile(r"^weights/v(\d{8})/manifest(?:-([0-9a-f]{128}))?\.json$")
-_ROLLOUT = re.compile(r"^rollouts/v(\d{8})/(?:(\d{13})~)?([A-Za-z0-9][A-Za-z0-9_.-]{0,63})-(\d{10})$")
+_ROLLOUT = re.compile(
+    r"^rollouts/v(\d{8})/(?:(\d{13})~)?([A-Za-z0-9][A-Za-z0-9_.-]{0,63})-(\d{10})(\.skip)?$"
+)
+SKIP_SUFFIX = ".skip"
+"""Ends the key of a skip record (`is_skip_key`); a worker id cannot end a key, its 10-digit seq does."""
 STAMP_SEP = "~"
 """Ends the stamp of a rollout key; never part of a worker id, so both key forms parse unambiguously."""
 _MAX_STAMP = 10**13 - 1
@@ -132,8 +139,11 @@ def _stamp(stamp_ms: int) -> str:
     return f"{stamp_ms:013d}"
 
 
-def rollout_key(version: int, worker: str, seq: int, stamp_ms: int | None = None) -> str:
-    """`rollouts/v{V:08d}/{stamp:013d}~{worker}-{seq:010d}`; the stamp defaults to now (`now_ms`).
+def rollout_key(
+    version: int, worker: str, seq: int, stamp_ms: int | None = None, *, skip: bool = False
+) -> str:
+    """`rollouts/v{V:08d}/{stamp:013d}~{worker}-{seq:010d}`; the stamp defaults to now (`now_ms`). With
+    `skip`, the same key plus `SKIP_SUFFIX`: the group's skip record (`is_skip_key`).
 
     Build the key once per group and keep it (the worker's spool does): the same group under two
     stamps would be two objects.
@@ -141,13 +151,22 @@ def rollout_key(version: int, worker: str, seq: int, stamp_ms: int | None = None
     if not isinstance(seq, int) or seq < 0 or seq > 9_999_999_999:
         raise ValueError(f"seq must be an int in [0, 9999999999], got {seq!r}")
     stamp = _stamp(now_ms() if stamp_ms is None else stamp_ms)
-    return f"{rollouts_dir(version)}{stamp}{STAMP_SEP}{check_name(worker, 'worker id')}-{seq:010d}"
+    key = f"{rollouts_dir(version)}{stamp}{STAMP_SEP}{check_name(worker, 'worker id')}-{seq:010d}"
+    return key + SKIP_SUFFIX if skip else key
 
 
 def parse_rollout_key(key: str) -> tuple[int, str, int] | None:
-    """(version, worker, seq) of a rollout key of either form, or None if the key is not one (junk)."""
+    """(version, worker, seq) of a rollout key of either form, or of a skip record's key (`is_skip_key`
+    tells them apart), or None if the key is not one (junk)."""
     m = _ROLLOUT.match(key)
     return (int(m.group(1)), m.group(3), int(m.group(4))) if m else None
+
+
+def is_skip_key(key: str) -> bool:
+    """The key names a skip record: a seeded group its worker does not offer for training (it was zero
+    variance), uploaded so that every seq the worker reserved is accounted for (docs/security.md, "Seeded
+    draws"). Its record is a rollout group like any other; the trainer audits it and never trains on it."""
+    return key.endswith(SKIP_SUFFIX) and _ROLLOUT.match(key) is not None
 
 
 def rollout_stamp(key: str) -> int | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pnyx.errors import ConfigError, PnyxError, StoreError
@@ -173,11 +174,13 @@ class RunLink:
         fresh = self._weights().swap()
         return fresh[0] if fresh is not None else None
 
-    def send(self, groups: list[RolloutGroup]) -> None:
-        """Number, sign and spool `groups` in order, and wake the courier to upload them (local disk only)."""
+    def send(self, groups: Sequence[RolloutGroup], skips: Sequence[RolloutGroup] = ()) -> None:
+        """Number, sign and spool `groups` and the skip records of `skips` (seeded groups not offered for
+        training), all in seq order, and wake the courier to upload them (local disk only)."""
         sealer, spool = self._sealer(), self._spool()
-        for group in groups:
-            spool.add(*sealer.seal(group))
+        entries = [(g, False) for g in groups] + [(g, True) for g in skips]
+        for group, skip in sorted(entries, key=lambda e: (not e[0].draws, e[0].seq)):
+            spool.add(*sealer.seal(group, skip=skip))
         if self.courier is not None:
             self.courier.wake()
 

@@ -1,8 +1,9 @@
 """Numbering and signing a worker's groups: the seq in each rollout key, and the worker key's signature.
 
 A group with seeded draws (`pnyx.protocol.draws`) takes its seq before it is generated (`reserve`): the
-seq is part of its draws, so it is fixed before any outcome is seen, and a group the worker does not upload
-(zero variance) leaves its seq unused. An unseeded group (an engine without seeded draws) takes its seq
+seq is part of its draws, so it is fixed before any outcome is seen; a group the worker does not offer for
+training (zero variance) is sealed under the key of its skip record (`seal(group, skip=True)`), so every
+reserved seq is accounted for in the store. An unseeded group (an engine without seeded draws) takes its seq
 only when it is sealed for the spool, so such a worker's seqs are contiguous. The join resumes the counter
 past the highest seq this worker id left in the store or its spool. `rekey` seals an unseeded group that
 collided create-only with foreign bytes (two live workers sharing an id) again under the next seq; a seeded
@@ -51,15 +52,19 @@ class Sealer:
             self._seq += 1
             return seq
 
-    def seal(self, group: RolloutGroup) -> tuple[str, bytes]:
+    def seal(self, group: RolloutGroup, *, skip: bool = False) -> tuple[str, bytes]:
         """(rollout key, signed bytes) of `group`: under its reserved seq if it has seeded draws, else under
-        the next seq."""
+        the next seq. `skip`: under the key of its skip record (`layout.is_skip_key`; seeded groups only)."""
+        if skip and not group.draws:
+            raise ValueError(
+                "only a group with seeded draws has a reserved seq to account for with a skip record"
+            )
         if not group.draws:
             with self._lock:
                 seq = self._seq
                 self._seq += 1
             group = msgspec.structs.replace(group, seq=seq)
-        return layout.rollout_key(group.policy_version, self.worker_id, group.seq), encode_group(
+        return layout.rollout_key(group.policy_version, self.worker_id, group.seq, skip=skip), encode_group(
             group, signer=self.signer
         )
 

@@ -63,6 +63,9 @@ class SpoolStats:
     """Counters of one spool's life (reported in the worker heartbeat)."""
 
     uploaded: int = 0
+    """Groups uploaded (skip records not included)."""
+    skips: int = 0
+    """Skip records uploaded (`layout.is_skip_key`)."""
     dropped: int = 0
     collisions: int = 0
     failed_flushes: int = 0
@@ -93,10 +96,10 @@ class Spool:
             return len(self._items)
 
     def accounted(self) -> int:
-        """Groups uploaded plus groups pending, read together: a flush moves a group from one to the other
-        under the lock, so the sum never misses it (two separate reads could)."""
+        """Groups uploaded plus groups pending (skip records not counted), read together: a flush moves a
+        group from one to the other under the lock, so the sum never misses it (two separate reads could)."""
         with self._lock:
-            return self.stats.uploaded + len(self._items)
+            return self.stats.uploaded + sum(not layout.is_skip_key(k) for k, _ in self._items)
 
     def pending_keys(self) -> list[str]:
         """The pending keys, oldest first."""
@@ -175,7 +178,9 @@ class Spool:
                 self._items.popleft()
             else:  # dropped for space meanwhile (folder-less spool only)
                 self._items = deque(item for item in self._items if item[0] != key)
-            if uploaded:  # in the same critical section: `accounted` never sees it in neither place
+            if uploaded and layout.is_skip_key(key):
+                self.stats.skips += 1
+            elif uploaded:  # in the same critical section: `accounted` never sees it in neither place
                 self.stats.uploaded += 1
         self._unlink(key)
 

@@ -13,15 +13,16 @@ trainer's `weights/DEMAND`), picks tasks from its own seeded stream (by default 
 `curriculum.py`, which passes over problems and classes it measured making zero-variance groups, and the
 screen, `screen.py`), generates G completions per task,
 scores them, skips groups whose samples all got the same reward (the trainer would drop them; counted in
-the heartbeat), and hands the rest to the on-disk spool. After the join, the generating thread never
+the heartbeat; a seeded one is spooled as its skip record, so every seq it reserved is accounted for in
+the store), and hands the rest to the on-disk spool. After the join, the generating thread never
 touches the store: the courier thread (`courier.py`) uploads the spool create-only (each group signed with this machine's
 worker key, `pnyx.security`) under
 `rollouts/v{V}/{worker}-{seq}`, reads the demand and writes the heartbeat (`workers/{worker}.json`:
 status, version, digest, throughput, uploaded / skipped / pending counts).
 
 Seq numbers are resume-safe: with seeded draws (torch and MLX engines, `pnyx.protocol.draws`) a group
-reserves its seq before it is generated (its draws name it; a skipped group leaves its seq unused), else a
-group gets its seq only when it is spooled; at start the worker lists the rollout prefixes of the newest
+reserves its seq before it is generated (its draws name it; a skipped group is uploaded as its skip
+record), else a group gets its seq only when it is spooled; at start the worker lists the rollout prefixes of the newest
 few versions for its own id (and its spool folder) and continues after the highest seq it finds; a worker
 that restarts with the same id cannot write into an older version than the newest at its restart, so that
 is enough. A create-only collision with different bytes (two live workers sharing an id) re-keys an
@@ -316,24 +317,24 @@ class Worker:
         self, groups: list[RolloutGroup], version: int, supply: Supply, *, skip_zero_variance: bool
     ) -> int:
         """Hand the groups worth uploading to the link (which numbers, signs and spools them); skip (and count)
-        zero-variance ones. Returns how many were spooled."""
+        zero-variance ones, a seeded one as its skip record (`layout.is_skip_key`: the trainer audits it and
+        never trains on it). Returns how many groups were spooled for training."""
         from pnyx.protocol.rules import is_zero_variance  # the trainer's own test: same verifier, same drop
 
         kept: list[RolloutGroup] = []
-        unused: list[int] = []
+        skips: list[RolloutGroup] = []
         for group in groups:
             if skip_zero_variance and is_zero_variance([s.reward for s in group.samples]):
                 self.progress.skipped_zero_variance += 1
-                if group.draws:
-                    unused.append(group.seq)
+                if group.draws:  # its seq was reserved before it was generated: account for it
+                    skips.append(group)
                 continue
             kept.append(group)  # in order
-        if unused:  # a seeded group's seq was reserved before it was generated: say which are left unused
-            log.info("worker=%s v=%d zero-variance, not uploaded: seqs %s", self.worker_id, version, unused)
         if kept:
             self._made[version] = self._made.get(version, 0) + len(kept)
             supply.note_made(len(kept))
-            self.link.send(kept)
+        if kept or skips:
+            self.link.send(kept, skips)
         return len(kept)
 
     def _quota_reached(self) -> bool:

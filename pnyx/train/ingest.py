@@ -82,6 +82,8 @@ log = logging.getLogger("pnyx.train.ingest")
 
 FETCH_WORKERS = 16
 """Parallel GETs (and re-scores) of one trainer."""
+MAX_DRAW_AUDITS = 4096
+"""Skip records waiting for the exact check of their tokens at most (the oldest beyond it go unchecked)."""
 OUTCOMES = 256
 """How many recent admissions the survival rate and the zero-variance share are measured over."""
 
@@ -139,6 +141,10 @@ class Ingestor:
         self._rendered: dict[str, list[int]] = {}
         self.fetched = 0
         """Records fetched so far by this process."""
+        self.audit_draws = True
+        """Queue every skip record with seeded draws for the exact check of its tokens (`take_draw_audits`;
+        the trainer sets it from `security.seeded_draws`)."""
+        self._draw_audits: deque[ScoredGroup] = deque(maxlen=MAX_DRAW_AUDITS)
         self.listing = WindowListings(
             store, self.shared, selecting=self._selecting, closed=self._closed, sweep_grace_s=sweep_grace_s
         )
@@ -358,6 +364,100 @@ class Ingestor:
         futures = [pool.submit(self.load, k) for k in keys]
         return [f.result() for f in futures]
 
+    # --- skip records: audited, never trained on --------------------------------------------------------
+
+    def audit_skips(self, wait: bool = False) -> None:
+        """Fetch and re-score the skip records listed since the last call, in the fetch threads (`wait`:
+        until all are done). A skip record whose samples' rewards differ is a `false_skip`: its key is
+        quarantined at once (an honest worker's skip is its verifier's own verdict, which the trainer's
+        re-score repeats exactly); one that passes is filed as `skipped` and, with seeded draws and
+        `audit_draws`, queued for the exact check of its tokens (`take_draw_audits`)."""
+        keys = self.listing.take_skips()
+        if not keys:
+            return
+        pool = self._pool_get()
+        futures = [pool.submit(self._audit, k) for k in keys]
+        if wait:
+            wait_futures(futures)
+            for f in futures:
+                if (exc := f.exception()) is not None:
+                    raise exc
+
+    def _audit(self, key: str) -> None:
+        try:
+            scored = self.load(key)
+        except RecordRejected as e:
+            with self.shared.lock:
+                if not self._closed.is_set() and key not in self.cursor.rejected:
+                    self.listing.reject(key, e.reason, str(e))
+                    self.ledger.count_key(getattr(e, "signer", ""), e.reason)
+            return
+        except NotFoundError:
+            return
+        except StoreUnavailableError as e:  # audited at the next call
+            log.warning("ingest: skip record %s not fetched, will retry: %s", key, e)
+            with self.shared.lock:
+                parsed = layout.parse_rollout_key(key)
+                if parsed is not None and parsed[0] in self.listing.versions:
+                    self.listing.versions[parsed[0]].skips.append(key)
+            return
+        with self.shared.lock:
+            if (
+                self._closed.is_set()
+                or key in self.cursor.rejected
+                or scored.version < self.cursor.swept_below
+            ):
+                return
+            if not is_zero_variance(scored.rewards):
+                self._false_skip(
+                    key, scored.signer, f"its re-scored rewards differ ({sorted(set(scored.rewards))})"
+                )
+                return
+            self.cursor.rejected[key] = "skipped"  # audited: never trained on, never fetched again
+            self._count_skip("audited")
+            self.ledger.count_key(scored.signer, "skips")
+            if self.audit_draws and scored.group.draws and scored.signer:
+                self._draw_audits.append(scored)
+
+    def _false_skip(self, key: str, fp: str, why: str) -> None:
+        """File skip record `key` as `false_skip` and quarantine its key `fp` (caller holds the lock)."""
+        if self.cursor.rejected.get(key) == "false_skip":
+            return
+        self.cursor.rejected[key] = "false_skip"
+        self.listing.drop("false_skip")
+        self._count_skip("false")
+        self.ledger.count_key(fp, "false_skip")
+        if fp and fp not in self.settings.trusted_keys and self.settings.quarantine is not None:
+            self.ledger.quarantine(fp, f"false skip record {key}: {why}")
+        log.warning("ingest: false skip record %s: %s", key, why)
+
+    def take_draw_audits(self) -> list[ScoredGroup]:
+        """The skip records whose tokens await the exact check of their seeded draws (oldest first), of
+        versions not swept."""
+        with self.shared.lock:
+            out = [g for g in self._draw_audits if g.version >= self.cursor.swept_below]
+            self._draw_audits.clear()
+            return out
+
+    def draws_audited(self, groups: list[ScoredGroup], worst: list[float], tolerance: float) -> int:
+        """Record the exact check of `groups` (skip records): `worst[i]` is group i's largest distance of a
+        model token from its draw (inf: its version's weights could not be verified, not blamed). A group
+        over `tolerance` is a `false_skip`. Returns how many were."""
+        bad = 0
+        with self.shared.lock:
+            for g, w in zip(groups, worst, strict=True):
+                if w == float("inf"):
+                    self._count_skip("unverifiable")
+                elif not w <= tolerance:
+                    bad += 1
+                    self._false_skip(g.key, g.signer, f"a token is {w:.3g} from its seeded draw")
+                else:
+                    self._count_skip("draws_checked")
+        return bad
+
+    def _count_skip(self, outcome: str) -> None:
+        self.cursor.skips[outcome] = self.cursor.skips.get(outcome, 0) + 1
+
     # --- selection ------------------------------------------------------------------------------------
 
     def select(
@@ -366,11 +466,13 @@ class Ingestor:
         """Up to `n` distinct groups for the step at `version`: the top of the ranking over every listed key
         whose record is valid, honouring reuse and the per-prompt cap. Lists never-listed versions and
         fetches what the top needs (in parallel); None if `stop()` turned true. Changes no use count: the
-        caller `commit`s the keys once the step is recorded."""
+        caller `commit`s the keys once the step is recorded. Skip records listed so far are re-scored first
+        (`audit_skips`): a false one quarantines its key before any of its groups is chosen."""
         with self._selecting:
             while True:
                 if stop is not None and stop():
                     return None
+                self.audit_skips(wait=True)
                 plan = self.planner.plan(version, n)
                 if plan.unlisted is not None:
                     self.listing.list_version(plan.unlisted, full=True)
@@ -387,6 +489,7 @@ class Ingestor:
         waiting with `waiting`, which reads nothing from the store."""
         self.listing.sweep(version)
         self.listing.refresh(version, full=True)
+        self.audit_skips(wait=True)
         with self.shared.lock:
             keys = [
                 k
@@ -434,6 +537,8 @@ class Ingestor:
                 "scored": dict(self.cursor.scored),
                 "consumed": self.cursor.consumed,
                 "quarantined": dict(self.cursor.quarantined),
+                "skips": dict(self.cursor.skips),
+                "gaps": self.cursor.gaps,
             }
 
     # --- the collaborators' methods the trainer, the prefetcher and tools call on the ingestor ----------

@@ -17,6 +17,7 @@ import msgspec
 from pnyx.security.calibration import Calibration
 from pnyx.security.checks import CheckSettings, KeyEvidence, QuarantineSettings
 from pnyx.train.advantages import AdvantageMode
+from pnyx.train.seq_books import SeqBook
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,15 @@ class Cursor(msgspec.Struct):
     """Key fingerprint -> why it was quarantined: its later groups are counted from the listing (by the
     worker names bound to it) and never downloaded; a group it signs under a new name is refused after
     one GET, and that name is bound to it."""
+    seqs: dict[str, SeqBook] = {}
+    """Worker name -> the seqs of it listed and not yet settled (`pnyx.train.seq_books`)."""
+    skips: dict[str, int] = {}
+    """Skip records (`layout.is_skip_key`) by outcome: `audited` (re-scored, zero variance), `draws_checked`
+    (their tokens checked exactly too), `unverifiable` (their version's weights could not be verified),
+    `unaudited` (swept before their audit), `false` (a `false_skip`, also counted in `drops`)."""
+    gaps: int = 0
+    """Seqs the workers left that the store never held, counted when their version was swept (each also
+    counted against the key its name is bound to, `by_key[fp]["gaps"]`)."""
     swept_below: int = 0
     """Versions below this have left the window and been swept for stale drops."""
     consumed: int = 0

@@ -204,6 +204,14 @@ class KeyLedger:
             fp, f"flooding: {n} groups at version {version}, over the limit of {limit} per key and version"
         )
 
+    def count_gaps(self, worker: str, n: int) -> None:
+        """`worker` left `n` seqs the store never held: counted against the key its name is bound to (a
+        count, not a fault: a worker that loses its spool, or whose spooled groups expired in an outage,
+        leaves gaps too; caller holds the lock)."""
+        fp = self.shared.cursor.keys.get(worker)
+        if fp:
+            self.count_key(fp, "gaps", n)
+
     def bind(self, worker: str, fp: str) -> None:
         """`worker` was just bound to key `fp`: its groups listed so far count against the key's flood limit
         (caller holds the lock)."""

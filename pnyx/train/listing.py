@@ -33,6 +33,7 @@ from typing import Protocol
 
 from pnyx.protocol import layout
 from pnyx.store import Store
+from pnyx.train import seq_books
 from pnyx.train.ingest_state import Cursor, IngestSettings
 from pnyx.train.rescore import ScoredGroup
 
@@ -68,6 +69,8 @@ class VersionListing:
     by_key: dict[str, int] = field(default_factory=dict)
     """Key fingerprint -> distinct groups listed at this version under the names bound to it (the flood
     limit, `IngestSettings.flood_limit`)."""
+    skips: list[str] = field(default_factory=list)
+    """Skip records (`layout.is_skip_key`) listed and not yet handed to the audit (`take_skips`)."""
     high_ms: int = -1
     """The highest upload stamp listed so far (-1: none)."""
     listed_at: float | None = None
@@ -152,6 +155,10 @@ class KeyGate(Protocol):
         """Key `fp` now has `n` groups listed at `version` (quarantined past the flood limit)."""
         ...
 
+    def count_gaps(self, worker: str, n: int) -> None:
+        """`worker` left `n` seqs that the store never held (`seq_books.settle`)."""
+        ...
+
 
 class OpenGate:
     """A `KeyGate` that quarantines nothing: the gate of a listing whose ledger is not connected yet."""
@@ -160,6 +167,9 @@ class OpenGate:
         return False
 
     def check_flood(self, fp: str, version: int, n: int) -> None:
+        return None
+
+    def count_gaps(self, worker: str, n: int) -> None:
         return None
 
 
@@ -272,6 +282,7 @@ class WindowListings:
         stamp = layout.rollout_stamp(key)
         if stamp is not None:
             lst.high_ms = max(lst.high_ms, stamp)
+        seq_books.note(self.shared.cursor.seqs, parsed[1], parsed[2])
         ident = (parsed[1], parsed[2])
         other = lst.ids.get(ident)
         if other is not None:
@@ -284,7 +295,7 @@ class WindowListings:
                 self.reject(dup, "duplicate")
             if keep is other:
                 return
-        else:
+        elif not layout.is_skip_key(key):  # a skip record is no group: the flood limit counts groups
             self._count_listed(lst, parsed[1])
         lst.ids[ident] = key
         if (
@@ -294,6 +305,9 @@ class WindowListings:
             return
         if self.gate.quarantined_name(parsed[1]):
             self.reject(key, "quarantined")  # counted from the listing, never downloaded
+            return
+        if layout.is_skip_key(key):
+            lst.skips.append(key)  # audited, never trained on
             return
         lst.add_pending(key, parsed[1])
 
@@ -335,6 +349,15 @@ class WindowListings:
     def _rescan_due(self, version: int, now: float) -> bool:
         lst = self.versions.get(version)
         return lst is None or lst.full_at is None or now - lst.full_at >= RESCAN_S
+
+    def take_skips(self) -> list[str]:
+        """The skip records listed since the last call, of versions not swept (their audit is the caller's)."""
+        with self.shared.lock:
+            out = []
+            for lst in self.versions.values():
+                out += lst.skips
+                lst.skips = []
+            return out
 
     def waiting_from(self, version: int, low: int) -> int:
         """Listed keys still waiting to be trained on, of versions `low`..`version`."""
@@ -381,9 +404,23 @@ class WindowListings:
         for key in keys:
             if key not in lst.seen:
                 self._merge(lst, key)  # counts junk and duplicates first seen now
+        cursor = self.shared.cursor
         for key in lst.seen:
-            if self.shared.cursor.uses.get(key, 0) == 0 and key not in self.shared.cursor.rejected:
-                self.drop("stale")
+            if cursor.uses.get(key, 0) == 0 and key not in cursor.rejected:
+                if layout.is_skip_key(key):  # swept before its audit: never trained on either way
+                    cursor.skips["unaudited"] = cursor.skips.get("unaudited", 0) + 1
+                else:
+                    self.drop("stale")
+        high: dict[str, int] = {}
+        for worker, seq in lst.ids:
+            high[worker] = max(seq, high.get(worker, -1))
+        books = self.shared.cursor.seqs
+        for worker, seq in high.items():
+            gaps = seq_books.settle(books, worker, seq)
+            if gaps:
+                self.shared.cursor.gaps += gaps
+                self.gate.count_gaps(worker, gaps)
+        seq_books.prune(books, self.shared.cursor.keys)
         prefix = layout.rollouts_dir(version)
         for d in (self.shared.cursor.uses, self.shared.cursor.rejected, self.shared.ready):
             for k in [k for k in d if k.startswith(prefix)]:

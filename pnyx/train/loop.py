@@ -89,6 +89,7 @@ class Trainer:
         self._parts: TrainerParts | None = None
         self._check_pending = True  # read a pending batch record before the first step of this process
         self._ingest_wait_s = 0.0
+        self._skip_audit: dict[str, Any] | None = None  # the last step's exact check of skip records
         self.progress = Progress(store, self._describe)
         self.manifest: RunManifest | None = None
         self.trust: Verifier | None = None
@@ -211,6 +212,7 @@ class Trainer:
     def step(self) -> StepResult | None:
         """One step V → V+1 (None if stopped while waiting for data). Every rank calls it together."""
         target = self.version + 1
+        self._skip_audit = self.on_main(self._audit_skip_draws)
         batch = self.on_main(lambda: self._choose_batch(target))
         if batch is None:
             return None
@@ -232,6 +234,31 @@ class Trainer:
         self.version = target
         hooks.point("after_publish", target)
         return StepResult(target, stats, batch.groups, publish_s, m.kind, batch.lr, batch.checks)
+
+    def _audit_skip_draws(self) -> dict[str, Any] | None:
+        """Rank 0, before a step: the exact check of the tokens of every skip record re-scored since the
+        last step (`Ingestor.take_draw_audits`): each must be the draws of its seeded uniforms under the
+        published weights of its version (`Rejudge.draws`, the exact re-check's forward), or its key is
+        quarantined (`false_skip`). Returns the metrics (`skip_audit`); None when nothing was checked."""
+        ing, rejudge = self.parts.ingestor, self.parts.rejudge
+        groups = ing.take_draw_audits()
+        if not groups or rejudge is None or not self.cfg.security.seeded_draws:
+            return None
+        from pnyx.train.microbatch import build_rows
+
+        t0 = time.perf_counter()
+        rows = build_rows(groups)
+        worst: dict[str, float] = {}
+        for row, d in zip(rows, rejudge.draws(rows), strict=True):
+            worst[row.key] = max(d, worst.get(row.key, 0.0))
+        tol = self.cfg.security.draw_tolerance
+        bad = ing.draws_audited(groups, [worst.get(g.key, 0.0) for g in groups], tol)
+        return {
+            "groups": len(groups),
+            "rows": len(rows),
+            "false": bad,
+            "s": round(time.perf_counter() - t0, 4),
+        }
 
     def _choose_batch(self, target: int) -> Batch | None:
         """Rank 0: the batch of the step producing `target`: its record if one exists, else a new one."""
@@ -336,6 +363,7 @@ class Trainer:
             "probe_s": round(s.probe_s, 4),
             "calibration": self._calibration(r),
             "draws": self._draw_metrics(s),
+            "skip_audit": self._skip_audit,
             **self.parts.ingestor.stats(),
         }
 

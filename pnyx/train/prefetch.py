@@ -221,6 +221,7 @@ class Prefetcher:
                     self._listed.notify_all()
         elif in_flight and not self._refreshed:
             return  # fetch after the listing, or the fetch would serve groups the listing will outrank
+        ing.audit_skips(wait=True)  # re-scored before the groups: a false skip quarantines its key first
         # Rounds without over-fetch: each fetches only the unknown keys inside the top, and rejections free
         # places for the next round. Latency is hidden behind the step here; over-fetch (which `select`
         # uses, on the critical path) would download groups a fresher listing may outrank.

@@ -165,8 +165,9 @@ def format_report(r: dict[str, Any]) -> str:
         return "supply: no groups uploaded"
     drops = ", ".join(f"{k} {v}" for k, v in sorted(r["dropped"].items()) if v) or "none"
     return (
-        f"supply: workers generated {r['generated']} groups ({r['skipped_zero_variance']} zero-variance not "
-        f"uploaded), uploaded {r['uploaded']}; the trainer consumed {r['consumed']} = "
+        f"supply: workers generated {r['generated']} groups ({r['skipped_zero_variance']} zero-variance, not "
+        f"offered for training: uploaded as skip records where seeded), uploaded {r['uploaded']}; the trainer "
+        f"consumed {r['consumed']} = "
         f"{100 * r['consumed_of_uploaded']:.1f}% of uploaded, {100 * r['consumed_of_generated']:.1f}% of "
         f"generated (trainer drops: {drops})"
         + (
