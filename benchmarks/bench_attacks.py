@@ -183,12 +183,12 @@ def hostile_round(name: str, atk: Any, arena: Any, step: int, n: int, log: dict[
         atk.foreign = A.foreign_groups(arena, n)
         atk.verbatim = step % 2 == 0  # verbatim bytes one step, re-labelled and re-signed the next
     if name in ("flooder", "eager"):  # one producer, many groups at once (mostly copies)
-        arena.upload(atk.produce(arena, n))
+        arena.upload(atk.uploads(arena, n))
         return
     producers = atk if isinstance(atk, list) else [atk]
     for i in range(n):
         p = producers[(step + i) % len(producers)]
-        arena.upload(p.produce(arena, 1))
+        arena.upload(p.uploads(arena, 1))
 
 
 def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -215,7 +215,7 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
             elif name == "eager":
                 hostile_n = 8 * args.hostile
             for step in range(steps):
-                arena.upload([u for h in honest for u in h.produce(arena, args.honest)])
+                arena.upload([u for h in honest for u in h.uploads(arena, args.honest)])
                 hostile_round(name, atk, arena, step, hostile_n, log)
                 r = arena.step()
                 if r is None:
@@ -367,7 +367,7 @@ def doubling(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             while step < args.max_steps:
                 # each of the three workers uploads an equal share (the hostile one is a third of the
                 # fleet); the honest two alone fill a batch of 8, so the attacker-free arm never waits
-                arena.upload([u for h in honest for u in h.produce(arena, 4)])
+                arena.upload([u for h in honest for u in h.uploads(arena, 4)])
                 hostile_round(name, atk, arena, step, 4, log)
                 arena.step()
                 step += 1

@@ -221,11 +221,12 @@ class Arena:
     def verdict(self, key: str) -> str:
         return self.verdicts.get(key, WAITING)
 
-    def tally(self, source: str) -> dict[str, int]:
-        """Verdict counts of the uploads of `source` ("honest" or an attack name)."""
+    def tally(self, source: str, skips: bool = True) -> dict[str, int]:
+        """Verdict counts of the uploads of `source` ("honest" or an attack name); without `skips`, of its
+        groups only (not its skip records)."""
         out: dict[str, int] = {}
         for u in self.uploads:
-            if u.source == source:
+            if u.source == source and (skips or not layout.is_skip_key(u.key)):
                 v = self.verdict(u.key)
                 out[v] = out.get(v, 0) + 1
         return out

@@ -80,9 +80,11 @@ class Producer:
     signer: Signer = field(default_factory=new_signer)
     seq: int = 0
     seed: int = 0
-    skipped: list[Any] = field(default_factory=list)
-    """Seeded zero-variance groups drawn and not offered for training (`skip_uploads` announces them)."""
-    _spare: list[Any] = field(default_factory=list)  # mixed groups drawn beyond what `sampled` returned
+    skipped: list[tuple[Any, Signer]] = field(default_factory=list)
+    """Seeded zero-variance groups drawn and not offered for training, each with the key it was drawn
+    under (`skip_uploads` announces them under that key and the group's own name)."""
+    _spare: dict[tuple[str, str], list[Any]] = field(default_factory=dict)  # mixed groups drawn beyond
+    # what `sampled` returned, per (key, name) they were drawn under
     _made: Counter[str] = field(default_factory=Counter)
 
     def _next_seed(self) -> int:
@@ -138,24 +140,35 @@ class Producer:
         """`n` groups sampled by the follower's engine whose samples do not all share one reward (what a
         worker offers for training); the zero-variance ones drawn meanwhile go to `skipped` (a worker
         uploads their skip records: `skip_uploads`), mixed ones beyond `n` are kept for the next call."""
-        out, self._spare = self._spare[:n], self._spare[n:]
+        ident = (self.signer.fingerprint, self.worker_id)
+        spare = self._spare.setdefault(ident, [])
+        out, spare[:] = spare[:n], spare[n:]
         for _ in range(50 * n + 10):
             if len(out) >= n:
                 break
             tasks = self.tasks(arena, max(2, n - len(out)))
             for g in self.draw(arena, tasks, temperature):
-                (self.skipped if is_zero_variance(g) else out).append(g)
-        self._spare += out[n:]
+                if is_zero_variance(g):
+                    self.skipped.append((g, self.signer))
+                else:
+                    out.append(g)
+        spare += out[n:]
         return out[:n]
 
     def skip_uploads(self) -> list[Upload]:
-        """The skip records of the seeded zero-variance groups drawn so far (each seq accounted for)."""
-        out = [self.pack(g, skip=True) for g in self.skipped if g.draws]
+        """The skip records of the seeded zero-variance groups drawn so far, each under the key and name it
+        was drawn with (every seq accounted for)."""
+        out = [self.pack(g, signer=k, worker_id=g.worker_id, skip=True) for g, k in self.skipped if g.draws]
         self.skipped = []
         return out
 
     def produce(self, arena: Arena, n: int) -> list[Upload]:
         raise NotImplementedError
+
+    def uploads(self, arena: Arena, n: int) -> list[Upload]:
+        """`produce(arena, n)` plus the skip records of the zero-variance groups drawn meanwhile: what a worker
+        that follows the protocol uploads (every seq it reserved accounted for)."""
+        return self.produce(arena, n) + self.skip_uploads()
 
 
 class HonestWorker(Producer):
@@ -339,8 +352,9 @@ class IdThief(Producer):
         return [self.pack(g, worker_id=self.victim) for g in self.sampled(arena, n)]
 
 
-SYBIL_INNER = ("copier", "reward_liar", "poisoner", "temperature_liar", "cherry_picker")
-"""What a Sybil's groups can be: the three deterministic content attacks, or the statistical one."""
+SYBIL_INNER = ("copier", "reward_liar", "poisoner", "temperature_liar", "cherry_picker", "cherry_whole")
+"""What a Sybil's groups can be: the three deterministic content attacks, the temperature liar, or a
+cherry-picker (within a group; or whole groups: a key abandoned after a group it does not want)."""
 
 
 @dataclass
@@ -375,7 +389,25 @@ class Sybil(Producer):
         if self.inner == "cherry_picker":
             g = picked_group(self, arena)
             return [] if g is None else [g]
-        return [temperature_lie(arena, g) for g in self.sampled(arena, 1, LIAR_TEMPERATURE)]
+        if self.inner == "cherry_whole":  # a group it does not want: the key is abandoned, never seen
+            return [g for g in self.sampled(arena, 1) if brevity(g) > 0]
+        # a lie that drew exactly the honest tokens is an honest group (the draw check rightly passes it):
+        # the suite measures the liar on the groups its lie changed
+        return [
+            temperature_lie(arena, g)
+            for g in self.sampled(arena, 1, LIAR_TEMPERATURE)
+            if not _is_honest_draw(self, arena, g)
+        ]
+
+
+def _is_honest_draw(producer: Producer, arena: Arena, group: Any) -> bool:
+    """`group` (drawn by `producer` at another temperature) holds the tokens its seeded uniforms draw at the
+    run's temperature (the follower still serves the group's version)."""
+    honest = arena.sample(
+        [arena.env.task(group.task_id)], 0, key=producer.signer.fingerprint, worker_id=group.worker_id,
+        next_seq=lambda: group.seq,
+    )[0]  # fmt: skip
+    return [s.tokens for s in honest.samples] == [s.tokens for s in group.samples]
 
 
 def poisoned_group(arena: Arena, group: Any, task: Any, payload: str = PAYLOAD) -> Any:
@@ -465,6 +497,9 @@ def picked_group(producer: Producer, arena: Arena, pool: int = 4) -> Any | None:
     if not right or not wrong or k > len(right) or k >= size:
         return None  # nothing to choose from: a worker would skip it
     chosen = right[:k] + wrong[: size - k]
+    # the other draws' seqs are accounted for as skip records, as far as the protocol lets a picker (a mixed
+    # one is a false skip): what it cannot do is leave them empty unseen
+    producer.skipped += [(g, producer.signer) for g in groups[1:]]
     return msgspec.structs.replace(groups[0], samples=chosen)  # under the first group's seq
 
 

@@ -82,7 +82,7 @@ def signed_ingestor(store, cursor=None, **settings) -> Ingestor:
 
     return Ingestor(
         store=store, env=ENV, detokenize=detok, settings=IngestSettings(**settings), run_id=RUN,
-        require_signatures=True, sweep_grace_s=0.0, cursor=cursor or Cursor(),
+        require_signatures=True, sweep_grace_s=0.0, cursor=cursor or Cursor(seqs_from_zero=True),
     )  # fmt: skip
 
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 import pytest
 
 from pnyx.protocol import layout
+from pnyx.security.checks import FAULTS
 from pnyx_harness import attacks as A
 from pnyx_harness import weight_attacks as W
 from pnyx_harness.arena import BENIGN, TRAINED, Arena
 
 WHOLE_GROUP_PICKER = (
-    "a worker that drops whole groups by their outcome uploads only honest draws; the seqs it leaves empty are "
-    "counted as gaps against its key but not judged (honest workers leave gaps when spooled groups expire, and "
-    "a listing counts keys anyone may write under a name), and a Sybil that abandons a key leaves no trace "
-    "(issue #25, open)"
+    "a Sybil whole-group picker uploads only honest draws, each under a fresh key it abandons after a group it "
+    "does not want: no key it keeps has an empty seq, so nothing is held back or counted (issue #25, open: "
+    "only standing for new keys can bind it)"
 )
 
 HONEST = [A.HonestWorker("honest-1"), A.HonestWorker("honest-2")]
@@ -32,14 +32,14 @@ HONEST = [A.HonestWorker("honest-1"), A.HonestWorker("honest-2")]
 @pytest.fixture(scope="module")
 def arena(tmp_path_factory):
     a = Arena(tmp_path_factory.mktemp("arena"), {"trainer": {"groups_per_step": 8}})
-    a.upload([u for h in HONEST for u in h.produce(a, 3)])  # honest names are bound first
+    a.upload([u for h in HONEST for u in h.uploads(a, 3)])  # honest names are bound first
     a.poll()
     yield a
     a.close()
 
 
 def honest_round(arena: Arena, per_worker: int = 3) -> None:
-    arena.upload([u for h in HONEST for u in h.produce(arena, per_worker)])
+    arena.upload([u for h in HONEST for u in h.uploads(arena, per_worker)])
 
 
 def rejected(arena: Arena, source: str) -> dict[str, int]:
@@ -48,8 +48,11 @@ def rejected(arena: Arena, source: str) -> dict[str, int]:
 
 
 def assert_all_rejected(arena: Arena, source: str, reasons: set[str] | None = None) -> None:
-    tally = arena.tally(source)
-    bad = rejected(arena, source)
+    """Every group `source` offered for training was rejected (for one of `reasons`). Its skip records are
+    not counted: a protocol-following attacker uploads them for its zero-variance draws, and they are judged
+    as skip records (`tests/test_skip_records.py`)."""
+    tally = arena.tally(source, skips=False)
+    bad = {v: n for v, n in tally.items() if v not in BENIGN and v not in (TRAINED, "waiting")}
     assert sum(tally.values()) > 0
     assert sum(bad.values()) == sum(tally.values()), f"{source}: {tally}"
     if reasons is not None:
@@ -57,16 +60,16 @@ def assert_all_rejected(arena: Arena, source: str, reasons: set[str] | None = No
 
 
 def test_id_thief_is_rejected_as_id_theft(arena):
-    arena.upload(A.IdThief("thief", source="id_thief", victim="honest-1").produce(arena, 3))
+    arena.upload(A.IdThief("thief", source="id_thief", victim="honest-1").uploads(arena, 3))
     arena.poll()
     assert_all_rejected(arena, "id_thief", {"id_theft"})
 
 
 def test_replayer_of_another_runs_groups_is_rejected(arena):
     foreign = A.foreign_groups(arena, 4)
-    arena.upload(A.Replayer("replayer", source="replayer", foreign=foreign[:2]).produce(arena, 2))
+    arena.upload(A.Replayer("replayer", source="replayer", foreign=foreign[:2]).uploads(arena, 2))
     relabel = A.Replayer("replayer-2", source="replayer_relabelled", foreign=foreign[2:], verbatim=False)
-    arena.upload(relabel.produce(arena, 2))
+    arena.upload(relabel.uploads(arena, 2))
     arena.poll()
     assert_all_rejected(arena, "replayer", {"run_mismatch"})
     # re-signed with this run's id: its weights history is another run's
@@ -103,7 +106,7 @@ def test_reward_liars_claims_never_reach_the_loss(arena):
     """The trainer re-scores every sample: a consumed liar's group carries the env's rewards, and every
     flipped sample is counted as a disagreement against its key."""
     liar = A.RewardLiar("liar", source="reward_liar")
-    ups = liar.produce(arena, 2)
+    ups = liar.uploads(arena, 2)
     arena.upload(ups)
     honest_round(arena)
     arena.step()
@@ -118,7 +121,7 @@ def test_reward_liar_is_quarantined(arena):
     rate, so the 2 groups it uploads after that must never be trained on."""
     liar = A.RewardLiar("liar-q", source="reward_liar_q")
     for _ in range(4):
-        arena.upload(liar.produce(arena, 2))
+        arena.upload(liar.uploads(arena, 2))
         honest_round(arena)
         arena.step()
     late = [u for u in arena.uploads if u.source == "reward_liar_q" and u.index > 6]
@@ -128,7 +131,7 @@ def test_reward_liar_is_quarantined(arena):
 def _hostile_step(arena: Arena, producer: A.Producer, n: int = 2) -> None:
     """Upload `n` of `producer`'s groups beside an honest round and step until none of them waits: the
     draws and the statistical checks judge a group in the step that would train on it."""
-    arena.upload(producer.produce(arena, n))
+    arena.upload(producer.uploads(arena, n))
     honest_round(arena)
     arena.step()
     for _ in range(3):
@@ -151,7 +154,8 @@ def test_temperature_liar_is_rejected_group_by_group_and_its_key_quarantined(are
     for _ in range(3):
         _hostile_step(arena, liar, 3)
     assert_all_rejected(arena, "temperature_liar", {"draw_mismatch", "quarantined"})
-    assert arena.tally("temperature_liar").get("draw_mismatch", 0) >= 5
+    faults = {v: n for v, n in arena.tally("temperature_liar").items() if v in FAULTS}
+    assert faults.get("draw_mismatch", 0) >= 1 and sum(faults.values()) >= 5, faults  # its skip records too
     assert liar.signer.fingerprint in arena.trainer.parts.ingestor.cursor.quarantined
 
 
@@ -177,7 +181,7 @@ def test_an_eager_key_under_the_flood_limit_takes_at_most_a_fair_share(arena):
     """16 honest-looking groups per step beside 2 honest workers (3 keys waiting): ceil(8 / 3) places."""
     eager = A.Flooder("eager", source="eager", names=8, fresh=16)  # every group a fresh draw
     for _ in range(2):
-        arena.upload(eager.produce(arena, 16))
+        arena.upload(eager.uploads(arena, 16))
         honest_round(arena, 4)
         arena.poll()  # this round's groups listed before the step (each honest key has 4 >= its share)
         r = arena.step()
@@ -191,7 +195,7 @@ def test_flooder_over_the_flood_limit_is_quarantined_from_the_listing(arena):
     64 here): quarantined once its names are bound (one GET each), every group rejected. A group fetched
     to bind a name may be one of its copies, whose tokens are not its seq's draws (`draw_mismatch`)."""
     flooder = A.Flooder("flood", source="flooder", names=8)
-    arena.upload(flooder.produce(arena, 80))
+    arena.upload(flooder.uploads(arena, 80))
     arena.poll()
     assert flooder.signer.fingerprint in arena.trainer.parts.ingestor.cursor.quarantined
     assert_all_rejected(arena, "flooder", {"quarantined", "draw_mismatch"})
@@ -228,14 +232,48 @@ def test_within_group_cherry_picker_cannot_choose_its_samples(arena):
 
 def test_sybil_within_group_cherry_picker_is_rejected_group_by_group(arena):
     _hostile_step(arena, A.Sybil("sybil-p", source="sybil_cherry", inner="cherry_picker"), 4)
-    assert_all_rejected(arena, "sybil_cherry", {"draw_mismatch"})
+    # each fresh key's group is a `draw_mismatch`, or its key is quarantined first by the false skip record
+    # of a draw it did not use
+    assert_all_rejected(arena, "sybil_cherry", {"draw_mismatch", "quarantined"})
+
+
+def test_whole_group_cherry_picker_is_quarantined_by_its_gaps(arena):
+    """Uploads only the honest groups that already favour short answers and leaves the others' seqs empty:
+    once the versions of its gaps are swept (`SWEEP_MAX_LAG` versions later here) each empty seq is a `gap`
+    fault of its key, which is quarantined; what it uploads afterwards is never trained on. (The groups it
+    uploaded before that were trained: the gaps are judged at the sweep, not when the groups arrive.)"""
+    from pnyx.train.listing import SWEEP_MAX_LAG
+
+    picker = A.CherryPicker("picker-w", source="cherry_whole", form="whole")
+    ups: list = []
+    for _ in range(8):  # until it has kept back at least 5 groups between the ones it uploaded
+        ups += picker.uploads(arena, 4)
+        uploaded = {layout.parse_rollout_key(u.key)[2] for u in ups}
+        kept_back = set(range(max(uploaded))) - uploaded
+        if len(kept_back) >= 5:
+            break
+    assert len(kept_back) >= 5, (sorted(uploaded), picker.seq)
+    arena.upload(ups)
+    fp = picker.signer.fingerprint
+    for _ in range(SWEEP_MAX_LAG + 8):
+        honest_round(arena)
+        arena.step()
+        if fp in arena.trainer.parts.ingestor.cursor.quarantined:
+            break
+    report = _picker_report(arena, picker)
+    assert report["quarantined"] and report["counts"]["gap"] >= 5, report
+    late = picker.uploads(arena, 2)
+    arena.upload(late)
+    honest_round(arena)
+    arena.step()
+    assert {arena.verdict(u.key) for u in late} == {"quarantined"}
 
 
 @pytest.mark.xfail(strict=True, reason=WHOLE_GROUP_PICKER)
-def test_whole_group_cherry_picker_is_detected(arena):
-    """Uploads only the honest groups that already favour short answers; the others' seqs stay unused."""
-    _hostile_step(arena, A.CherryPicker("picker-w", source="cherry_whole", form="whole"), 4)
-    assert_all_rejected(arena, "cherry_whole")
+def test_sybil_whole_group_cherry_picker_is_detected(arena):
+    """A fresh key per group, abandoned after a group it does not want: no seq of a key it keeps is empty."""
+    _hostile_step(arena, A.Sybil("sybil-w", source="sybil_whole", inner="cherry_whole"), 4)
+    assert_all_rejected(arena, "sybil_whole")
 
 
 def _picker_report(arena: Arena, picker: A.Producer) -> dict:
@@ -266,7 +304,7 @@ def test_whole_group_picker_with_forged_skip_records_is_quarantined_by_their_dra
     arena.step()  # the step checks the draws of the skip records re-scored since the last one
     report = _picker_report(arena, picker)
     assert "false skip" in (report["quarantined"] or ""), report
-    arena.upload(picker.produce(arena, 4))
+    arena.upload(picker.uploads(arena, 4))
     late = {u.key for u in arena.uploads[-4:]}
     honest_round(arena)
     arena.step()

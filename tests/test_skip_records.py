@@ -51,21 +51,31 @@ def test_the_sealer_seals_a_seeded_group_under_its_skip_key_and_refuses_an_unsee
         sealer.seal(make_group(2, "w", seq=0), skip=True)
 
 
-def test_seq_books_count_the_seqs_never_listed_below_the_highest_swept():
+def test_seq_books_count_the_seqs_not_verified_below_the_highest_settled():
     books: dict[str, seq_books.SeqBook] = {}
     for seq in (0, 1, 3, 3, 6, 9):
-        seq_books.note(books, "w", seq)
-    assert seq_books.settle(books, "w", 6) == 3  # 2, 4 and 5
-    assert books["w"].low == 7 and books["w"].seen == [9]
+        seq_books.verify(books, "w", seq, seeded=True)
+    seq_books.note(books, "w", 4)  # listed, never read: not accounted for until it is
+    assert seq_books.unverified(books, "w", 6) == ([4], [0, 1, 3, 6], 0)
+    assert seq_books.missing(books, "w", 0, 6) == [2, 5]
+    assert not seq_books.complete_below(books, "w", 6) and seq_books.complete_below(books, "w", 2)
+    assert seq_books.settle(books, "w", 6, version=3) == 3  # 2, 4 and 5
+    assert books["w"].low == 7 and books["w"].seen == [9] and books["w"].settled_version == 3
     seq_books.note(books, "w", 5)  # landed after its version was swept: counted already
-    seq_books.note(books, "w", 8)
-    assert books["w"].seen == [8, 9] and seq_books.settle(books, "w", 9) == 1  # 7
-    seq_books.note(books, "late", 40)  # a name first met mid-run starts at its lowest seq listed
-    seq_books.note(books, "late", 41)
-    assert seq_books.settle(books, "late", 41) == 0
-    assert seq_books.settle(books, "nobody", 3) == 0
-    seq_books.prune(books, {"w": "fp"})
-    assert set(books) == {"w"}
+    seq_books.verify(books, "w", 8, seeded=True)
+    assert books["w"].seen == [8, 9] and not seq_books.complete_below(books, "w", 9)  # 7 is missing
+    assert seq_books.settle(books, "w", 9, version=4) == 1  # 7
+    for seq in (40, 41):  # a cursor older than the books starts a name at its lowest seq listed...
+        seq_books.verify(books, "late", seq, seeded=True, start=None)
+    assert seq_books.settle(books, "late", 41, version=4) == 0
+    seq_books.verify(books, "new", 2, seeded=True)  # ...a current one at 0: seqs 0 and 1 are gaps
+    assert seq_books.settle(books, "new", 2, version=4) == 2
+    seq_books.note(books, "unseeded", 5)  # an unseeded worker takes a seq only when it uploads: never held
+    assert seq_books.complete_below(books, "unseeded", 9)
+    assert seq_books.settle(books, "nobody", 3, version=4) == 0
+    seq_books.settle(books, "unseeded", 5, version=4)
+    seq_books.prune(books, {"w": "fp", "late": "fp", "new": "fp"})  # nothing listed, no key: forgotten
+    assert set(books) == {"w", "late", "new"}
 
 
 def test_a_skip_record_is_audited_never_trained_and_the_seq_a_worker_kept_back_is_a_gap(store):
@@ -80,12 +90,64 @@ def test_a_skip_record_is_audited_never_trained_and_the_seq_a_worker_kept_back_i
     ing.poll(1)
     assert ing.cursor.rejected[skip] == "skipped" and skip not in ing.shared.ready
     assert ing.cursor.by_key[signer.fingerprint]["skips"] == 1
-    assert sorted(g.key for g in ing.select(1, 10)) == sorted(keys.values())
-    assert ing.cursor.gaps == 0
+    # the groups above the missing seq are held back: never trained on while seq 2 is missing
+    assert sorted(g.key for g in ing.select(1, 10)) == sorted(keys[s] for s in (0, 1))
     ing.sweep(2)  # v0 leaves the window: its last listing settles seqs 0-4
-    assert ing.cursor.gaps == 1 and ing.cursor.by_key[signer.fingerprint]["gaps"] == 1
-    assert ing.cursor.quarantined == {}  # a gap is counted, not a fault (docs/security.md)
+    assert ing.cursor.gaps == 1 and ing.cursor.by_key[signer.fingerprint]["gap"] == 1
     assert ing.stats()["gaps"] == 1
+    assert [g.key for g in ing.select(2, 10)] == [keys[5]]  # settled: the worker's later groups go on
+
+
+def test_a_worker_that_keeps_groups_back_is_quarantined_by_its_gaps_and_its_later_groups_never_trained(store):
+    signer = _signer()
+    honest = _signer()
+    for seq in range(12):
+        if seq % 2 == 0:  # every other group kept back
+            put_signed(store, _seeded(make_group(0, "p", seq, task_index=seq)), signer)
+        put_signed(store, _seeded(make_group(0, "h", seq, task_index=seq)), honest)
+    later = put_signed(store, _seeded(make_group(1, "p", 12, task_index=12)), signer)
+    ing = signed_ingestor(store, max_staleness=0)
+    chosen = {g.key for g in ing.select(0, 30)}
+    assert not any("~p-" in k and not k.endswith("0000000000") for k in chosen)  # only seq 0, before a gap
+    ing.sweep(1)
+    assert ing.cursor.by_key[signer.fingerprint]["gap"] == 5  # 1, 3, 5, 7, 9 (11 is above its last seq at v0)
+    assert signer.fingerprint in ing.cursor.quarantined
+    assert honest.fingerprint not in ing.cursor.quarantined
+    assert ing.cursor.by_key.get(honest.fingerprint, {}).get("gap", 0) == 0
+    ing.poll(1)
+    assert ing.cursor.rejected[later] == "quarantined"
+
+
+def test_a_seq_filled_with_a_record_its_key_did_not_sign_is_a_gap_and_squatting_frames_no_one(store):
+    """Anyone who may write under rollouts/ can list a key under any name: junk at a seq the worker kept back
+    does not account for it, and junk at a seq the worker did upload does not make a gap of it."""
+    signer = _signer()
+    other = _signer()
+    put_signed(store, _seeded(make_group(0, "w", 0)), signer)
+    ing = signed_ingestor(store, max_staleness=0)
+    ing.select(0, 10)  # binds the name to its key
+    put_signed(store, _seeded(make_group(0, "w", 1, task_index=1)), other)  # a forged filler of seq 1
+    squat = layout.rollout_key(0, "w", 2, stamp_ms=1)  # listed first: the worker's own seq 2 is a duplicate
+    store.put(squat, b"junk", mode="create")
+    put_signed(store, _seeded(make_group(0, "w", 2, task_index=2)), signer)
+    store.put(layout.rollout_key(0, "w", 9_999_999), b"junk", mode="create")  # far ahead of the worker
+    ing.poll(0)
+    ing.sweep(1)
+    assert ing.cursor.by_key[signer.fingerprint]["gap"] == 1  # seq 1 only
+
+
+def test_a_group_uploaded_after_its_version_was_swept_is_found_by_the_settlement(store):
+    signer = _signer()
+    put_signed(store, _seeded(make_group(0, "w", 0)), signer)
+    ing = signed_ingestor(store, max_staleness=0)
+    ing.poll(0)
+    ing.sweep(1)  # v0 swept: seq 0 settled
+    put_signed(store, _seeded(make_group(1, "w", 1, task_index=1)), signer)  # expired in its spool...
+    put_signed(store, _seeded(make_group(3, "w", 2, task_index=2)), signer)
+    ing.poll(3)
+    ing.sweep(2)
+    ing.sweep(4)  # ...uploaded late into swept v1: found when seq 2 is settled
+    assert ing.cursor.gaps == 0 and "gap" not in ing.cursor.by_key.get(signer.fingerprint, {})
 
 
 def test_a_skip_record_with_mixed_rewards_is_a_false_skip_and_quarantines_its_key(store):

@@ -1,5 +1,6 @@
 """The worker under supply control, in process: zero-variance groups skipped and counted, pacing by the
-trainer's demand, spooled groups the trainer can no longer use expired instead of uploaded.
+trainer's demand, spooled groups the trainer can no longer use counted expired (and uploaded late, so their
+seqs are accounted for).
 
 Real store (a tmp folder), the trainer's own `init_run`, the real PULSE publisher, the real engine and
 `arith` with the tiny random model. Where a test needs groups with and without reward variance, it wraps
@@ -104,7 +105,9 @@ def test_worker_waits_for_the_trainers_demand_then_makes_one_more_step(tmp_path,
         worker.close()
 
 
-def test_spooled_groups_past_the_trainers_window_expire_instead_of_uploading(tmp_path, tiny_model_dir):
+def test_spooled_groups_past_the_trainers_window_are_counted_expired_and_uploaded_late(
+    tmp_path, tiny_model_dir
+):
     from pnyx.store import RetryPolicy
     from pnyx_harness.faults import FaultyStore
 
@@ -125,6 +128,7 @@ def test_spooled_groups_past_the_trainers_window_expire_instead_of_uploading(tmp
     summary = again.run()
 
     assert summary.groups_expired == 2
-    assert all(g.policy_version == 5 for _, g in rollout_groups(run.store))  # only the new life's groups
+    versions = sorted(g.policy_version for _, g in rollout_groups(run.store))
+    assert versions == [0, 0, 5, 5]  # the expired ones uploaded all the same: their seqs are accounted for
     hb = decode_json(run.store.get(layout.worker_heartbeat("w1")), Heartbeat)
     assert hb.groups_expired == 2 and hb.groups == 2

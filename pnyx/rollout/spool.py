@@ -70,6 +70,7 @@ class SpoolStats:
     collisions: int = 0
     failed_flushes: int = 0
     expired: int = 0
+    """Groups uploaded after the trainer had moved past their version (never trained on; not in `uploaded`)."""
     loaded: int = 0
     """Groups found on disk at start (left by a previous life of this worker)."""
 
@@ -135,8 +136,9 @@ class Spool:
         """Upload pending groups oldest first; return how many were uploaded by this call.
 
         Stops early, leaving the rest queued, when the store is unavailable (after its own retries), the
-        deadline passes or `stop` is set. Groups for which `expired(key)` is true are removed and counted
-        instead of uploaded. A permission error is not transient: it propagates (fix the policy).
+        deadline passes or `stop` is set. Groups for which `expired(key)` is true (the trainer has moved
+        past their version) are uploaded all the same and counted `expired`: the trainer never trains on
+        them, but their seqs must be accounted for (a seq never uploaded is a `gap` fault of the key). A permission error is not transient: it propagates (fix the policy).
         """
         end = None if deadline_s is None else time.monotonic() + deadline_s
         done = 0
@@ -148,11 +150,7 @@ class Spool:
                     if not self._items:
                         break
                     key, data = self._items[0]
-                if expired is not None and expired(key):
-                    self._remove(key)
-                    self.stats.expired += 1
-                    log.info("expired %s: the trainer has moved past its version's staleness window", key)
-                    continue
+                late = expired is not None and expired(key)
                 try:
                     try:
                         store.put(key, data, mode="create")
@@ -166,6 +164,13 @@ class Spool:
                     break
                 except StorePermissionError:
                     raise
+                if late:  # uploaded all the same, so its seq is accounted for (`pnyx.train.seq_books`)
+                    self._remove(key)
+                    self.stats.expired += 1
+                    log.info(
+                        "expired %s, uploaded late: the trainer has moved past its version's window", key
+                    )
+                    continue
                 self._remove(key, uploaded=True)
                 done += 1
         return done

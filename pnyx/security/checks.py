@@ -103,13 +103,16 @@ FAULTS = frozenset(
         "draw_mismatch",
         "unseeded",
         "false_skip",
+        "gap",
     }
 )
 """Per-key counters (`Cursor.by_key`) that count a faulty group of that key. `draw_mismatch`: a token its
 seeded uniform did not draw (`pnyx.train.drawcheck`); `unseeded`: no seeded draws where the run requires
 them (`draw_unverifiable`, a version whose weights could not be verified, is the trainer's problem, not
 blamed); `false_skip`: a skip record (a group its worker says had zero variance) whose re-score has mixed
-rewards or whose tokens are not its seeded draws: it quarantines its key at once (`pnyx.train.skips`).
+rewards or whose tokens are not its seeded draws: it quarantines its key at once
+(`Ingestor.audit_skips`); `gap`: a seq its worker name never uploaded signed by its key, a group it kept
+back (`pnyx.train.seq_books`).
 `reward_lie`: a group with at least one sample whose claimed reward differs from the re-score. Signature failures (`unsigned`,
 `bad_signature`) are not in it: the key inside a badly signed frame proves nothing, so it is never blamed
 (anyone could frame an honest key); `stale`, `zero_variance`, `unknown_version` and `duplicate` happen to

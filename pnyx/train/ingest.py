@@ -70,6 +70,7 @@ from pnyx.protocol.rules import is_zero_variance
 from pnyx.security.calibration import Allowances, ProbeRow
 from pnyx.security.keys import fingerprint
 from pnyx.store import Store
+from pnyx.train import seq_books
 from pnyx.train.ingest_state import Cursor, IngestSettings
 from pnyx.train.key_ledger import KeyLedger, id_theft
 from pnyx.train.listing import SWEEP_GRACE_S, Shared, WindowListings
@@ -130,7 +131,9 @@ class Ingestor:
         """Whether a group may enter without seeded draws (`pnyx.train.drawcheck.unseeded_policy`): None, or
         a drop reason. Run on each admitted group that would otherwise be ready, outside the lock. The
         tokens themselves are checked by the step's forward (`pnyx.train.step`)."""
-        self.shared = Shared(cursor if cursor is not None else Cursor(), settings or IngestSettings())
+        self.shared = Shared(
+            cursor if cursor is not None else Cursor(seqs_from_zero=True), settings or IngestSettings()
+        )
         """The one lock, the cursor, the settings and the fetched groups, shared with the collaborators."""
         self._selecting = threading.RLock()  # held by `select`: listings merge before or after it
         # After close(), results of abandoned calls no longer touch the state.
@@ -148,6 +151,7 @@ class Ingestor:
         self.listing = WindowListings(
             store, self.shared, selecting=self._selecting, closed=self._closed, sweep_grace_s=sweep_grace_s
         )
+        self.listing.read_signer = self._read_signer
         self.ledger = KeyLedger(self.listing, self.shared, in_flight=self._futures)
         self.listing.gate = self.ledger  # built second: it rejects through the listing
         self.planner = BatchPlanner(self.listing, self.ledger, self.shared, outcomes=self._outcomes)
@@ -337,9 +341,29 @@ class Ingestor:
                 if bound is None:
                     bound = self.cursor.keys[parsed[1]] = signer
                     self.ledger.bind(parsed[1], signer)
+                if bound == signer:  # its seq is accounted for (`seq_books`)
+                    seq_books.verify(
+                        self.cursor.seqs, parsed[1], parsed[2], bool(group.draws), self.cursor.seq_start
+                    )
             if bound != signer:
                 raise id_theft(parsed[1], bound, signer)
         return scored
+
+    def _read_signer(self, key: str, worker: str, seq: int) -> tuple[str, bool] | None:
+        """(fingerprint, seeded) of the record under `key` if it is a validly signed record of (`worker`,
+        `seq`), else None (the listing's sweep settles seqs with it; a missing object is None)."""
+        try:
+            data = self.store.get(key)
+        except NotFoundError:
+            return None
+        try:
+            fp = fingerprint(frame_signer(data))
+            group = self.decode(data, self.vocab_size)
+        except RecordRejected:
+            return None
+        if group.worker_id != worker or group.seq != seq:
+            return None
+        return fp, bool(group.draws)
 
     def _signer_of(self, worker: str, data: bytes) -> str:
         """The fingerprint of the key that signed `data`, checked before anything is decoded: the frame's

@@ -95,6 +95,9 @@ class Cursor(msgspec.Struct):
     """Skip records (`layout.is_skip_key`) by outcome: `audited` (re-scored, zero variance), `draws_checked`
     (their tokens checked exactly too), `unverifiable` (their version's weights could not be verified),
     `unaudited` (swept before their audit), `false` (a `false_skip`, also counted in `drops`)."""
+    seqs_from_zero: bool = False
+    """A worker name's seqs start at 0 (a cursor made since the books exist); False: at the lowest listed
+    (a cursor of an older build, resumed: its names' earlier seqs were never booked)."""
     gaps: int = 0
     """Seqs the workers left that the store never held, counted when their version was swept (each also
     counted against the key its name is bound to, `by_key[fp]["gaps"]`)."""
@@ -102,6 +105,11 @@ class Cursor(msgspec.Struct):
     """Versions below this have left the window and been swept for stale drops."""
     consumed: int = 0
     """Cumulative number of group uses committed by steps."""
+
+    @property
+    def seq_start(self) -> int | None:
+        """Where a new worker name's seqs begin (`seq_books.note`)."""
+        return 0 if self.seqs_from_zero else None
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)

@@ -205,12 +205,11 @@ class KeyLedger:
         )
 
     def count_gaps(self, worker: str, n: int) -> None:
-        """`worker` left `n` seqs the store never held: counted against the key its name is bound to (a
-        count, not a fault: a worker that loses its spool, or whose spooled groups expired in an outage,
-        leaves gaps too; caller holds the lock)."""
+        """`worker` left `n` seqs that the store never held signed by its key (`seq_books`): `n` `gap` faults
+        of the key its name is bound to, which may quarantine it (caller holds the lock)."""
         fp = self.shared.cursor.keys.get(worker)
         if fp:
-            self.count_key(fp, "gaps", n)
+            self.count_key(fp, "gap", n)
 
     def bind(self, worker: str, fp: str) -> None:
         """`worker` was just bound to key `fp`: its groups listed so far count against the key's flood limit

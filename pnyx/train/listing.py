@@ -28,9 +28,11 @@ import bisect
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pnyx.errors import StoreError
 from pnyx.protocol import layout
 from pnyx.store import Store
 from pnyx.train import seq_books
@@ -51,6 +53,22 @@ SWEEP_MAX_LAG = 16
 """...or once it is this many versions below the window, whichever comes first."""
 SWEEP_BATCH = 8
 """On a store that lists in key order, versions are swept this many at a time (one paged listing)."""
+
+
+@dataclass
+class SettlePlan:
+    """What settling one worker name at a swept version needs read first (`WindowListings._settle_plan`)."""
+
+    fp: str
+    """The key the name is bound to: only records it signed account for a seq."""
+    low: int
+    """The name's lowest seq not settled."""
+    listed: dict[int, list[str]]
+    """Seqs listed but not read yet -> every key listed for that seq (one signed by `fp` is enough)."""
+    verified: set[int]
+    """The name's seqs at the version already read and found signed by `fp`."""
+    since: int
+    """The version of the name's last settlement (a missing seq is looked for from there: a late upload)."""
 
 
 @dataclass
@@ -206,6 +224,10 @@ class WindowListings:
         self.gate: KeyGate = OpenGate()
         """The key ledger, which answers the two questions about names; the `Ingestor` connects it once
         built (the ledger needs this listing, so it is built second)."""
+        self.read_signer: Callable[[str, str, int], tuple[str, bool] | None] = lambda key, worker, seq: None
+        """(fingerprint, seeded) of the record under `key` if it is a valid signed record of (worker, seq),
+        else None: how the sweep settles seqs it listed but never read (`seq_books`); the `Ingestor`
+        connects its own (the listing reads no record itself)."""
         self.versions: dict[int, VersionListing] = {}
         """Version -> its listing, for the versions in the window and those not swept yet."""
         self.listed = 0
@@ -282,7 +304,7 @@ class WindowListings:
         stamp = layout.rollout_stamp(key)
         if stamp is not None:
             lst.high_ms = max(lst.high_ms, stamp)
-        seq_books.note(self.shared.cursor.seqs, parsed[1], parsed[2])
+        seq_books.note(self.shared.cursor.seqs, parsed[1], parsed[2], self.shared.cursor.seq_start)
         ident = (parsed[1], parsed[2])
         other = lst.ids.get(ident)
         if other is not None:
@@ -394,12 +416,87 @@ class WindowListings:
             listings = list_range(self.store, due[0], due[-1] + 1)
         else:
             return  # wait for a fuller batch
-        with self.shared.lock:
-            for v in due:
+        for v in due:
+            with self.shared.lock:
+                if self._closed.is_set() or v < self.shared.cursor.swept_below:
+                    continue
+                plan = self._settle_plan(v, listings.get(v, []))
+            read = self._read_seqs(v, plan)  # store I/O, outside the lock
+            with self.shared.lock:
                 if not self._closed.is_set() and v >= self.shared.cursor.swept_below:
-                    self._account(v, listings.get(v, []))
+                    self._account(v, listings.get(v, []), read)
 
-    def _account(self, version: int, keys: list[str]) -> None:
+    def _settle_plan(self, version: int, keys: list[str]) -> dict[str, SettlePlan]:
+        """Per name with seeded records bound to a key and listed at `version`: what settling it needs read
+        first (`seq_books.unverified`; caller holds the lock)."""
+        lst = self.versions.get(version) or VersionListing(version)
+        by_ident: dict[tuple[str, int], list[str]] = {}
+        for key in set(keys) | lst.seen:
+            parsed = layout.parse_rollout_key(key)
+            if parsed is not None and parsed[0] == version:
+                by_ident.setdefault((parsed[1], parsed[2]), []).append(key)
+                seq_books.note(self.shared.cursor.seqs, parsed[1], parsed[2], self.shared.cursor.seq_start)
+        books, bound = self.shared.cursor.seqs, self.shared.cursor.keys
+        high: dict[str, int] = {}
+        for worker, seq in by_ident:
+            high[worker] = max(seq, high.get(worker, -1))
+        plans = {}
+        for worker, top in high.items():
+            book = books.get(worker)
+            if book is None or not book.seeded or worker not in bound:
+                continue
+            listed, verified, low = seq_books.unverified(books, worker, top)
+            plans[worker] = SettlePlan(
+                bound[worker], low, {s: sorted(by_ident.get((worker, s), [])) for s in listed},
+                {s for s in verified if (worker, s) in by_ident}, book.settled_version,
+            )  # fmt: skip
+        return plans
+
+    def _read_seqs(self, version: int, plans: dict[str, SettlePlan]) -> dict[str, set[int]]:
+        """Per name, the seqs of `plans` found signed by its key: the listed ones read, the missing ones
+        looked for in the versions swept since its last settlement (a late upload). No lock held."""
+        found = {w: self._read_listed(w, p) for w, p in plans.items()}
+        want: set[tuple[str, int]] = set()
+        with self.shared.lock:
+            for worker, plan in plans.items():
+                signed = plan.verified | found[worker]  # the name's genuine seqs at this version
+                if signed:
+                    lost = seq_books.missing(self.shared.cursor.seqs, worker, plan.low, max(signed))
+                    want.update((worker, s) for s in lost)
+        if want:  # a late upload lands in a version swept already: one paged listing since the oldest
+            since = min(plans[w].since for w, _ in want)
+            late: dict[str, SettlePlan] = {}
+            try:
+                for v, keys in list_range(self.store, since, version + 1).items():
+                    for key in keys:
+                        parsed = layout.parse_rollout_key(key)
+                        if parsed is not None and parsed[0] == v and (parsed[1], parsed[2]) in want:
+                            plan = late.setdefault(
+                                parsed[1], SettlePlan(plans[parsed[1]].fp, 0, {}, set(), 0)
+                            )
+                            plan.listed.setdefault(parsed[2], []).append(key)
+            except StoreError as e:
+                log.warning("ingest: the sweep of v%d could not look for late uploads (%s)", version, e)
+            for worker, plan in late.items():
+                found[worker] |= self._read_listed(worker, plan)
+        return found
+
+    def _read_listed(self, worker: str, plan: SettlePlan) -> set[int]:
+        """The seqs of `plan.listed` with at least one key holding a record of them signed by `plan.fp`."""
+        out = set()
+        for seq, keys in plan.listed.items():
+            for key in keys:
+                try:
+                    got = self.read_signer(key, worker, seq)
+                except StoreError as e:  # unknown: not counted against the key
+                    log.warning("ingest: could not read %s at the sweep (%s)", key, e)
+                    got = (plan.fp, False)
+                if got is not None and got[0] == plan.fp:
+                    out.add(seq)
+                    break
+        return out
+
+    def _account(self, version: int, keys: list[str], read: dict[str, set[int]] | None = None) -> None:
         lst = self.versions.pop(version, None) or VersionListing(version)
         for key in keys:
             if key not in lst.seen:
@@ -411,22 +508,40 @@ class WindowListings:
                     cursor.skips["unaudited"] = cursor.skips.get("unaudited", 0) + 1
                 else:
                     self.drop("stale")
-        high: dict[str, int] = {}
-        for worker, seq in lst.ids:
-            high[worker] = max(seq, high.get(worker, -1))
-        books = self.shared.cursor.seqs
-        for worker, seq in high.items():
-            gaps = seq_books.settle(books, worker, seq)
-            if gaps:
-                self.shared.cursor.gaps += gaps
-                self.gate.count_gaps(worker, gaps)
-        seq_books.prune(books, self.shared.cursor.keys)
+        self._settle(version, lst, read or {})
         prefix = layout.rollouts_dir(version)
         for d in (self.shared.cursor.uses, self.shared.cursor.rejected, self.shared.ready):
             for k in [k for k in d if k.startswith(prefix)]:
                 del d[k]
         self._left_at.pop(version, None)
         self.shared.cursor.swept_below = version + 1
+
+    def _settle(self, version: int, lst: VersionListing, read: dict[str, set[int]]) -> None:
+        """Settle the seqs of every name listed at `version` (`seq_books.settle`): a name with seeded records
+        bound to a key up to the highest seq at `version` signed by that key, counting the gaps against it;
+        any other name up to its highest seq there, counting nothing (caller holds the lock)."""
+        books = self.shared.cursor.seqs
+        high: dict[str, int] = {}
+        for worker, seq in lst.ids:
+            high[worker] = max(seq, high.get(worker, -1))
+        for worker, top in high.items():
+            book = books.get(worker)
+            if worker not in read or book is None:
+                seq_books.forget(books, worker, top)  # not judged: no seeded record, or no key bound
+                continue
+            for seq in read[worker]:
+                seq_books.verify(books, worker, seq, True, self.shared.cursor.seq_start)
+            here = {seq for w, seq in lst.ids if w == worker}
+            junk = here.difference(book.verified)  # listed under the name, not signed by its key
+            book.seen = [seq for seq in book.seen if seq not in junk]
+            signed = here - junk
+            if not signed:
+                continue
+            gaps = seq_books.settle(books, worker, max(signed), version)
+            if gaps:
+                self.shared.cursor.gaps += gaps
+                self.gate.count_gaps(worker, gaps)
+        seq_books.prune(books, self.shared.cursor.keys)
 
     # --- rejections: the cursor's record of keys never to be trained on -----------------------------
 

@@ -1,20 +1,31 @@
-"""Which seqs of each worker name the store holds: the gaps a worker leaves are counted against its key.
+"""Which seqs of each worker name the store holds: a seq a worker kept back is a gap, a fault of its key.
 
 A worker with seeded draws (`pnyx.protocol.draws`) reserves a group's seq before it generates the group,
 and uploads every group it reserved: the ones it offers for training under their rollout keys, the ones it
-does not (zero variance) as skip records (`layout.is_skip_key`). So a worker name's seqs are contiguous,
-and a seq the store never holds is a group its worker generated and kept back: what a worker that drops
-groups by their outcome leaves (docs/security.md, "Seeded draws").
+does not (zero variance) as skip records (`layout.is_skip_key`), and the ones whose version the trainer
+left behind while they waited in its spool (late, under their own keys). So a worker name's seqs are
+contiguous, and a seq the store never holds, signed by the name's key, is a group its worker generated and
+kept back: what a worker that drops groups by their outcome leaves (docs/security.md, "Seeded draws").
 
-`SeqBook` is one name's record in the cursor: `low`, below which every seq was listed or counted, and the
-seqs listed at or above it. The listing notes every rollout key and skip record it lists (`note`); when a
-version is swept (its last listing, `WindowListings.sweep`), every seq of a name below the highest it holds
-at that version has been listed if it exists (seqs grow with versions: a worker generates with the newest
-weights it holds), so the missing ones are counted (`settle`). A name's first book starts at the lowest seq
-listed (a trainer that meets a worker mid-run does not count the seqs it never saw).
+`SeqBook` is one name's record in the cursor: `low`, below which every seq was settled, the seqs listed at
+or above it, and those of them whose record the trainer read and found signed by the name's key
+(`verified`: every group it fetched, every skip record it audited). Three uses:
 
-Bounded: a book holds the seqs of versions not swept yet, and books of names bound to no key with nothing
-listed are dropped at the sweep. Pure: no store, no lock (the listing's caller holds it).
+- **holding back** (`complete_below`): a group of a name with seeded records is chosen for a step only
+  when every seq below it is listed, so the groups a worker uploads after one it kept back are never
+  trained on while that seq is missing;
+- **settling** (`WindowListings.sweep`, when a version leaves the window for good): every seq of a name
+  below the highest it holds at that version was uploaded by then if it ever will be (seqs grow with
+  versions). Seqs listed but not read are read then (`unverified`); the ones still missing are looked for
+  in the versions swept since the name's last settlement (a late upload); what remains, and what was
+  listed under the name but not signed by its key (anyone who may write under `rollouts/` can list a key
+  under any name), is counted as **gaps**: `gap` faults of the name's key;
+- **bounded**: a book holds the seqs of versions not swept yet; books of names with nothing listed and
+  bound to no key are dropped at the sweep.
+
+A name's seqs start at 0 (a worker numbers from 0, and the same key under a new name starts again at
+0: a name cannot begin after the groups it kept back); with a cursor older than the books, at the lowest
+seq listed. Pure: no store, no lock (the listing holds the lock and does the I/O).
 """
 
 from __future__ import annotations
@@ -25,40 +36,105 @@ import msgspec
 
 
 class SeqBook(msgspec.Struct):
-    """One worker name's listed seqs (see the module docstring)."""
+    """One worker name's seqs (see the module docstring)."""
 
     low: int | None = None
-    """Every seq below it was listed or counted as a gap (None: nothing settled yet)."""
+    """Every seq below it was settled (None: nothing settled yet)."""
     seen: list[int] = []
     """Seqs listed at or above `low`, sorted, each once."""
+    verified: list[int] = []
+    """Seqs at or above `low` whose record was read and found signed by the name's key, sorted."""
+    seeded: bool = False
+    """A record of this name had seeded draws: its seqs were reserved before generating (held back)."""
+    settled_version: int = 0
+    """The version swept at the last settlement (a late upload is looked for from there)."""
 
 
-def note(books: dict[str, SeqBook], worker: str, seq: int) -> None:
-    """`worker`'s group (or skip record) `seq` was listed."""
+def _insert(xs: list[int], x: int) -> None:
+    i = bisect.bisect_left(xs, x)
+    if i == len(xs) or xs[i] != x:
+        xs.insert(i, x)
+
+
+def _book(books: dict[str, SeqBook], worker: str, start: int | None) -> SeqBook:
     book = books.get(worker)
     if book is None:
-        book = books[worker] = SeqBook()
-    if book.low is not None and seq < book.low:
-        return  # settled already (counted as a gap then: it landed after its version was swept)
-    i = bisect.bisect_left(book.seen, seq)
-    if i == len(book.seen) or book.seen[i] != seq:
-        book.seen.insert(i, seq)
+        book = books[worker] = SeqBook(low=start)
+    return book
 
 
-def settle(books: dict[str, SeqBook], worker: str, high: int) -> int:
-    """Every seq of `worker` below `high` (a seq it holds at a version now swept) exists in the store if it
-    was ever uploaded: count the ones never listed, forget the listed ones up to `high`. Returns the gaps."""
+def note(books: dict[str, SeqBook], worker: str, seq: int, start: int | None = 0) -> None:
+    """`worker`'s group (or skip record) `seq` was listed. `start`: where a new name's seqs begin (0: a
+    worker numbers from 0; None: at the lowest listed, for a cursor older than the books)."""
+    book = _book(books, worker, start)
+    if book.low is None or seq >= book.low:
+        _insert(book.seen, seq)
+
+
+def verify(books: dict[str, SeqBook], worker: str, seq: int, seeded: bool, start: int | None = 0) -> None:
+    """`worker`'s record `seq` was read and is signed by the key `worker` is bound to (`start`: as `note`)."""
+    book = _book(books, worker, start)
+    book.seeded = book.seeded or seeded
+    if book.low is None or seq >= book.low:
+        _insert(book.seen, seq)
+        _insert(book.verified, seq)
+
+
+def complete_below(books: dict[str, SeqBook], worker: str, seq: int) -> bool:
+    """Every seq of `worker` below `seq` is listed or settled (always true for a name without seeded
+    records: an unseeded worker takes a seq only when it uploads)."""
     book = books.get(worker)
-    if book is None:
+    if book is None or not book.seeded:
+        return True
+    low = book.low if book.low is not None else (book.seen[0] if book.seen else seq)
+    if seq <= low:
+        return True
+    i, j = bisect.bisect_left(book.seen, low), bisect.bisect_left(book.seen, seq)
+    return j - i == seq - low
+
+
+def unverified(books: dict[str, SeqBook], worker: str, high: int) -> tuple[list[int], list[int], int]:
+    """What settling `worker` up to `high` must read first: (seqs in [low, high] listed but not verified,
+    the verified ones, low)."""
+    book = books.get(worker)
+    if book is None or not book.seen:
+        return [], [], high + 1
+    low = book.seen[0] if book.low is None else book.low
+    listed = book.seen[: bisect.bisect_right(book.seen, high)]
+    checked = set(book.verified[: bisect.bisect_right(book.verified, high)])
+    return [s for s in listed if s not in checked], sorted(checked), low
+
+
+def missing(books: dict[str, SeqBook], worker: str, low: int, high: int) -> list[int]:
+    """Seqs of `worker` in [low, high] not listed at all."""
+    book = books.get(worker)
+    seen = set(book.seen) if book is not None else set()
+    return [s for s in range(low, high + 1) if s not in seen]
+
+
+def forget(books: dict[str, SeqBook], worker: str, high: int) -> None:
+    """Drop `worker`'s listed seqs up to `high` without settling them (a name whose seqs are not judged:
+    no seeded record, or bound to no key; its book still starts at the lowest seq listed later)."""
+    book = books.get(worker)
+    if book is not None:
+        del book.seen[: bisect.bisect_right(book.seen, high)]
+        del book.verified[: bisect.bisect_right(book.verified, high)]
+
+
+def settle(books: dict[str, SeqBook], worker: str, high: int, version: int) -> int:
+    """Close `worker`'s seqs up to `high` (a seq it holds at `version`, now swept): count every seq in
+    [low, high] not verified, forget them all. Returns the gaps."""
+    book = books.get(worker)
+    if book is None or not book.seen:
         return 0
-    end = bisect.bisect_right(book.seen, high)
-    listed = book.seen[:end]
-    if not listed:
+    low = book.seen[0] if book.low is None else book.low
+    if high < low:
         return 0
-    low = listed[0] if book.low is None else book.low
-    gaps = max(0, high + 1 - low - len(listed))
-    book.low = max(low, high + 1)
-    del book.seen[:end]
+    end = bisect.bisect_right(book.verified, high)
+    gaps = high + 1 - low - len(book.verified[:end])
+    del book.verified[:end]
+    del book.seen[: bisect.bisect_right(book.seen, high)]
+    book.low, book.settled_version = high + 1, version
     return gaps
 
 
