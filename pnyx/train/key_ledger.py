@@ -13,7 +13,7 @@ Bounded under Sybils: a key *has standing* once it is trusted, quarantined, or h
 trained on. Keys without standing (a Sybil's fresh key per group, a new worker's first groups) are kept at
 most `MAX_NEW_KEYS` at a time: past that, the oldest of them are evicted in a batch (`_evict`): their
 counters are added to the aggregate `EVICTED` entry of `Cursor.by_key`, and their evidence, their names'
-bindings and per-name counters are forgotten. So the cursor holds O(keys with standing + MAX_NEW_KEYS)
+bindings, per-name counters and seq books are forgotten. So the cursor holds O(keys with standing + MAX_NEW_KEYS)
 whatever number of keys a Sybil invents (`benchmarks/bench_sybil_keys.py`). What eviction gives up: an
 evicted key starts afresh if it comes back (its few faults forgotten; it never reached `quarantine_min`
 with them unless it was quarantined, and a quarantined key is never evicted), and a name bound to an
@@ -137,6 +137,7 @@ class KeyLedger:
             del cursor.keys[name]
             cursor.scored.pop(name, None)
             cursor.disagreements.pop(name, None)
+            cursor.seqs.pop(name, None)
         self.evicted += len(gone)
         log.info(
             "ingest: %d keys without standing evicted from the books (%d so far)", len(gone), self.evicted

@@ -9,19 +9,20 @@ kept back: what a worker that drops groups by their outcome leaves (docs/securit
 
 `SeqBook` is one name's record in the cursor: `low`, below which every seq was settled, the seqs listed at
 or above it, and those of them whose record the trainer read and found signed by the name's key
-(`verified`: every group it fetched, every skip record it audited). Three uses:
+(`verified`: every group it fetched, every skip record it audited).
 
-- **holding back** (`complete_below`): a group of a name with seeded records is chosen for a step only
-  when every seq below it is listed, so the groups a worker uploads after one it kept back are never
-  trained on while that seq is missing;
-- **settling** (`WindowListings.sweep`, when a version leaves the window for good): every seq of a name
-  below the highest it holds at that version was uploaded by then if it ever will be (seqs grow with
-  versions). Seqs listed but not read are read then (`unverified`); the ones still missing are looked for
-  in the versions swept since the name's last settlement (a late upload); what remains, and what was
-  listed under the name but not signed by its key (anyone who may write under `rollouts/` can list a key
-  under any name), is counted as **gaps**: `gap` faults of the name's key;
-- **bounded**: a book holds the seqs of versions not swept yet; books of names with nothing listed and
-  bound to no key are dropped at the sweep.
+**Settling** (`WindowListings.sweep`, when a version leaves the window for good): every seq of a name
+below the highest it holds at that version was uploaded by then if it ever will be (seqs grow with
+versions). Seqs listed but not read are read then (`unverified`); the ones still missing are looked for in
+the versions swept since the name's last settlement (a late upload: `missing`); what remains, and what was
+listed under the name but not signed by its key (anyone who may write under `rollouts/` can list a key
+under any name), is counted as **gaps**: `gap` faults of the name's key. Only names with seeded records
+bound to a key are judged; the others' seqs are forgotten (`forget`). A book holds the seqs of versions
+not swept yet; books of names with nothing listed and bound to no key are dropped at the sweep (`prune`).
+
+Not built: holding a group back while a seq below it is missing (so a worker's groups after one it kept
+back are never trained on). Tried: a late upload lands in a version the trainer has already swept and
+never lists again, so the groups after it waited for good (a tiny `pnyx run` starved at v80).
 
 A name's seqs start at 0 (a worker numbers from 0, and the same key under a new name starts again at
 0: a name cannot begin after the groups it kept back); with a cursor older than the books, at the lowest
@@ -45,7 +46,7 @@ class SeqBook(msgspec.Struct):
     verified: list[int] = []
     """Seqs at or above `low` whose record was read and found signed by the name's key, sorted."""
     seeded: bool = False
-    """A record of this name had seeded draws: its seqs were reserved before generating (held back)."""
+    """A record of this name had seeded draws: its seqs were reserved before generating (judged)."""
     settled_version: int = 0
     """The version swept at the last settlement (a late upload is looked for from there)."""
 
@@ -78,19 +79,6 @@ def verify(books: dict[str, SeqBook], worker: str, seq: int, seeded: bool, start
     if book.low is None or seq >= book.low:
         _insert(book.seen, seq)
         _insert(book.verified, seq)
-
-
-def complete_below(books: dict[str, SeqBook], worker: str, seq: int) -> bool:
-    """Every seq of `worker` below `seq` is listed or settled (always true for a name without seeded
-    records: an unseeded worker takes a seq only when it uploads)."""
-    book = books.get(worker)
-    if book is None or not book.seeded:
-        return True
-    low = book.low if book.low is not None else (book.seen[0] if book.seen else seq)
-    if seq <= low:
-        return True
-    i, j = bisect.bisect_left(book.seen, low), bisect.bisect_left(book.seen, seq)
-    return j - i == seq - low
 
 
 def unverified(books: dict[str, SeqBook], worker: str, high: int) -> tuple[list[int], list[int], int]:
