@@ -231,6 +231,13 @@ class SecurityConfig(_Section):
     draw_tolerance: Annotated[float, Field(ge=0, lt=0.5)] = 1e-3
     """The largest distance of a token's uniform from its CDF interval that still passes: room for engines'
     rounding at an interval's edge (honest tokens measured at exactly 0 on torch and MLX workers)."""
+    skip_draw_audit: Annotated[float, Field(ge=0, le=1)] = 0.1
+    """Share of skip records (zero-variance groups a worker uploads without offering them for training:
+    docs/security.md, "Seeded draws") whose tokens the trainer checks against their seeded draws, chosen at
+    random where no worker can predict it; a false one quarantines its key at once, so a worker that forges
+    skip records to hide groups it keeps back is caught after 1/share of them on average. Every skip record
+    is re-scored whatever this is. Each check is a forward of the group under its version's weights: 14.6% of
+    step time on the SmolLM2 recipe at 1.0 (1.8% on the tiny model). 0: none."""
     accept_unseeded: bool = False
     """Take groups without seeded draws from untrusted keys (the vLLM engine, whose sampler draws its own
     uniforms; workers older than seeded draws), judged by the statistical checks only: a temperature liar

@@ -54,6 +54,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -144,9 +145,10 @@ class Ingestor:
         self._rendered: dict[str, list[int]] = {}
         self.fetched = 0
         """Records fetched so far by this process."""
-        self.audit_draws = True
-        """Queue every skip record with seeded draws for the exact check of its tokens (`take_draw_audits`;
-        the trainer sets it from `security.seeded_draws`)."""
+        self.skip_draw_audit = 1.0
+        """Share of skip records with seeded draws queued for the exact check of their tokens, chosen at
+        random (`take_draw_audits`; the trainer sets it from `security.skip_draw_audit`)."""
+        self._audit_rng = random.SystemRandom()  # no worker can predict which skip records are checked
         self._draw_audits: deque[ScoredGroup] = deque(maxlen=MAX_DRAW_AUDITS)
         self.listing = WindowListings(
             store, self.shared, selecting=self._selecting, closed=self._closed, sweep_grace_s=sweep_grace_s
@@ -394,8 +396,8 @@ class Ingestor:
         """Fetch and re-score the skip records listed since the last call, in the fetch threads (`wait`:
         until all are done). A skip record whose samples' rewards differ is a `false_skip`: its key is
         quarantined at once (an honest worker's skip is its verifier's own verdict, which the trainer's
-        re-score repeats exactly); one that passes is filed as `skipped` and, with seeded draws and
-        `audit_draws`, queued for the exact check of its tokens (`take_draw_audits`)."""
+        re-score repeats exactly); one that passes is filed as `skipped` and, with seeded draws, queued at the
+        rate `skip_draw_audit` for the exact check of its tokens (`take_draw_audits`)."""
         keys = self.listing.take_skips()
         if not keys:
             return
@@ -440,7 +442,7 @@ class Ingestor:
             self.cursor.rejected[key] = "skipped"  # audited: never trained on, never fetched again
             self._count_skip("audited")
             self.ledger.count_key(scored.signer, "skips")
-            if self.audit_draws and scored.group.draws and scored.signer:
+            if scored.group.draws and scored.signer and self._audit_rng.random() < self.skip_draw_audit:
                 self._draw_audits.append(scored)
 
     def _false_skip(self, key: str, fp: str, why: str) -> None:
