@@ -54,7 +54,6 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import random
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -79,13 +78,12 @@ from pnyx.train.planner import BatchPlanner
 from pnyx.train.pool import DaemonPool
 from pnyx.train.ranking import Plan
 from pnyx.train.rescore import ScoredGroup, check_sampling, decode_record, disagreements, rescore
+from pnyx.train.skip_audit import SkipAudits
 
 log = logging.getLogger("pnyx.train.ingest")
 
 FETCH_WORKERS = 16
 """Parallel GETs (and re-scores) of one trainer."""
-MAX_DRAW_AUDITS = 4096
-"""Skip records waiting for the exact check of their tokens at most (the oldest beyond it go unchecked)."""
 OUTCOMES = 256
 """How many recent admissions the survival rate and the zero-variance share are measured over."""
 
@@ -145,17 +143,16 @@ class Ingestor:
         self._rendered: dict[str, list[int]] = {}
         self.fetched = 0
         """Records fetched so far by this process."""
-        self.skip_draw_audit = 1.0
-        """Share of skip records with seeded draws queued for the exact check of their tokens, chosen at
-        random (`take_draw_audits`; the trainer sets it from `security.skip_draw_audit`)."""
-        self._audit_rng = random.SystemRandom()  # no worker can predict which skip records are checked
-        self._draw_audits: deque[ScoredGroup] = deque(maxlen=MAX_DRAW_AUDITS)
         self.listing = WindowListings(
             store, self.shared, selecting=self._selecting, closed=self._closed, sweep_grace_s=sweep_grace_s
         )
         self.listing.read_signer = self._read_signer
         self.ledger = KeyLedger(self.listing, self.shared, in_flight=self._futures)
         self.listing.gate = self.ledger  # built second: it rejects through the listing
+        self.skips = SkipAudits(
+            self.shared, self.listing, self.ledger, self.load, self._pool_get, self._closed
+        )
+        """The audit of skip records (`skip_audit.py`)."""
         self.planner = BatchPlanner(self.listing, self.ledger, self.shared, outcomes=self._outcomes)
         self.commit = self.planner.commit
         """`BatchPlanner.commit`: record that one step consumed these groups (each once)."""
@@ -390,99 +387,19 @@ class Ingestor:
         futures = [pool.submit(self.load, k) for k in keys]
         return [f.result() for f in futures]
 
-    # --- skip records: audited, never trained on --------------------------------------------------------
+    # --- skip records: `skip_audit.SkipAudits` ----------------------------------------------------------
 
     def audit_skips(self, wait: bool = False) -> None:
-        """Fetch and re-score the skip records listed since the last call, in the fetch threads (`wait`:
-        until all are done). A skip record whose samples' rewards differ is a `false_skip`: its key is
-        quarantined at once (an honest worker's skip is its verifier's own verdict, which the trainer's
-        re-score repeats exactly); one that passes is filed as `skipped` and, with seeded draws, queued at the
-        rate `skip_draw_audit` for the exact check of its tokens (`take_draw_audits`)."""
-        keys = self.listing.take_skips()
-        if not keys:
-            return
-        pool = self._pool_get()
-        futures = [pool.submit(self._audit, k) for k in keys]
-        if wait:
-            wait_futures(futures)
-            for f in futures:
-                if (exc := f.exception()) is not None:
-                    raise exc
-
-    def _audit(self, key: str) -> None:
-        try:
-            scored = self.load(key)
-        except RecordRejected as e:
-            with self.shared.lock:
-                if not self._closed.is_set() and key not in self.cursor.rejected:
-                    self.listing.reject(key, e.reason, str(e))
-                    self.ledger.count_key(getattr(e, "signer", ""), e.reason)
-            return
-        except NotFoundError:
-            return
-        except StoreUnavailableError as e:  # audited at the next call
-            log.warning("ingest: skip record %s not fetched, will retry: %s", key, e)
-            with self.shared.lock:
-                parsed = layout.parse_rollout_key(key)
-                if parsed is not None and parsed[0] in self.listing.versions:
-                    self.listing.versions[parsed[0]].skips.append(key)
-            return
-        with self.shared.lock:
-            if (
-                self._closed.is_set()
-                or key in self.cursor.rejected
-                or scored.version < self.cursor.swept_below
-            ):
-                return
-            if not is_zero_variance(scored.rewards):
-                self._false_skip(
-                    key, scored.signer, f"its re-scored rewards differ ({sorted(set(scored.rewards))})"
-                )
-                return
-            self.cursor.rejected[key] = "skipped"  # audited: never trained on, never fetched again
-            self._count_skip("audited")
-            self.ledger.count_key(scored.signer, "skips")
-            if scored.group.draws and scored.signer and self._audit_rng.random() < self.skip_draw_audit:
-                self._draw_audits.append(scored)
-
-    def _false_skip(self, key: str, fp: str, why: str) -> None:
-        """File skip record `key` as `false_skip` and quarantine its key `fp` (caller holds the lock)."""
-        if self.cursor.rejected.get(key) == "false_skip":
-            return
-        self.cursor.rejected[key] = "false_skip"
-        self.listing.drop("false_skip")
-        self._count_skip("false")
-        self.ledger.count_key(fp, "false_skip")
-        if fp and fp not in self.settings.trusted_keys and self.settings.quarantine is not None:
-            self.ledger.quarantine(fp, f"false skip record {key}: {why}")
-        log.warning("ingest: false skip record %s: %s", key, why)
+        """`SkipAudits.audit_skips`: re-score the skip records listed since the last call."""
+        self.skips.audit_skips(wait)
 
     def take_draw_audits(self) -> list[ScoredGroup]:
-        """The skip records whose tokens await the exact check of their seeded draws (oldest first), of
-        versions not swept."""
-        with self.shared.lock:
-            out = [g for g in self._draw_audits if g.version >= self.cursor.swept_below]
-            self._draw_audits.clear()
-            return out
+        """`SkipAudits.take_draw_audits`."""
+        return self.skips.take_draw_audits()
 
     def draws_audited(self, groups: list[ScoredGroup], worst: list[float], tolerance: float) -> int:
-        """Record the exact check of `groups` (skip records): `worst[i]` is group i's largest distance of a
-        model token from its draw (inf: its version's weights could not be verified, not blamed). A group
-        over `tolerance` is a `false_skip`. Returns how many were."""
-        bad = 0
-        with self.shared.lock:
-            for g, w in zip(groups, worst, strict=True):
-                if w == float("inf"):
-                    self._count_skip("unverifiable")
-                elif not w <= tolerance:
-                    bad += 1
-                    self._false_skip(g.key, g.signer, f"a token is {w:.3g} from its seeded draw")
-                else:
-                    self._count_skip("draws_checked")
-        return bad
-
-    def _count_skip(self, outcome: str) -> None:
-        self.cursor.skips[outcome] = self.cursor.skips.get(outcome, 0) + 1
+        """`SkipAudits.draws_audited`."""
+        return self.skips.draws_audited(groups, worst, tolerance)
 
     # --- selection ------------------------------------------------------------------------------------
 

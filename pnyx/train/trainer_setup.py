@@ -258,7 +258,7 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
     )
     if sec.seeded_draws:
         ingestor.check_draws = unseeded_policy(sec.accept_unseeded, ingestor.settings.trusted_keys)
-    ingestor.skip_draw_audit = sec.skip_draw_audit if sec.seeded_draws else 0.0
+    ingestor.skips.skip_draw_audit = sec.skip_draw_audit if sec.seeded_draws else 0.0
     ingestor.decode = hooks.decoder(ingestor.decode)
     return TrainerParts(
         cfg=cfg,
