@@ -8,6 +8,7 @@ a server started elsewhere instead.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import socket
@@ -44,6 +45,44 @@ if not os.environ.get("PNYX_KEYS_DIR"):
     )
 if not os.environ.get("PNYX_TRAINER_KEY"):
     os.environ["PNYX_TRAINER_KEY"] = os.path.join(os.environ["PNYX_KEYS_DIR"], "trainer.key")
+
+
+# A test process that dies (a segfault, an abort) is reported by pytest-xdist only as "worker crashed":
+# each xdist worker writes faulthandler's traceback of every thread to a file of its own here, and the
+# controller prints what those files hold at the end of the run (the part of a CI log that is shown).
+_OWN_CRASH_DIR = (
+    None if os.environ.get("PNYX_TEST_CRASH_DIR") else tempfile.mkdtemp(prefix="pnyx-test-crash-")
+)
+if _OWN_CRASH_DIR is not None:
+    os.environ["PNYX_TEST_CRASH_DIR"] = _OWN_CRASH_DIR
+
+
+_CRASH_LOG = pytest.StashKey()
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own faulthandler plugin, which writes to stderr
+def pytest_configure(config):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        log = open(os.path.join(os.environ["PNYX_TEST_CRASH_DIR"], f"{worker}-{os.getpid()}.log"), "w")  # noqa: SIM115
+        config.stash[_CRASH_LOG] = log
+        faulthandler.enable(file=log, all_threads=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    folder = Path(os.environ["PNYX_TEST_CRASH_DIR"])
+    for log in sorted(folder.glob("*.log")):
+        text = log.read_text(errors="replace").strip()
+        if text:
+            terminalreporter.section(f"a test process died: faulthandler's traceback ({log.stem})", red=True)
+            terminalreporter.write_line(text[:8000])
+
+
+def pytest_unconfigure(config):
+    if _OWN_CRASH_DIR is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(_OWN_CRASH_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,16 +1,9 @@
-"""What the trainer knows about the rollout keys of one version, from listings alone (no object is read).
+"""The trainer's listings of the rollout versions in its window, and the sweep of those that left it.
 
-A `VersionListing` holds every key listed under `rollouts/v{V:08d}/` so far: the keys still waiting to be
-trained on (per worker, oldest first), the highest upload stamp seen (the incremental listing resumes just
-below it), and when the prefix was last listed. `list_keys` is the only I/O: one LIST request per 1,000
-keys, starting after `high_ms - STAMP_SLACK_MS` for an incremental listing, or at the start of the prefix
-for a full one.
-
-Why a slack: a key is stamped by its uploader before its upload lands, so a key can appear in a listing
-after keys with higher stamps; re-listing the last few seconds catches it (the `seen` set deduplicates).
-A key that lands later than that (a slow upload, a clock that runs behind) is found by the periodic full
-listing (`RESCAN_S`) or, at the latest, by the sweep when its version leaves the window. A clock that runs
-ahead cannot push the incremental bound past now (`now_ms` caps it), so it never hides other workers' keys.
+Each version's listed keys are a `VersionListing` (`pnyx.train.version_listing`, with the two LIST calls).
+A key stamped before an upload that lands late is found by the incremental listing's slack, by the periodic
+full listing (`RESCAN_S`) or, at the latest, by the sweep when its version leaves the window, which also
+settles the worker names' seqs there (`pnyx.train.settlement`: the `gap` faults).
 
 `WindowListings` is the `Ingestor`'s listing collaborator: the listings of the versions in the window, merged
 as they come (`list_version`, `list_span`, `refresh`), and the sweep of versions that left it, which counts
@@ -24,27 +17,22 @@ lock it is given (the ingestor's); the I/O runs without it.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pnyx.errors import StoreError
 from pnyx.protocol import layout
 from pnyx.store import Store
-from pnyx.train import seq_books
+from pnyx.train import seq_books, settlement
 from pnyx.train.ingest_state import Cursor, IngestSettings
 from pnyx.train.rescore import ScoredGroup
+from pnyx.train.settlement import ReadSigner
+from pnyx.train.version_listing import VersionListing, list_keys, list_range
 
 log = logging.getLogger("pnyx.train.ingest")
 
-STAMP_SLACK_MS = 2_000
-"""An incremental listing re-reads keys stamped this long before the highest stamp seen (uploads in flight)."""
-PAGE = 1000
-"""Keys per LIST request on S3-compatible stores."""
 RESCAN_S = 60.0
 """Each version in the window is listed from the start of its prefix this often (late keys, old layout)."""
 SWEEP_GRACE_S = 30.0
@@ -53,112 +41,6 @@ SWEEP_MAX_LAG = 16
 """...or once it is this many versions below the window, whichever comes first."""
 SWEEP_BATCH = 8
 """On a store that lists in key order, versions are swept this many at a time (one paged listing)."""
-
-
-@dataclass
-class SettlePlan:
-    """What settling one worker name at a swept version needs read first (`WindowListings._settle_plan`)."""
-
-    fp: str
-    """The key the name is bound to: only records it signed account for a seq."""
-    low: int
-    """The name's lowest seq not settled."""
-    listed: dict[int, list[str]]
-    """Seqs listed but not read yet -> every key listed for that seq (one signed by `fp` is enough)."""
-    verified: set[int]
-    """The name's seqs at the version already read and found signed by `fp`."""
-    since: int
-    """The version of the name's last settlement (a missing seq is looked for from there: a late upload)."""
-
-
-@dataclass
-class VersionListing:
-    """The listed keys of one version's rollout prefix."""
-
-    version: int
-    seen: set[str] = field(default_factory=set)
-    """Every key listed under this prefix (rollout keys and junk), so a re-listing adds nothing twice."""
-    pending: dict[str, list[str]] = field(default_factory=dict)
-    """Worker id -> keys that may still be trained on (not rejected, not used up), sorted (oldest first)."""
-    ids: dict[tuple[str, int], str] = field(default_factory=dict)
-    """(worker, seq) -> the key that holds that group: a second key for the same group is a duplicate."""
-    counts: dict[str, int] = field(default_factory=dict)
-    """Worker id -> distinct groups listed under it at this version (used, rejected or waiting)."""
-    by_key: dict[str, int] = field(default_factory=dict)
-    """Key fingerprint -> distinct groups listed at this version under the names bound to it (the flood
-    limit, `IngestSettings.flood_limit`)."""
-    skips: list[str] = field(default_factory=list)
-    """Skip records (`layout.is_skip_key`) listed and not yet handed to the audit (`take_skips`)."""
-    high_ms: int = -1
-    """The highest upload stamp listed so far (-1: none)."""
-    listed_at: float | None = None
-    """Monotonic time of the last listing (None: never listed)."""
-    full_at: float | None = None
-    """Monotonic time of the last listing from the start of the prefix."""
-
-    @property
-    def waiting(self) -> int:
-        return sum(len(keys) for keys in self.pending.values())
-
-    def add_pending(self, key: str, worker: str) -> None:
-        keys = self.pending.setdefault(worker, [])
-        if not keys or key > keys[-1]:
-            keys.append(key)  # the common case: listings come in key order
-        else:
-            bisect.insort(keys, key)
-
-    def remove_pending(self, key: str) -> bool:
-        parsed = layout.parse_rollout_key(key)
-        if parsed is None:
-            return False
-        keys = self.pending.get(parsed[1])
-        if not keys:
-            return False
-        i = bisect.bisect_left(keys, key)
-        if i < len(keys) and keys[i] == key:
-            del keys[i]
-            if not keys:
-                del self.pending[parsed[1]]
-            return True
-        return False
-
-    def start_after(self, now_ms: int, full: bool) -> str | None:
-        """The `start_after` bound of the next listing (None: from the start of the prefix)."""
-        if full or self.listed_at is None or self.high_ms < 0:
-            return None
-        return layout.rollouts_start_after(self.version, min(self.high_ms, now_ms) - STAMP_SLACK_MS)
-
-
-def list_keys(store: Store, version: int, start_after: str | None) -> list[str]:
-    """Keys under `rollouts/v{version:08d}/` after `start_after`, sorted (the only I/O of this module)."""
-    return [m.key for m in store.list(layout.rollouts_dir(version), start_after=start_after)]
-
-
-def list_range(store: Store, first: int, end: int, start_after: str | None = None) -> dict[int, list[str]]:
-    """The keys of versions [first, end) after `start_after` (default: all), by version, from one paged
-    listing of `rollouts/` (for stores that list in key order and start after a key server-side: one
-    request per 1,000 keys)."""
-    out: dict[int, list[str]] = {v: [] for v in range(first, end)}
-    stop = layout.rollouts_dir(end)
-    after = start_after or layout.rollouts_dir(first)  # the bare prefix sorts before every key under it
-    while True:
-        page = store.list(layout.ROLLOUTS_PREFIX, start_after=after, limit=PAGE)
-        for m in page:
-            if m.key >= stop:
-                return out
-            parsed = layout.parse_rollout_key(m.key)
-            version = parsed[0] if parsed is not None else _version_of_dir(m.key)
-            if version is not None and first <= version < end:
-                out[version].append(m.key)
-        if len(page) < PAGE:
-            return out
-        after = page[-1].key
-
-
-def _version_of_dir(key: str) -> int | None:
-    """The version of a junk key under `rollouts/v{V:08d}/` (so the sweep counts it), else None."""
-    head = key[len(layout.ROLLOUTS_PREFIX) :].split("/", 1)[0]
-    return int(head[1:]) if len(head) == 9 and head[0] == "v" and head[1:].isdigit() else None
 
 
 class KeyGate(Protocol):
@@ -224,7 +106,7 @@ class WindowListings:
         self.gate: KeyGate = OpenGate()
         """The key ledger, which answers the two questions about names; the `Ingestor` connects it once
         built (the ledger needs this listing, so it is built second)."""
-        self.read_signer: Callable[[str, str, int], tuple[str, bool] | None] = lambda key, worker, seq: None
+        self.read_signer: ReadSigner = lambda key, worker, seq: None
         """(fingerprint, seeded) of the record under `key` if it is a valid signed record of (worker, seq),
         else None: how the sweep settles seqs it listed but never read (`seq_books`); the `Ingestor`
         connects its own (the listing reads no record itself)."""
@@ -420,81 +302,13 @@ class WindowListings:
             with self.shared.lock:
                 if self._closed.is_set() or v < self.shared.cursor.swept_below:
                     continue
-                plan = self._settle_plan(v, listings.get(v, []))
-            read = self._read_seqs(v, plan)  # store I/O, outside the lock
+                plan = settlement.plan(self.shared.cursor, self.versions.get(v), v, listings.get(v, []))
+            read = settlement.read_seqs(  # store I/O, outside the lock
+                self.store, self.shared.cursor, self.shared.lock, self.read_signer, v, plan
+            )
             with self.shared.lock:
                 if not self._closed.is_set() and v >= self.shared.cursor.swept_below:
                     self._account(v, listings.get(v, []), read)
-
-    def _settle_plan(self, version: int, keys: list[str]) -> dict[str, SettlePlan]:
-        """Per name with seeded records bound to a key and listed at `version`: what settling it needs read
-        first (`seq_books.unverified`; caller holds the lock)."""
-        lst = self.versions.get(version) or VersionListing(version)
-        by_ident: dict[tuple[str, int], list[str]] = {}
-        for key in set(keys) | lst.seen:
-            parsed = layout.parse_rollout_key(key)
-            if parsed is not None and parsed[0] == version:
-                by_ident.setdefault((parsed[1], parsed[2]), []).append(key)
-                seq_books.note(self.shared.cursor.seqs, parsed[1], parsed[2], self.shared.cursor.seq_start)
-        books, bound = self.shared.cursor.seqs, self.shared.cursor.keys
-        high: dict[str, int] = {}
-        for worker, seq in by_ident:
-            high[worker] = max(seq, high.get(worker, -1))
-        plans = {}
-        for worker, top in high.items():
-            book = books.get(worker)
-            if book is None or not book.seeded or worker not in bound:
-                continue
-            listed, verified, low = seq_books.unverified(books, worker, top)
-            plans[worker] = SettlePlan(
-                bound[worker], low, {s: sorted(by_ident.get((worker, s), [])) for s in listed},
-                {s for s in verified if (worker, s) in by_ident}, book.settled_version,
-            )  # fmt: skip
-        return plans
-
-    def _read_seqs(self, version: int, plans: dict[str, SettlePlan]) -> dict[str, set[int]]:
-        """Per name, the seqs of `plans` found signed by its key: the listed ones read, the missing ones
-        looked for in the versions swept since its last settlement (a late upload). No lock held."""
-        found = {w: self._read_listed(w, p) for w, p in plans.items()}
-        want: set[tuple[str, int]] = set()
-        with self.shared.lock:
-            for worker, plan in plans.items():
-                signed = plan.verified | found[worker]  # the name's genuine seqs at this version
-                if signed:
-                    lost = seq_books.missing(self.shared.cursor.seqs, worker, plan.low, max(signed))
-                    want.update((worker, s) for s in lost)
-        if want:  # a late upload lands in a version swept already: one paged listing since the oldest
-            since = min(plans[w].since for w, _ in want)
-            late: dict[str, SettlePlan] = {}
-            try:
-                for v, keys in list_range(self.store, since, version + 1).items():
-                    for key in keys:
-                        parsed = layout.parse_rollout_key(key)
-                        if parsed is not None and parsed[0] == v and (parsed[1], parsed[2]) in want:
-                            plan = late.setdefault(
-                                parsed[1], SettlePlan(plans[parsed[1]].fp, 0, {}, set(), 0)
-                            )
-                            plan.listed.setdefault(parsed[2], []).append(key)
-            except StoreError as e:
-                log.warning("ingest: the sweep of v%d could not look for late uploads (%s)", version, e)
-            for worker, plan in late.items():
-                found[worker] |= self._read_listed(worker, plan)
-        return found
-
-    def _read_listed(self, worker: str, plan: SettlePlan) -> set[int]:
-        """The seqs of `plan.listed` with at least one key holding a record of them signed by `plan.fp`."""
-        out = set()
-        for seq, keys in plan.listed.items():
-            for key in keys:
-                try:
-                    got = self.read_signer(key, worker, seq)
-                except StoreError as e:  # unknown: not counted against the key
-                    log.warning("ingest: could not read %s at the sweep (%s)", key, e)
-                    got = (plan.fp, False)
-                if got is not None and got[0] == plan.fp:
-                    out.add(seq)
-                    break
-        return out
 
     def _account(self, version: int, keys: list[str], read: dict[str, set[int]] | None = None) -> None:
         lst = self.versions.pop(version, None) or VersionListing(version)
@@ -508,40 +322,13 @@ class WindowListings:
                     cursor.skips["unaudited"] = cursor.skips.get("unaudited", 0) + 1
                 else:
                     self.drop("stale")
-        self._settle(version, lst, read or {})
+        settlement.settle(self.shared.cursor, version, lst, read or {}, self.gate.count_gaps)
         prefix = layout.rollouts_dir(version)
         for d in (self.shared.cursor.uses, self.shared.cursor.rejected, self.shared.ready):
             for k in [k for k in d if k.startswith(prefix)]:
                 del d[k]
         self._left_at.pop(version, None)
         self.shared.cursor.swept_below = version + 1
-
-    def _settle(self, version: int, lst: VersionListing, read: dict[str, set[int]]) -> None:
-        """Settle the seqs of every name listed at `version` (`seq_books.settle`): a name with seeded records
-        bound to a key up to the highest seq at `version` signed by that key, counting the gaps against it;
-        any other name up to its highest seq there, counting nothing (caller holds the lock)."""
-        books = self.shared.cursor.seqs
-        high: dict[str, int] = {}
-        for worker, seq in lst.ids:
-            high[worker] = max(seq, high.get(worker, -1))
-        for worker, top in high.items():
-            book = books.get(worker)
-            if worker not in read or book is None:
-                seq_books.forget(books, worker, top)  # not judged: no seeded record, or no key bound
-                continue
-            for seq in read[worker]:
-                seq_books.verify(books, worker, seq, True, self.shared.cursor.seq_start)
-            here = {seq for w, seq in lst.ids if w == worker}
-            junk = here.difference(book.verified)  # listed under the name, not signed by its key
-            book.seen = [seq for seq in book.seen if seq not in junk]
-            signed = here - junk
-            if not signed:
-                continue
-            gaps = seq_books.settle(books, worker, max(signed), version)
-            if gaps:
-                self.shared.cursor.gaps += gaps
-                self.gate.count_gaps(worker, gaps)
-        seq_books.prune(books, self.shared.cursor.keys)
 
     # --- rejections: the cursor's record of keys never to be trained on -----------------------------
 

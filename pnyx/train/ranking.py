@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pnyx.train.listing import VersionListing
 from pnyx.train.rescore import ScoredGroup
+from pnyx.train.version_listing import VersionListing
 
 
 @dataclass
