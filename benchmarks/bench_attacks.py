@@ -25,6 +25,9 @@ cursor: rejected with a reason, trained on, stale, or still waiting at the end.
   honest draws into a chosen group, `cherry_whole` uploads only the whole groups that favour short answers,
   `sybil_cherry` is the within-group picker with a fresh key per group; the harm is the held-out answers'
   length after `--poison-steps`, beside the same arm undefended (`cherry_*_undefended`) and `none`;
+  `cherry_whole_skip` announces the groups it keeps back as skip records (honest tokens), `cherry_whole_forged`
+  forges them to zero variance, `sybil_whole` is the whole-group picker with a fresh key per group (detection
+  counts groups; the skip records' verdicts are `hostile_skips`);
 - the flooder uploads `--flood` groups per step (over the run's flood limit), the `eager` control 8 x
   `--hostile` (under it: not an attack, it shows the fair share); the Sybil is a copier, a reward liar and
   a poisoner in turn with a fresh key per group, the Sybil temperature liar apart (the statistical attack
@@ -57,7 +60,7 @@ sys.path.insert(0, str(REPO))
 ARMS = [
     "none", "copier", "temperature_liar", "reward_liar", "replayer", "flooder", "eager", "id_thief",
     "weight_forger", "fork_squatter", "sybil", "sybil_temperature_liar", "poisoner",
-    "cherry_within", "sybil_cherry", "cherry_whole",
+    "cherry_within", "sybil_cherry", "cherry_whole", "cherry_whole_skip", "cherry_whole_forged", "sybil_whole",
 ]  # fmt: skip
 HARM_ARMS = ("poisoner", "cherry_within", "cherry_whole")
 """Arms run for `--poison-steps` beside an undefended twin (`<arm>_undefended`: the checks off), so the
@@ -158,6 +161,9 @@ def attacker(name: str, arena: Any) -> Any:
         "cherry_whole": lambda: A.CherryPicker("picker-w", source=name, form="whole"),
         "cherry_whole_undefended": lambda: A.CherryPicker("picker-w", source=name, form="whole"),
         "sybil_cherry": lambda: A.Sybil("sybil-p", source=name, inner="cherry_picker"),
+        "cherry_whole_skip": lambda: A.CherryPicker("picker-s", source=name, form="whole_skip"),
+        "cherry_whole_forged": lambda: A.CherryPicker("picker-f", source=name, form="whole_forged"),
+        "sybil_whole": lambda: A.Sybil("sybil-w", source=name, inner="cherry_whole"),
     }[name]()
 
 
@@ -192,8 +198,9 @@ def hostile_round(name: str, atk: Any, arena: Any, step: int, n: int, log: dict[
 
 
 def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    from pnyx.protocol import layout
     from pnyx_harness.arena import BENIGN, TRAINED, Arena
-    from pnyx_harness.attacks import HonestWorker
+    from pnyx_harness.producer import HonestWorker
 
     overrides: dict[str, Any] = {"trainer": {"groups_per_step": 8}}
     if name.endswith("_undefended"):
@@ -232,7 +239,8 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
             after = evaluation(arena, args.eval_tasks)
             ing = arena.trainer.parts.ingestor
             assert ing is not None
-            hostile = [u for u in arena.uploads if u.source == name]
+            # its groups; its skip records (announced zero-variance draws, forged or not) are tallied apart
+            hostile = [u for u in arena.uploads if u.source == name and not layout.is_skip_key(u.key)]
             honest_ups = [u for u in arena.uploads if u.source == "honest"]
             res: dict[str, Any] = {
                 "arm": name,
@@ -244,7 +252,8 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 "honest_fp": sum(
                     1 for u in honest_ups if arena.verdict(u.key) not in (*BENIGN, TRAINED, "waiting")
                 ),
-                "hostile": arena.tally(name) if hostile else {},
+                "hostile": arena.tally(name, skips=False) if hostile else {},
+                "hostile_skips": skip_tally(arena, name),
                 "hostile_groups": [
                     {
                         "index": u.index,
@@ -264,6 +273,12 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
             arena.close()
     (out / f"{name}.json").write_text(json.dumps(res, indent=1))
     return res
+
+
+def skip_tally(arena: Any, source: str) -> dict[str, int]:
+    """Verdict counts of `source`'s skip records alone (its uploads' verdicts less its groups')."""
+    groups = arena.tally(source, skips=False)
+    return {v: n - groups.get(v, 0) for v, n in arena.tally(source).items() if n > groups.get(v, 0)}
 
 
 def detection(res: dict[str, Any]) -> tuple[int, float | None, str]:
@@ -351,7 +366,7 @@ def table(results: list[dict[str, Any]]) -> str:
 def doubling(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """1 hostile worker (`args.doubling`) beside 2 honest ones, until held-out pass@1 doubles."""
     from pnyx_harness.arena import Arena
-    from pnyx_harness.attacks import HonestWorker
+    from pnyx_harness.producer import HonestWorker
 
     name = args.doubling
     t0 = time.perf_counter()

@@ -5,7 +5,7 @@ A Sybil signs every group with a fresh key under a fresh worker name. Each such 
 downloads binds the name to the key, and its drop is booked against the key and the name, in the ingestion
 cursor that every checkpoint persists. This replays, for N fresh keys, exactly the bookkeeping calls
 `Ingestor._admit` and `Ingestor.load` make for one rejected seeded group (the name's binding, the samples
-scored, the drop reason against the key, the rejection of its object key), through the real `Ingestor`,
+scored, the drop reason against the key, the rejection of its object key, its name's seq book), through the real `Ingestor`,
 `KeyLedger` and `WindowListings` (`--per-version` groups per policy version; a rejected object key is
 forgotten once its version leaves the staleness window, as the trainer's sweep does), and measures the Python heap they hold (tracemalloc) and the cursor's
 JSON size, at several N in one process (keys without standing are evicted past `KeyLedger.max_new_keys`,
@@ -43,6 +43,7 @@ def main() -> None:
     from pnyx.envs import get_env
     from pnyx.protocol import layout
     from pnyx.store import open_store
+    from pnyx.train import seq_books
     from pnyx.train.ingest import Ingestor
 
     print(
@@ -66,7 +67,9 @@ def main() -> None:
             for old in [v for v in window if v < version - args.window]:  # what the sweep forgets
                 for k in window.pop(old):
                     ing.cursor.rejected.pop(k, None)
-            with ing.shared.lock:  # what one rejected group of a fresh key books (`_admit`, `load`)
+            with ing.shared.lock:  # what one rejected group of a fresh key books (`_merge`, `_admit`, `load`)
+                seq_books.note(ing.cursor.seqs, name, 0, ing.cursor.seq_start)  # listed: its name's seq book
+                seq_books.verify(ing.cursor.seqs, name, 0, True, ing.cursor.seq_start)  # read: signed, seeded
                 ing.cursor.keys[name] = fp
                 ing.ledger.bind(name, fp)
                 ing.cursor.scored[name] = ing.cursor.scored.get(name, 0) + args.group_size

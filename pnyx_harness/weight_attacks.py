@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pnyx.protocol import layout
 from pnyx.security.signing import Signer
 from pnyx_harness.arena import Arena
-from pnyx_harness.attacks import new_signer
+from pnyx_harness.producer import new_signer
 
 
 @dataclass

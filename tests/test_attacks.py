@@ -19,6 +19,7 @@ from pnyx.security.checks import FAULTS
 from pnyx_harness import attacks as A
 from pnyx_harness import weight_attacks as W
 from pnyx_harness.arena import BENIGN, TRAINED, Arena
+from pnyx_harness.producer import HonestWorker, Producer
 
 WHOLE_GROUP_PICKER = (
     "a Sybil whole-group picker uploads only honest draws, each under a fresh key it abandons after a group it "
@@ -26,7 +27,7 @@ WHOLE_GROUP_PICKER = (
     "only standing for new keys can bind it)"
 )
 
-HONEST = [A.HonestWorker("honest-1"), A.HonestWorker("honest-2")]
+HONEST = [HonestWorker("honest-1"), HonestWorker("honest-2")]
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +138,7 @@ def test_reward_liar_is_quarantined(arena):
     assert late and all(arena.verdict(u.key) not in (TRAINED, "waiting", *BENIGN) for u in late)
 
 
-def _hostile_step(arena: Arena, producer: A.Producer, n: int = 2) -> None:
+def _hostile_step(arena: Arena, producer: Producer, n: int = 2) -> None:
     """Upload `n` of `producer`'s groups beside an honest round and step until none of them waits: the
     draws and the statistical checks judge a group in the step that would train on it."""
     arena.upload(producer.uploads(arena, n))
@@ -292,7 +293,7 @@ def test_sybil_whole_group_cherry_picker_is_detected(arena):
     assert_all_rejected(arena, "sybil_whole")
 
 
-def _picker_report(arena: Arena, picker: A.Producer) -> dict:
+def _picker_report(arena: Arena, picker: Producer) -> dict:
     return arena.trainer.parts.ingestor.key_report()[picker.signer.fingerprint]
 
 

@@ -51,7 +51,7 @@ def run(tmp_path_factory) -> Iterator[dict[str, Any]]:
     page must show of it."""
     from pnyx.train.checkpoint import write_metrics
     from pnyx_harness.arena import Arena
-    from pnyx_harness.attacks import HonestWorker
+    from pnyx_harness.producer import HonestWorker
 
     arena = Arena(tmp_path_factory.mktemp("web"), {"trainer": {"groups_per_step": 4}})
     try:
