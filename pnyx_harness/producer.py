@@ -120,6 +120,11 @@ class Producer:
         spare += out[n:]
         return out[:n]
 
+    def discard_spares(self) -> None:
+        """Forget the mixed groups drawn beyond what `sampled` returned, so the next groups are drawn now, at
+        the arena's current version (spares drawn long ago are of versions the trainer may have swept)."""
+        self._spare.clear()
+
     def skip_uploads(self) -> list[Upload]:
         """The skip records of the seeded zero-variance groups drawn so far, each under the key and name it
         was drawn with (every seq accounted for)."""

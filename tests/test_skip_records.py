@@ -57,7 +57,8 @@ def test_seq_books_count_the_seqs_not_verified_below_the_highest_settled():
         seq_books.verify(books, "w", seq, seeded=True)
     seq_books.note(books, "w", 4)  # listed, never read: not accounted for until it is
     assert seq_books.unverified(books, "w", 6) == ([4], [0, 1, 3, 6], 0)
-    assert seq_books.missing(books, "w", 0, 6) == [2, 5]
+    assert seq_books.unseen(books, "w", 0, 6) == 2  # 2 and 5
+    assert seq_books.unseen(books, "w", 0, 10**12) == 10**12 + 1 - 6  # counted, not enumerated
     assert seq_books.settle(books, "w", 6, version=3) == 3  # 2, 4 and 5
     assert books["w"].low == 7 and books["w"].seen == [9] and books["w"].settled_version == 3
     seq_books.note(books, "w", 5)  # landed after its version was swept: counted already
@@ -186,3 +187,21 @@ def test_skip_records_do_not_count_against_the_flood_limit(store):
     ing = signed_ingestor(store, flood_limit=2)
     ing.poll(0)
     assert ing.cursor.quarantined == {} and ing.cursor.by_key[signer.fingerprint]["skips"] == 5
+
+
+def test_a_seq_far_above_a_names_others_is_settled_in_bounded_time_and_memory(store):
+    """One signed, seeded record at the highest seq a key can name (10^10 - 1) under a worker's own name (what the attack suite's id thief's
+    skip records did: its seqs start at 10^9): the settlement counts the seqs below it that were never
+    listed instead of walking them (it once built a list of every one of them, and the xdist worker running
+    the attack suite was killed by the kernel's OOM killer at 23.8 GB), and the key is quarantined."""
+    signer = _signer()
+    put_signed(store, _seeded(make_group(0, "far", 0)), signer)
+    top = 9_999_999_999  # `layout.rollout_key`'s largest seq
+    far = put_signed(store, _seeded(make_group(0, "far", top, task_index=1)), signer)
+    ing = signed_ingestor(store, max_staleness=0)
+    ing.poll(0)
+    assert ing.cursor.uses.get(far, 0) == 0 and far not in ing.cursor.rejected  # a valid group, listed
+    ing.sweep(1)
+    assert ing.cursor.gaps == top - 1
+    assert ing.cursor.by_key[signer.fingerprint]["gap"] == top - 1
+    assert signer.fingerprint in ing.cursor.quarantined

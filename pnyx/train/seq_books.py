@@ -93,11 +93,13 @@ def unverified(books: dict[str, SeqBook], worker: str, high: int) -> tuple[list[
     return [s for s in listed if s not in checked], sorted(checked), low
 
 
-def missing(books: dict[str, SeqBook], worker: str, low: int, high: int) -> list[int]:
-    """Seqs of `worker` in [low, high] not listed at all."""
+def unseen(books: dict[str, SeqBook], worker: str, low: int, high: int) -> int:
+    """How many seqs of `worker` in [low, high] were not listed at all: counted from the listed ones, never
+    enumerated (a name may hold a seq far above its others: one signed record at seq 10^12 must not make
+    the trainer walk 10^12 numbers)."""
     book = books.get(worker)
-    seen = set(book.seen) if book is not None else set()
-    return [s for s in range(low, high + 1) if s not in seen]
+    seen = book.seen if book is not None else []
+    return max(0, high + 1 - low - (bisect.bisect_right(seen, high) - bisect.bisect_left(seen, low)))
 
 
 def forget(books: dict[str, SeqBook], worker: str, high: int) -> None:

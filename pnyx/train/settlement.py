@@ -15,6 +15,7 @@ the worker did upload makes no gap. A store error while reading leaves a seq unk
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections.abc import Callable
@@ -89,22 +90,28 @@ def read_seqs(
     for in the versions swept since its last settlement (a late upload). Takes `lock` only to read the
     books; the I/O runs without it."""
     found = {w: read_listed(read_signer, w, p) for w, p in plans.items()}
-    want: set[tuple[str, int]] = set()
+    want: dict[str, tuple[int, int, list[int]]] = {}  # name -> [low, high] holding unlisted seqs, listed ones
     with lock:
         for worker, p in plans.items():
             signed = p.verified | found[worker]  # the name's genuine seqs at this version
-            if signed:
-                want.update((worker, s) for s in seq_books.missing(cursor.seqs, worker, p.low, max(signed)))
+            if signed and seq_books.unseen(cursor.seqs, worker, p.low, max(signed)):
+                book = cursor.seqs.get(worker)
+                want[worker] = (p.low, max(signed), list(book.seen) if book is not None else [])
     if want:  # a late upload lands in a version swept already: one paged listing since the oldest
-        since = min(plans[w].since for w, _ in want)
+        since = min(plans[w].since for w in want)
         late: dict[str, SettlePlan] = {}
         try:
             for v, keys in list_range(store, since, version + 1).items():
                 for key in keys:
                     parsed = layout.parse_rollout_key(key)
-                    if parsed is not None and parsed[0] == v and (parsed[1], parsed[2]) in want:
-                        p = late.setdefault(parsed[1], SettlePlan(plans[parsed[1]].fp, 0, {}, set(), 0))
-                        p.listed.setdefault(parsed[2], []).append(key)
+                    if parsed is None or parsed[0] != v or parsed[1] not in want:
+                        continue
+                    worker, seq = parsed[1], parsed[2]
+                    low, high, seen = want[worker]
+                    i = bisect.bisect_left(seen, seq)
+                    if low <= seq <= high and (i == len(seen) or seen[i] != seq):  # a seq never listed
+                        p = late.setdefault(worker, SettlePlan(plans[worker].fp, 0, {}, set(), 0))
+                        p.listed.setdefault(seq, []).append(key)
         except StoreError as e:
             log.warning("ingest: the sweep of v%d could not look for late uploads (%s)", version, e)
         for worker, p in late.items():
