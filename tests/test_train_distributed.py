@@ -11,6 +11,13 @@ most 1% of values differ at all, and losses agree to 1e-4 relative. (The absolut
 zero: Adam divides by sqrt(v), so a weight with a ~0 gradient can land a few ulps apart; measured 2026-12-01
 with the re-adapted tiny model: 2 values of ~400K, |x| ~ 1e-8..4e-7, 6e-10..4e-9 apart. A real difference,
 such as a different batch, moves weights by ~lr = 1e-4..1e-3.)
+
+A few values may go further, by Adam's maths: where a weight's gradient cancels to rounding noise at every step,
+its sign depends on the summation order, and Adam normalises it into a full step of ~lr either way. Those values
+are held to the bound Adam itself gives, 2·v·1.01·lr after v steps (with betas (0.9, 0.99) a bias-corrected step
+is at most 1.003·lr over the first 3 steps, by Cauchy-Schwarz on the two moments), and there may be at most
+1 in 10,000 of them: a different batch moves nearly every value. CI saw one in model.layers.3.self_attn.k_proj.bias
+on 2026-12-04, beyond one ulp of a value near 0.1.
 """
 
 from __future__ import annotations
@@ -48,15 +55,22 @@ def one_process(url: str, cfg, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=ds.child_env(), cwd=ds.REPO, capture_output=True, text=True, timeout=600)
 
 
-def assert_within_tolerance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+def assert_within_tolerance(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], adam_bound: float
+) -> None:
     assert set(a) == set(b)
-    differ = total = 0
+    differ = beyond_ulp = total = 0
     for k in a:
         x, y = a[k].float(), b[k].float()
+        gap = (x - y).abs()
         ulp = torch.maximum(x.abs(), y.abs()) * 2.0**-7 + 1e-6  # one bf16 ulp, or 1e-6 near zero
-        assert bool(((x - y).abs() <= ulp).all()), k
+        assert float(gap.max()) <= adam_bound, (
+            f"{k}: {float(gap.max()):.3g} apart, beyond Adam's {adam_bound:.3g}"
+        )
+        beyond_ulp += int((gap > ulp).sum())
         differ += int((x != y).sum())
         total += x.numel()
+    assert beyond_ulp <= 1e-4 * total, f"{beyond_ulp} of {total} values differ by more than one bf16 ulp"
     assert differ <= 0.01 * total, f"{differ} of {total} values differ"
 
 
@@ -108,7 +122,8 @@ def test_torchrun_trains_with_a_worker_and_one_process_replays_it_within_toleran
         assert stats.loss == pytest.approx(metrics[v - 1]["loss"], rel=1e-4, abs=1e-6)
         assert stats.tokens == metrics[v - 1]["tokens"]
         _, published = Syncer(store).sync(to_version=v)
-        assert_within_tolerance(one.parts.publishing.tensors(), published)
+        lr = one.cfg.trainer.lr
+        assert_within_tolerance(one.parts.publishing.tensors(), published, adam_bound=2 * v * 1.01 * lr)
 
 
 @pytest.fixture(scope="module")
@@ -157,4 +172,5 @@ def test_a_sigkilled_rank_resumes_without_losing_or_duplicating_a_group(
         assert read_manifest(store, 3).weights.state_digest == ref_digest
     else:
         _, final = Syncer(store).sync(to_version=3)
-        assert_within_tolerance(final, ref_final)
+        lr = overrides(model_dir)["trainer"]["lr"]
+        assert_within_tolerance(final, ref_final, adam_bound=2 * 3 * 1.01 * lr)
