@@ -306,6 +306,9 @@ class AlgorithmConfig(_Section):
     """Keep a group iff trainer version - rollout version <= this."""
     max_reuse: Annotated[int, Field(ge=1, le=100)] = 1
     """Each group is used at most this many times (replay)."""
+    last_chance_share: Prob = 0.25
+    """Share of a batch offered first to fresh groups in their last step of the staleness window (the rest
+    newest first); 0 = newest first only, under which a group left behind once goes stale unused."""
     max_groups_per_prompt: Annotated[int, Field(ge=1, le=1000)] = 2
     """Each prompt (task id) contributes at most this many groups per step."""
 

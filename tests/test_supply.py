@@ -173,6 +173,8 @@ def test_supply_report_counts_generated_uploaded_and_consumed_groups(tmp_path):
     keys = [layout.rollout_key(0, "w1", i) for i in range(10)]
     for k in keys:
         store.put(k, b"group", mode="create")
+    for i in range(10, 13):  # three of the five zero-variance groups announced as skip records (seeded)
+        store.put(layout.rollout_key(0, "w1", i, skip=True), b"skip", mode="create")
     hb = Heartbeat(worker_id="w1", updated_at=time.time(), groups=10, groups_skipped_zero_variance=5)
     store.put(layout.worker_heartbeat("w1"), encode_json(hb))
     write_batch_record(store, 1, keys[:4], "t")
@@ -180,7 +182,9 @@ def test_supply_report_counts_generated_uploaded_and_consumed_groups(tmp_path):
     write_metrics(store, 1, {"version": 1, "groups": 4, "drops": {}})
     write_metrics(store, 2, {"version": 2, "groups": 4, "drops": {"stale": 1}})
     r = supply_report(store)
+    # a skip record is a zero-variance group the heartbeat counts already: counted once
     assert (r["generated"], r["uploaded"], r["skipped_zero_variance"], r["consumed"]) == (15, 10, 5, 8)
+    assert r["skip_records"] == 3
     assert r["consumed_of_uploaded"] == 0.8 and r["consumed_of_generated"] == pytest.approx(8 / 15, abs=1e-4)
     assert r["dropped"] == {"stale": 1}
     json.dumps(r)  # goes into summary.json as is

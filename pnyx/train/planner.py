@@ -97,6 +97,7 @@ class BatchPlanner:
                 self.listing.low(version),
                 s.max_reuse,
                 exclude,
+                rescue=self._rescue(version, n),
             ):
                 if isinstance(item, int):
                     return Plan(chosen, unknown, more, item)
@@ -121,6 +122,14 @@ class BatchPlanner:
                         break
                     take(item, self.shared.ready.get(item), fill=True)
         return Plan(chosen, unknown, more, None)
+
+    def _rescue(self, version: int, n: int) -> int:
+        """Places of a batch of `n` offered first to the groups in their last step of the window (none while
+        the window still reaches back to version 0, or when counting what waits)."""
+        s = self.shared.settings
+        if n >= 1 << 30 or version - s.max_staleness < 0:
+            return 0
+        return math.ceil(s.last_chance_share * n)
 
     def _share(self, version: int, n: int) -> int | None:
         """Places of a batch of `n` one key may take while others can fill the rest (None: no cap)."""

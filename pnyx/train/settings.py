@@ -36,6 +36,7 @@ def ingest_settings(cfg: PnyxConfig) -> IngestSettings:
     return IngestSettings(
         max_staleness=a.max_staleness,
         max_reuse=a.max_reuse,
+        last_chance_share=a.last_chance_share,
         max_groups_per_prompt=a.max_groups_per_prompt,
         advantage=a.advantage,
         temperature=w.temperature,

@@ -118,14 +118,18 @@ class DemandPublisher:
 def supply_report(store: Store) -> dict[str, Any]:
     """How much of what the workers generated the trainer consumed, from the store alone.
 
-    `generated` = uploaded (rollout keys listed) + skipped as zero-variance (worker heartbeats: each worker's
-    latest life only). `consumed` = keys in the trainer's batch records. `dropped` = the trainer's drop
-    counters (newest metrics). Fractions are None when nothing was uploaded.
+    `generated` = uploaded (rollout groups listed, skip records not) + skipped as zero-variance (worker
+    heartbeats: each worker's latest life only) + expired in the spool. A seeded worker's zero-variance group
+    is also uploaded as a skip record (`skip_records`): it is counted once, as skipped. `consumed` = keys in
+    the trainer's batch records. `dropped` = the trainer's drop counters (newest metrics). Fractions are None
+    when nothing was uploaded.
     """
     from pnyx.protocol import Heartbeat, decode_json
     from pnyx.train.checkpoint import read_batch_record, read_metrics
 
-    uploaded = len([m for m in store.list(layout.ROLLOUTS_PREFIX) if layout.parse_rollout_key(m.key)])
+    listed = [m.key for m in store.list(layout.ROLLOUTS_PREFIX) if layout.parse_rollout_key(m.key)]
+    skip_records = sum(map(layout.is_skip_key, listed))
+    uploaded = len(listed) - skip_records
     skipped = expired = 0
     gen_s = screen_s = 0.0
     for meta in store.list(layout.WORKERS_PREFIX):
@@ -148,6 +152,7 @@ def supply_report(store: Store) -> dict[str, Any]:
         "generated": generated,
         "uploaded": uploaded,
         "skipped_zero_variance": skipped,
+        "skip_records": skip_records,
         "expired": expired,
         "consumed": consumed,
         "dropped": drops,
