@@ -74,7 +74,8 @@ def ranked(
 def _turns(lst: VersionListing, uses: dict[str, int], level: int, exclude: frozenset[str]) -> Iterator[str]:
     """One version's keys used `level` times so far, workers taking turns, each worker's oldest first."""
     streams = [
-        (k for k in keys if uses.get(k, 0) + (k in exclude) == level) for _, keys in sorted(lst.pending.items())
+        (k for k in keys if uses.get(k, 0) + (k in exclude) == level)
+        for _, keys in sorted(lst.pending.items())
     ]
     while streams:
         heads, alive = [], []
