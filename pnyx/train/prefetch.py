@@ -44,6 +44,10 @@ IDLE_S = 5.0
 """With nothing asked of it, the thread still wakes this often (sweeps are due on a timer)."""
 POKE_MAX_S = 1.0
 """A trainer short of groups asks for a listing at most this often, once its backoff has grown."""
+POKE_BASE_S = 0.05
+"""...and at first this often: the groups it lacks are usually landing (at the default supply lead a
+worker makes the next batch while the trainer steps), and a 0.2 s first pause was on the critical path of
+a third of the steps of `bench_async.py --arm equal` (1 LIST per pause: ~10 in the first second, then 1/s)."""
 
 
 class Prefetcher:
@@ -124,12 +128,12 @@ class Prefetcher:
     ) -> list[ScoredGroup] | None:
         """The top `need` groups of the ranking for the step at `version` (`Ingestor.select`); short of
         them, ask for a listing and wait for it or for a listing that brings news; asks at most once per
-        0.2 s, backing off to `POKE_MAX_S` (a listing that just finished is never re-asked for at once:
+        `POKE_BASE_S` (0.05 s), backing off to `POKE_MAX_S` (a listing that just finished is never re-asked for at once:
         with no groups arriving the trainer would otherwise list the store back to back). None once `stop()` turns true or
         after `deadline_s` without a full batch; `on_short(have)` is told each time it has to wait. A store
         that stays unavailable is retried until the deadline; errors of the thread re-raise here."""
         deadline = time.monotonic() + deadline_s
-        pokes = Backoff.polling(cap_s=POKE_MAX_S)
+        pokes = Backoff.polling(cap_s=POKE_MAX_S, base_s=POKE_BASE_S)
         next_poke = 0.0
         while not stop():
             self.check()
@@ -147,7 +151,7 @@ class Prefetcher:
             now = time.monotonic()
             if now > deadline:
                 return None
-            if now >= next_poke:  # ask for a listing at most once per pause (0.2 s, backing off to 1 s)
+            if now >= next_poke:  # ask for a listing at most once per pause (0.05 s, backing off to 1 s)
                 if self._thread is None:  # no background thread (a caller stepping by hand): list here
                     self.ingestor.refresh(version)
                 self.poke()
