@@ -39,16 +39,16 @@ def throttle(clock: Clock | None = None, lead: float = 1.25) -> Throttle:
 # --- the worker's throttle ---------------------------------------------------------------------------
 
 
-def test_before_any_demand_a_worker_makes_lead_batches_then_waits():
+def test_before_any_demand_a_worker_makes_the_first_batch_and_the_lead_then_waits():
     t = throttle()
-    assert t.allowance() == 10  # 1.25 x 8
-    t.note_made(10)
+    assert t.allowance() == 18  # (1 + 1.25) x 8: the trainer's first batch, then 1.25 batches waiting
+    t.note_made(18)
     assert t.allowance() == 0
 
 
 def test_each_new_version_adds_this_workers_share_of_one_step():
     t = throttle()
-    t.note_made(10)
+    t.note_made(18)
     t.observe(demand(1, waiting=10, workers=2))  # the queue is on target: feed-forward only
     assert t.allowance() == 4  # half of a step of 8
     t.note_made(4)

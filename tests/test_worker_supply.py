@@ -90,17 +90,17 @@ def test_worker_waits_for_the_trainers_demand_then_makes_one_more_step(tmp_path,
     worker.join()
     made = lambda: worker.link.spool.stats.uploaded + len(worker.link.spool)  # noqa: E731
     try:
-        for _ in range(8):
+        for _ in range(12):
             worker.step()
-        assert made() == 10  # before any demand: the lead, 1.25 steps of 8
+        assert made() == 18  # before any demand: the trainer's first step of 8, then the lead, 1.25 steps
         worker.step()
-        assert made() == 10 and worker.progress.status == "waiting" and "supply" in worker.progress.detail
+        assert made() == 18 and worker.progress.status == "waiting" and "supply" in worker.progress.detail
         _write_demand(run.store, version=1, waiting=10)  # the trainer stepped; its queue is on target
         wait_for(lambda: worker.supply.throttle.version == 1, 30, "the courier to read the demand")
         for _ in range(8):
             worker.step()
-        assert made() == 18  # exactly one more step of 8
-        wait_for(lambda: len(rollout_groups(run.store)) == 18, 60, "the uploads")
+        assert made() == 26  # exactly one more step of 8
+        wait_for(lambda: len(rollout_groups(run.store)) == 26, 60, "the uploads")
     finally:
         worker.close()
 

@@ -22,7 +22,10 @@ Liveness: the trainer rewrites its demand only when it publishes, so a trainer w
 for more. When the target is reached and no new demand came for two steps, the worker is granted one more
 cohort; the wait doubles at each grant (up to a minute) and resets with the next demand. A starving trainer
 is therefore always fed; a dead one costs at most a cohort per minute per worker. Before the first demand
-(the trainer has not stepped yet, or is too old to write one) the target is `lead × B`, then the same grants.
+(the trainer has not stepped yet, or is too old to write one) the target is `(1 + lead) × B`: the batch of
+the trainer's first step and the lead that should wait at its first publish (with `lead × B` the queue was
+empty at that publish and the proportional term took ~5 versions to build it, each a wait for a whole
+batch's generation: 5.6 s of the fleet's 24.7 s in `bench_async.py --arm equal`); then the same grants.
 
 `Throttle` knows nothing about the store, models or threads: its owner feeds it demands, counts and a
 clock. `Supply` is a throttle behind a lock, shared by a worker's two threads: the courier feeds it the
@@ -74,8 +77,9 @@ class Throttle:
         self._clock = clock
         self.made = 0
         """Groups made (spooled for upload) since this worker started."""
-        self.target = lead * groups_per_step
-        """Groups this worker should have made by now."""
+        self.target = (1 + lead) * groups_per_step
+        """Groups this worker should have made by now: before the first demand, the trainer's first batch plus
+        the lead that should wait at its first publish."""
         self.quota: float | None = None
         """This worker's groups per trainer step (None before the first demand)."""
         self.version: int | None = None
