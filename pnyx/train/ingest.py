@@ -3,7 +3,8 @@
 The trainer at version V may train on groups of versions [V - max_staleness, V] (the window). It lists each
 version's prefix incrementally (`listing.py`, the `Ingestor`'s listing collaborator: keys are stamped, so a
 listing starts just below the highest stamp seen), ranks the listed keys **from the listing alone** (fresh
-before replayed, newest version first, then workers take turns, each worker's oldest group first), and fetches
+before replayed; a share of the batch to groups in their last step of the window; newest version first, then
+workers take turns, each worker's oldest group first: `ranking.py`), and fetches
 only the top of that ranking, in parallel (`fetch`): decode, validate (limits, key vs record, run, weights
 digest, env, task, prompt), **re-score every sample with the trainer's own verifier**, compute advantages, and
 drop zero-variance groups. The per-prompt cap (`max_groups_per_prompt` per step) needs the task id, which is
