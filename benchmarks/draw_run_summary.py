@@ -1,7 +1,9 @@
 """The check of seeded draws over a finished run, from the trainer's per-step metrics (`draws`): rows
 measured, rows flagged by the step's forward (per staleness), rows failed, the check's seconds (the exact
-re-checks, and the distances computed inside the step's own forward) against the steps' own seconds, and
-the groups the steps rejected by reason.
+re-checks, the distances computed inside the step's own forward, and the exact check of skip records' draws,
+`skip_audit`) against the steps' own seconds, the drift probe's seconds beside them (`probe_s`: the
+statistical checks' calibration, not a draw check), the groups the steps rejected by reason and the last
+step's drops.
 
     python benchmarks/draw_run_summary.py runs/<name>
 """
@@ -35,6 +37,8 @@ def main() -> None:
         total["exact_s"] += d["exact_s"]
         total["forward_s"] += d.get("forward_s", 0.0)  # recorded since the exact re-check shares prompts
         total["step_s"] += m["step_s"]
+        total["skip_s"] += (m.get("skip_audit") or {}).get("s", 0.0)
+        total["probe_s"] += m.get("probe_s", 0.0)
         for s, row in d["by_staleness"].items():
             acc = by_staleness.setdefault(s, [0, 0, 0])
             for i, x in enumerate(row):
@@ -43,11 +47,14 @@ def main() -> None:
     for m in metrics:
         rejected.update(m["rejected"])
     step, exact, fwd = total["step_s"], total["exact_s"], total["forward_s"]
+    skip, probe = total["skip_s"], total["probe_s"]
     print(
         f"{len(checked)} of {len(metrics)} steps checked draws: rows {total['rows']}, flagged {total['flagged']}, "
         f"failed {total['failed']}, groups dropped {total['dropped']}; of {step:.2f} s of step time, exact "
         f"re-checks {exact:.2f} s ({100 * exact / step:.1f}%) + distances in the step's forward {fwd:.2f} s "
-        f"({100 * fwd / step:.1f}%) = {100 * (exact + fwd) / step:.1f}%"
+        f"({100 * fwd / step:.1f}%) + skip records' draws {skip:.2f} s ({100 * skip / step:.1f}%) = "
+        f"{100 * (exact + fwd + skip) / step:.1f}%; beside them the drift probe {probe:.2f} s "
+        f"({100 * probe / step:.1f}%)"
     )
     print(
         "by staleness [rows, flagged, failed]:", dict(sorted(by_staleness.items(), key=lambda kv: int(kv[0])))
@@ -55,7 +62,7 @@ def main() -> None:
     print(
         f"largest distance under the step's forward {max(m['draws']['max_step'] for m in checked):.3g}, "
         f"of a flagged row kept {max(m['draws']['max_exact_kept'] for m in checked):.3g}; "
-        f"rejected by reason {dict(rejected)}"
+        f"rejected by reason {dict(rejected)}; drops at the end {metrics[-1].get('drops', {})}"
     )
 
 

@@ -139,7 +139,7 @@ def test_rejected_groups_are_not_fetched_again(store):
 def test_prompt_that_does_not_render_from_the_task_is_rejected(store):
     put(store, make_group(0, "w", 0))
     ing = make_ingestor(store)
-    ing.render = lambda prompt: [9, 9, 9]
+    ing.admission.render = lambda prompt: [9, 9, 9]
     ing.poll(0)
     assert ing.cursor.drops == {"prompt_mismatch": 1}
 
@@ -147,7 +147,7 @@ def test_prompt_that_does_not_render_from_the_task_is_rejected(store):
 def test_group_from_a_foreign_weights_history_is_rejected(store):
     put(store, make_group(0, "w", 0))  # carries weights_digest "d"
     ing = make_ingestor(store)
-    ing.expected_digest = lambda v: frozenset({"the-real-digest", "the-int8-plane-digest"})
+    ing.admission.expected_digest = lambda v: frozenset({"the-real-digest", "the-int8-plane-digest"})
     ing.poll(0)
     assert ing.cursor.drops == {"weights_mismatch": 1}
 

@@ -55,7 +55,7 @@ def test_a_failure_in_the_prefetch_thread_is_raised_in_the_main_loop(store):
     def broken(data, vocab_size):
         raise RuntimeError("decoder bug")
 
-    ing.decode = broken
+    ing.admission.decode = broken
     pre = Prefetcher(ing, need=1, list_interval_s=0.0)
     pre.start()
     try:

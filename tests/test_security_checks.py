@@ -593,7 +593,9 @@ def test_a_key_over_the_flood_limit_is_quarantined_and_its_groups_never_download
     assert "flooding: 15 groups at version 0" in ing.cursor.quarantined[LIAR.fingerprint]
     assert HONEST.fingerprint not in ing.cursor.quarantined
     assert all(ing.cursor.rejected.get(k) == "quarantined" for k in flood if k not in ing.cursor.uses)
-    assert sum(k in flood for k in store.gets) <= 3 + ing.fetch_workers  # a name is bound by one GET
+    assert (
+        sum(k in flood for k in store.gets) <= 3 + ing.admission.fetch_workers
+    )  # a name is bound by one GET
     chosen = ing.select(0, 8) or []
     assert {g.signer for g in chosen} == {HONEST.fingerprint} and len(chosen) == 4
     # a later upload of the flooder under a name it already used is counted from the listing

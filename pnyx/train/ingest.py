@@ -32,14 +32,16 @@ trainer's), a group that claims other settings (`sampling_mismatch`) or a model 
 (`over_budget`) is dropped before it is scored. Counters per key (`Cursor.by_key`) follow keys, not names
 (`key_ledger.py`).
 
-Layout: the `Ingestor` owns three collaborators, one module each, none a subclass of another, each given what
+Layout: the `Ingestor` owns four collaborators, one module each, none a subclass of another, each given what
 it uses (the cursor, the settings, the one lock, the fetched groups) when it is built: `self.listing`
 (`listing.py`, `WindowListings`: the window's listings, pending keys per version, the sweep, rejections),
 `self.ledger` (`key_ledger.py`, `KeyLedger`: counters per key, names bound to keys, the flood limit,
 quarantine, `key_report`; it rejects through the listing, and is the listing's `KeyGate`, connected once both
 exist) and `self.planner` (`planner.py`, `BatchPlanner`: the ranking walk under the caps, `plan`, `commit`; it
-reads the listing and books through the ledger); `ingest_state.py` holds `IngestSettings` and the `Cursor`.
-This module adds admission (fetch, verify, re-score: `fetch`, `load`), `select`, `poll` (exhaustive, for
+reads the listing and books through the ledger), and `self.admission` (`admission.py`, `Admission`: fetch,
+verify, re-score and file one key, `fetch`, `load`; the trainer sets its hooks, `decode`, `run_id`,
+`check_draws`); `ingest_state.py` holds `IngestSettings` and the `Cursor` (`skip_audit.py` audits skip records).
+This module adds `select`, `poll` (exhaustive, for
 tools and tests; the trainer counts what waits with `waiting`, from what it already holds) and what the trainer
 reports, and keeps the collaborators' methods the rest of the trainer calls on it.
 
@@ -59,26 +61,19 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from pnyx.envs.base import Environment, Prompt
-from pnyx.errors import NotFoundError, RecordRejected, StoreUnavailableError
-from pnyx.protocol import layout
-from pnyx.protocol.codec import frame_signer
 from pnyx.protocol.records import RolloutGroup
-from pnyx.protocol.rules import is_zero_variance
 from pnyx.security.calibration import Allowances, ProbeRow
-from pnyx.security.keys import fingerprint
 from pnyx.store import Store
-from pnyx.train import seq_books
+from pnyx.train.admission import Admission
 from pnyx.train.ingest_state import Cursor, IngestSettings
-from pnyx.train.key_ledger import KeyLedger, id_theft
+from pnyx.train.key_ledger import KeyLedger
 from pnyx.train.listing import SWEEP_GRACE_S, Shared, WindowListings
 from pnyx.train.planner import BatchPlanner
-from pnyx.train.pool import DaemonPool
 from pnyx.train.ranking import Plan
-from pnyx.train.rescore import ScoredGroup, check_sampling, decode_record, disagreements, rescore
+from pnyx.train.rescore import ScoredGroup, decode_record
 from pnyx.train.skip_audit import SkipAudits
 
 log = logging.getLogger("pnyx.train.ingest")
@@ -118,43 +113,33 @@ class Ingestor:
         check_draws: Callable[[ScoredGroup], str | None] | None = None,
     ) -> None:
         self.store = store
-        self.env = env
-        self.detokenize = detokenize
-        self.run_id = run_id
-        self.vocab_size = vocab_size
-        self.render = render
-        self.expected_digest = expected_digest
-        self.decode = decode
-        self.fetch_workers = fetch_workers
-        self.require_signatures = require_signatures
-        self.check_draws = check_draws
-        """Whether a group may enter without seeded draws (`pnyx.train.drawcheck.unseeded_policy`): None, or
-        a drop reason. Run on each admitted group that would otherwise be ready, outside the lock. The
-        tokens themselves are checked by the step's forward (`pnyx.train.step`)."""
         self.shared = Shared(
             cursor if cursor is not None else Cursor(seqs_from_zero=True), settings or IngestSettings()
         )
         """The one lock, the cursor, the settings and the fetched groups, shared with the collaborators."""
         self._selecting = threading.RLock()  # held by `select`: listings merge before or after it
         # After close(), results of abandoned calls no longer touch the state.
-        self._closed = threading.Event()
-        self._futures: dict[str, Future] = {}  # key -> its fetch in flight
-        self._outcomes: deque[str] = deque(maxlen=OUTCOMES)  # "ok", "zv_hard/easy/flat", or a reason
-        self._pool: DaemonPool | None = None
-        self._rendered: dict[str, list[int]] = {}
-        self.fetched = 0
-        """Records fetched so far by this process."""
+        closed = threading.Event()
+        futures: dict[str, Future] = {}  # key -> its fetch in flight
+        outcomes: deque[str] = deque(maxlen=OUTCOMES)  # "ok", "zv_hard/easy/flat", or a reason
         self.listing = WindowListings(
-            store, self.shared, selecting=self._selecting, closed=self._closed, sweep_grace_s=sweep_grace_s
+            store, self.shared, selecting=self._selecting, closed=closed, sweep_grace_s=sweep_grace_s
         )
-        self.listing.read_signer = self._read_signer
-        self.ledger = KeyLedger(self.listing, self.shared, in_flight=self._futures)
+        self.ledger = KeyLedger(self.listing, self.shared, in_flight=futures)
         self.listing.gate = self.ledger  # built second: it rejects through the listing
+        self.admission = Admission(
+            store, env, detokenize, self.shared, self.listing, self.ledger,
+            futures=futures, outcomes=outcomes, closed=closed, fetch_workers=fetch_workers,
+            require_signatures=require_signatures, run_id=run_id, vocab_size=vocab_size, render=render,
+            expected_digest=expected_digest, decode=decode, check_draws=check_draws,
+        )  # fmt: skip
+        """Fetching, verifying and re-scoring records (`admission.py`); the trainer sets its hooks."""
+        self.listing.read_signer = self.admission.read_signer
         self.skips = SkipAudits(
-            self.shared, self.listing, self.ledger, self.load, self._pool_get, self._closed
+            self.shared, self.listing, self.ledger, self.admission.load, self.admission.pool, closed
         )
         """The audit of skip records (`skip_audit.py`)."""
-        self.planner = BatchPlanner(self.listing, self.ledger, self.shared, outcomes=self._outcomes)
+        self.planner = BatchPlanner(self.listing, self.ledger, self.shared, outcomes=outcomes)
         self.commit = self.planner.commit
         """`BatchPlanner.commit`: record that one step consumed these groups (each once)."""
 
@@ -165,7 +150,7 @@ class Ingestor:
 
     @property
     def cursor(self) -> Cursor:
-        """The ingestion state persisted with every checkpoint (shared by the three collaborators)."""
+        """The ingestion state persisted with every checkpoint (shared by the collaborators)."""
         return self.shared.cursor
 
     @cursor.setter
@@ -174,84 +159,7 @@ class Ingestor:
         with self.shared.lock:
             self.shared.cursor = cursor
 
-    # --- admission: fetch, decode, validate, re-score -------------------------------------------------
-
-    def _admit(self, key: str) -> None:
-        """Fetch and score one listed key; file it as ready or rejected (runs in a pool thread)."""
-        try:
-            scored = self.load(key)
-        except RecordRejected as e:
-            with self.shared.lock:
-                if (
-                    not self._closed.is_set()
-                    and key not in self.cursor.rejected
-                    and key not in self.cursor.uses
-                ):
-                    self.listing.reject(key, e.reason, str(e))
-                    self.ledger.count_key(getattr(e, "signer", ""), e.reason)
-                    self._outcomes.append(e.reason)
-            return
-        except NotFoundError:  # listed, then deleted by someone else: nothing to train on or count
-            with self.shared.lock:
-                parsed = layout.parse_rollout_key(key)
-                if parsed is not None and parsed[0] in self.listing.versions:
-                    self.listing.versions[parsed[0]].remove_pending(key)
-            return
-        finally:
-            with self.shared.lock:
-                self.fetched += 1
-        drop = self._dropped(scored)
-        with self.shared.lock:
-            if (
-                self._closed.is_set()
-                or key in self.cursor.rejected
-                or self.cursor.uses.get(key, 0) >= self.settings.max_reuse
-            ):
-                return
-            lst = self.listing.versions.get(scored.version)
-            if lst is None or scored.version < self.cursor.swept_below:
-                return  # its version was swept meanwhile
-            if scored.signer in self.cursor.quarantined:  # quarantined while it was being fetched
-                self.listing.reject(key, "quarantined")
-                self.ledger.count_key(scored.signer, "quarantined")
-                return
-            if drop is not None:
-                counter, reason, outcome = drop
-                self.ledger.count_scored(scored)  # its samples, disagreements (a `reward_lie` fault)...
-                self.ledger.count_key(scored.signer, counter)  # ...and its outcome (checks.JUDGED)
-                self.listing.reject(key, reason)
-                self._outcomes.append(outcome)
-                return
-            self._outcomes.append("ok")
-            self.shared.ready[key] = scored
-
-    def _dropped(self, scored: ScoredGroup) -> tuple[str, str, str] | None:
-        """(the key's counter, the rejection reason, the outcome) of a group dropped before any step, in this
-        order: a reward lie (`security.reject_reward_lies`), zero variance, then a missing seeded draw
-        (`check_draws`); None: ready."""
-        if self.settings.reject_reward_lies and disagreements(scored):
-            return "lie_dropped", "reward_lie", "reward_lie"
-        if is_zero_variance(scored.rewards):
-            r = scored.rewards[0]
-            return (
-                "zero_variance",
-                "zero_variance",
-                "zv_hard" if r <= 0 else "zv_easy" if r >= 1 else "zv_flat",
-            )
-        if self.check_draws is not None and (reason := self.check_draws(scored)) is not None:
-            return reason, reason, reason
-        return None
-
-    def cursor_json(self) -> bytes:
-        """The cursor as JSON, taken under the lock (background fetches keep filing results meanwhile)."""
-        with self.shared.lock:
-            return self.cursor.to_json()
-
-    def _pool_get(self) -> DaemonPool:
-        with self.shared.lock:
-            if self._pool is None:
-                self._pool = DaemonPool(self.fetch_workers, "pnyx-ingest")
-            return self._pool
+    # --- admission: `admission.Admission` --------------------------------------------------------------
 
     def fetch(
         self,
@@ -259,134 +167,25 @@ class Ingestor:
         wait_for: Iterable[str] | None = None,
         stop: Callable[[], bool] | None = None,
     ) -> int:
-        """Admit `keys` in parallel; wait for `wait_for` (default: all of them) unless `stop()` turns true.
-
-        Returns how many of the awaited keys could not be fetched because the store was unavailable (they
-        stay waiting). Any other failure of a fetch is a bug and re-raises here.
-        """
-        keys = list(dict.fromkeys(keys))
-        pool = self._pool_get()
-        futures: dict[str, Future] = {}
-        with self.shared.lock:
-            for key in keys:
-                if key in self.shared.ready or key in self.cursor.rejected:
-                    continue
-                fut = self._futures.get(key)
-                if fut is None:
-                    fut = self._futures[key] = pool.submit(self._admit, key)
-                    fut.add_done_callback(lambda _f, k=key: self._forget_future(k))
-                futures[key] = fut
-        awaited = [futures[k] for k in (keys if wait_for is None else wait_for) if k in futures]
-        pending = set(awaited)
-        while pending:
-            if stop is not None and stop():
-                return 0
-            _, pending = wait_futures(pending, timeout=0.1)
-        failed = 0
-        for fut in awaited:
-            if fut.cancelled():
-                continue
-            exc = fut.exception()
-            if isinstance(exc, StoreUnavailableError):
-                failed += 1
-                log.warning("ingest: fetch failed, will retry: %s", exc)
-            elif exc is not None:
-                raise exc
-        return failed
-
-    def _forget_future(self, key: str) -> None:
-        with self.shared.lock:
-            self._futures.pop(key, None)
-
-    def close(self) -> None:
-        """Stop the fetch threads (queued fetches are cancelled; one in flight is abandoned and its result
-        ignored, so the cursor no longer changes behind a final checkpoint)."""
-        with self.shared.lock:
-            self._closed.set()
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown()
+        """`Admission.fetch`: admit `keys` in parallel; how many awaited keys the store could not give."""
+        return self.admission.fetch(keys, wait_for, stop)
 
     def load(self, key: str) -> ScoredGroup:
-        """Fetch, validate and re-score one group (no filters, no counters). Raises RecordRejected(reason).
-
-        Used by admission and, on resume, to rebuild exactly the batch a recorded step consumed.
-        """
-        parsed = layout.parse_rollout_key(key)
-        if parsed is None:
-            raise RecordRejected("bad_key", key)
-        data = self.store.get(key)
-        signer = self._signer_of(parsed[1], data) if self.require_signatures else ""
-        try:
-            group = self.decode(data, self.vocab_size)
-            check_sampling(group, self.settings)
-            scored = rescore(
-                key,
-                group,
-                env=self.env,
-                detokenize=self.detokenize,
-                settings=self.settings,
-                run_id=self.run_id,
-                expected_digest=self.expected_digest,
-                render=self.render,
-                rendered=self._rendered,
-            )
-        except RecordRejected as e:
-            e.signer = signer  # the drop counts against the key that signed the record
-            raise
-        scored.signer = signer
-        if signer:
-            with self.shared.lock:  # a valid group binds its name to its key, unless another key was first
-                bound = self.cursor.keys.get(parsed[1])
-                if bound is None:
-                    bound = self.cursor.keys[parsed[1]] = signer
-                    self.ledger.bind(parsed[1], signer)
-                if bound == signer:  # its seq is accounted for (`seq_books`)
-                    seq_books.verify(
-                        self.cursor.seqs, parsed[1], parsed[2], bool(group.draws), self.cursor.seq_start
-                    )
-            if bound != signer:
-                raise id_theft(parsed[1], bound, signer)
-        return scored
-
-    def _read_signer(self, key: str, worker: str, seq: int) -> tuple[str, bool] | None:
-        """(fingerprint, seeded) of the record under `key` if it is a validly signed record of (`worker`,
-        `seq`), else None (the listing's sweep settles seqs with it; a missing object is None)."""
-        try:
-            data = self.store.get(key)
-        except NotFoundError:
-            return None
-        try:
-            fp = fingerprint(frame_signer(data))
-            group = self.decode(data, self.vocab_size)
-        except RecordRejected:
-            return None
-        if group.worker_id != worker or group.seq != seq:
-            return None
-        return fp, bool(group.draws)
-
-    def _signer_of(self, worker: str, data: bytes) -> str:
-        """The fingerprint of the key that signed `data`, checked before anything is decoded: the frame's
-        signature, then the name's binding. Raises RecordRejected("unsigned" | "bad_signature" | "id_theft")."""
-        fp = fingerprint(frame_signer(data))
-        with self.shared.lock:
-            bound = self.cursor.keys.get(worker)
-            if fp in self.cursor.quarantined and (bound is None or bound == fp):
-                if bound is None:  # its later groups under this name: never fetched
-                    self.cursor.keys[worker] = fp
-                    self.ledger.purge_name(worker)
-                e = RecordRejected("quarantined", f"key {fp} is quarantined: {self.cursor.quarantined[fp]}")
-                e.signer = fp
-                raise e
-        if bound is not None and bound != fp:
-            raise id_theft(worker, bound, fp)
-        return fp
+        """`Admission.load`: fetch, validate and re-score one group (no filters, no counters)."""
+        return self.admission.load(key)
 
     def load_many(self, keys: list[str]) -> list[ScoredGroup]:
-        """`load` of every key, in parallel, in order; the first failure (in key order) re-raises."""
-        pool = self._pool_get()
-        futures = [pool.submit(self.load, k) for k in keys]
-        return [f.result() for f in futures]
+        """`Admission.load_many`: `load` of every key, in parallel, in order."""
+        return self.admission.load_many(keys)
+
+    def close(self) -> None:
+        """`Admission.close`: stop the fetch threads; results of abandoned fetches are ignored."""
+        self.admission.close()
+
+    def cursor_json(self) -> bytes:
+        """The cursor as JSON, taken under the lock (background fetches keep filing results meanwhile)."""
+        with self.shared.lock:
+            return self.cursor.to_json()
 
     # --- skip records: `skip_audit.SkipAudits` ----------------------------------------------------------
 
@@ -458,14 +257,14 @@ class Ingestor:
                 "waiting": max(0, waiting),
                 "fetched": fetched,
                 "listed": self.listing.listed,
-                "gets": self.fetched,
+                "gets": self.admission.fetched,
             }
 
     def zero_variance(self) -> dict[str, Any]:
         """Share of the recently scored groups whose samples all got the same reward (`frac`, None while
         fewer than 16 were scored) and whether those mostly failed (`kind` "hard") or succeeded ("easy")."""
         with self.shared.lock:
-            scored = [o for o in self._outcomes if o == "ok" or o.startswith("zv_")]
+            scored = [o for o in self.admission.outcomes if o == "ok" or o.startswith("zv_")]
         if len(scored) < 16:
             return {"frac": None, "kind": None}
         flat = Counter(o for o in scored if o != "ok")

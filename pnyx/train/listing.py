@@ -75,7 +75,7 @@ class OpenGate:
 
 @dataclass
 class Shared:
-    """What the ingestor and its three collaborators share (the listing, the key ledger, the planner): one
+    """What the ingestor and its collaborators share (the listing, the key ledger, the planner, admission): one
     lock over all of it, the cursor (replaced whole on resume), the settings, and the fetched groups."""
 
     cursor: Cursor

@@ -32,7 +32,7 @@ log = logging.getLogger("pnyx.train.ingest")
 
 ReadSigner = Callable[[str, str, int], "tuple[str, bool] | None"]
 """(key, worker, seq) -> (fingerprint, seeded) of the record under key if it is a valid signed record of
-(worker, seq), else None (`Ingestor._read_signer`)."""
+(worker, seq), else None (`Admission.read_signer`)."""
 
 
 @dataclass

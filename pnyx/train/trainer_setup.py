@@ -257,9 +257,9 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         require_signatures=True,  # every group signed by its worker's key (docs/security.md)
     )
     if sec.seeded_draws:
-        ingestor.check_draws = unseeded_policy(sec.accept_unseeded, ingestor.settings.trusted_keys)
+        ingestor.admission.check_draws = unseeded_policy(sec.accept_unseeded, ingestor.settings.trusted_keys)
     ingestor.skips.skip_draw_audit = sec.skip_draw_audit if sec.seeded_draws else 0.0
-    ingestor.decode = hooks.decoder(ingestor.decode)
+    ingestor.admission.decode = hooks.decoder(ingestor.admission.decode)
     return TrainerParts(
         cfg=cfg,
         dist=dist,
@@ -324,7 +324,7 @@ def attach_run(parts: TrainerParts, run: RunManifest) -> Verifier:
     parts.digests.trust = trust
     for published in parts.published:
         published.trust = trust
-    parts.ingestor.run_id = run.run_id
+    parts.ingestor.admission.run_id = run.run_id
     return trust
 
 
