@@ -128,8 +128,8 @@ class Prefetcher:
     ) -> list[ScoredGroup] | None:
         """The top `need` groups of the ranking for the step at `version` (`Ingestor.select`); short of
         them, ask for a listing and wait for it or for a listing that brings news; asks at most once per
-        `POKE_BASE_S` (0.05 s), backing off to `POKE_MAX_S` (a listing that just finished is never re-asked for at once:
-        with no groups arriving the trainer would otherwise list the store back to back). None once `stop()` turns true or
+        `POKE_BASE_S` (0.05 s), backing off to `POKE_MAX_S` (a listing that just finished is never re-asked
+        for at once: with no groups arriving the trainer would otherwise list the store back to back). None once `stop()` turns true or
         after `deadline_s` without a full batch; `on_short(have)` is told each time it has to wait. A store
         that stays unavailable is retried until the deadline; errors of the thread re-raise here."""
         deadline = time.monotonic() + deadline_s

@@ -7,8 +7,8 @@ out of a batch. One exception, `rescue`: up to that many fresh groups of the win
 last chance this step is, come first. Under newest-first alone a group left behind once is never chosen
 while fresher ones keep arriving, and supply control (which aims a step's worth of groups at the trainer's
 next publish) replaces it: the default arith run dropped 114 such groups as stale of 1,741 uploaded
-(BENCHMARKS.md, "Generated groups the trainer consumes"). It is lazy: taking the top `n` of a window holding thousands of keys touches one key per
-worker of the newest versions, not the backlog.
+(BENCHMARKS.md, "Generated groups the trainer consumes"). It is lazy: taking the top `n` of a window
+holding thousands of keys touches one key per worker of the newest versions, not the backlog.
 
 Knows nothing about records, scoring or the store. Pure: the caller holds whatever lock guards the
 listings and use counts while it iterates.
