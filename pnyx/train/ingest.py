@@ -142,6 +142,14 @@ class Ingestor:
         self.planner = BatchPlanner(self.listing, self.ledger, self.shared, outcomes=outcomes)
         self.commit = self.planner.commit
         """`BatchPlanner.commit`: record that one step consumed these groups (each once)."""
+        self.fetch = self.admission.fetch
+        """`Admission.fetch`: admit keys in parallel; how many awaited keys the store could not give."""
+        self.load = self.admission.load
+        """`Admission.load`: fetch, validate and re-score one group (no filters, no counters)."""
+        self.load_many = self.admission.load_many
+        """`Admission.load_many`: `load` of every key, in parallel, in order."""
+        self.close = self.admission.close
+        """`Admission.close`: stop the fetch threads; results of abandoned fetches are ignored."""
 
     @property
     def settings(self) -> IngestSettings:
@@ -158,29 +166,6 @@ class Ingestor:
         """Replace the cursor (a resumed run's, `pnyx.train.resume`) in the ingestor and its collaborators."""
         with self.shared.lock:
             self.shared.cursor = cursor
-
-    # --- admission: `admission.Admission` --------------------------------------------------------------
-
-    def fetch(
-        self,
-        keys: Iterable[str],
-        wait_for: Iterable[str] | None = None,
-        stop: Callable[[], bool] | None = None,
-    ) -> int:
-        """`Admission.fetch`: admit `keys` in parallel; how many awaited keys the store could not give."""
-        return self.admission.fetch(keys, wait_for, stop)
-
-    def load(self, key: str) -> ScoredGroup:
-        """`Admission.load`: fetch, validate and re-score one group (no filters, no counters)."""
-        return self.admission.load(key)
-
-    def load_many(self, keys: list[str]) -> list[ScoredGroup]:
-        """`Admission.load_many`: `load` of every key, in parallel, in order."""
-        return self.admission.load_many(keys)
-
-    def close(self) -> None:
-        """`Admission.close`: stop the fetch threads; results of abandoned fetches are ignored."""
-        self.admission.close()
 
     def cursor_json(self) -> bytes:
         """The cursor as JSON, taken under the lock (background fetches keep filing results meanwhile)."""
