@@ -6,8 +6,12 @@ times the exact re-check of those rows under v's weights, alternating, in one pr
 
 - **whole rows**: every flagged row forwarded whole (prompt and completion, cut after its last flagged
   token), rows sorted by length in calls of `drawcheck.CHUNK_TOKENS`;
-- **cached prompts** (what `Rejudge.draws` does): each distinct prompt forwarded once, every completion on
-  its prompt's KV cache (`drawcheck.cached_prompt_logits`).
+- **cached prompts** (the build before the prefix tree; still what `Rejudge.draws` does for models the tree
+  does not fit): each distinct prompt forwarded once, every completion on its prompt's KV cache, two calls
+  (`drawcheck.cached_prompt_logits`);
+- **prefix tree** (what `Rejudge.draws` does for plain full-attention models): the rows' token sequences in a
+  trie, each distinct prefix forwarded once (template and system prompt, prompts, completions' common
+  starts), one call (`prefix_tree.tree_logits`).
 
 Beside it, what moving the exact model one version forward costs: syncing the version from the store
 (download, decode, verify the hash chain; what every step paid before the trainer handed its own published
@@ -47,8 +51,9 @@ def main() -> None:
     from pnyx.train.drawcheck import prefix
     from pnyx.train.forward import Forward
     from pnyx.train.microbatch import build_rows, plan_micro_batches
+    from pnyx.train.prefix_tree import Tree
     from pnyx.train.published import PublishedModel
-    from pnyx.train.rejudge import _distances
+    from pnyx.train.rejudge import _distances, sharing_of
     from pnyx.train.rescore import ScoredGroup
     from pnyx.weights import Syncer
     from pnyx.weights.trust import run_verifier
@@ -106,13 +111,19 @@ def main() -> None:
                         positions += int(over[j].sum())
                         flagged.append(prefix(rows[i], int(over.shape[1] - over[j].flip(0).float().argmax())))
         model = published.at(v)
-        times: dict[str, list[float]] = {"whole rows": [], "cached prompts": []}
+        arms = {"whole rows": "none", "cached prompts": "prompts", "prefix tree": "tree"}
+        if sharing_of(model) != "tree":
+            del arms["prefix tree"]
+        times: dict[str, list[float]] = {label: [] for label in arms}
         found = {}
         for _ in range(args.repeats):
-            for label, share in (("whole rows", False), ("cached prompts", True)):
+            for label, sharing in arms.items():
                 t0 = time.perf_counter()
-                found[label] = _distances(model, flagged, share_prompts=share)
+                found[label] = _distances(model, flagged, sharing=sharing)  # type: ignore[arg-type]
                 times[label].append(time.perf_counter() - t0)
+        tree = Tree()
+        for r in flagged:
+            tree.add(r.prompt + r.completion)
 
     print(
         f"run {args.run}: {len(groups)} groups sampled at v{v}, {len(rows)} rows (prompts of "
@@ -122,13 +133,20 @@ def main() -> None:
         f"{sum(len(r.completion) for r in flagged)} completion tokens; {args.threads} thread(s), median of "
         f"{args.repeats}"
     )
-    whole, cached = (statistics.median(times[k]) for k in ("whole rows", "cached prompts"))
-    for label, t in (("whole rows", whole), ("cached prompts", cached)):
+    med = {label: statistics.median(t) for label, t in times.items()}
+    for label, t in med.items():
         print(
             f"  exact re-check, {label:>14}: {t:.3f} s = {t / max(1, len(flagged)):.4f} s per flagged row, "
             f"largest distance {max(found[label]):.2e}"
         )
-    print(f"  cached prompts / whole rows: {cached / whole:.2f}x the time")
+    for label in ("cached prompts", "prefix tree"):
+        if label in med:
+            print(f"  {label} / whole rows: {med[label] / med['whole rows']:.2f}x the time")
+    print(
+        f"  tokens forwarded: whole rows {sum(len(r.prompt) + len(r.completion) for r in flagged)}, cached "
+        f"prompts {len({tuple(r.prompt) for r in flagged}) * len(flagged[0].prompt)}+"
+        f"{sum(len(r.completion) for r in flagged)}, prefix tree {len(tree.tokens)}"
+    )
     synced, kept = (statistics.median(switch[k]) for k in ("synced from the store", "remembered"))
     print(
         f"  the exact model from v{v} to v{newer}: {synced:.3f} s synced from the store (one delta, verified) "

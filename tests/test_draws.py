@@ -342,18 +342,20 @@ def test_the_step_measures_every_token_in_its_own_forward_and_rechecks_only_rows
     assert max(exact.rejudge.draws(build_rows([_scored(g, "k1") for g in stale]))) <= 1e-5
 
 
-def test_the_exact_recheck_forwards_each_prompt_once_with_the_same_distances_as_whole_rows(run):
-    """`Rejudge.draws` forwards each distinct prompt once and every row's completion on its prompt's KV
-    cache (rows of several groups, prompts of different lengths, rows cut at different lengths, positions
-    without a uniform, as a tool's tokens): the same distances as forwarding each row whole, and a tampered
-    token is found either way."""
+def test_the_exact_recheck_shares_prefixes_with_the_same_distances_as_whole_rows(run):
+    """`Rejudge.draws` forwards the rows' prefix tree (each distinct prefix once, one call), or each distinct
+    prompt once and every completion on its prompt's KV cache (rows of several groups, prompts of different
+    lengths, rows cut at different lengths, positions without a uniform, as a tool's tokens): the same
+    distances as forwarding each row whole, and a tampered token is found every way."""
     import dataclasses
 
     import torch
 
+    from pnyx.train import prefix_tree
     from pnyx.train.drawcheck import cached_prompt_logits, prefix
     from pnyx.train.microbatch import build_rows
-    from pnyx.train.rejudge import _distances
+    from pnyx.train.prefix_tree import Tree, tree_logits
+    from pnyx.train.rejudge import _distances, sharing_of
 
     engine, digest = _engine(run, "torch", 0)
     groups = _groups(run, engine, digest, 0, key="k1", n=8)
@@ -378,17 +380,77 @@ def test_the_exact_recheck_forwards_each_prompt_once_with_the_same_distances_as_
     published = _Exact(run).rejudge.published
     with published.lock:
         model = published.at(0)
-    shared, whole = _distances(model, rows), _distances(model, rows, share_prompts=False)
-    assert shared[0] > 1e-3 and whole[0] > 1e-3  # the tampered row, either way
-    assert max(whole[1:honest]) == 0.0 and max(shared[1:honest]) <= 1e-5
-    assert np.allclose(shared, whole, atol=1e-5)
-    # the logits themselves, at the wanted positions, against the row forwarded whole
+    assert sharing_of(model) == "tree"  # the tiny model is a plain Qwen2
+    whole = _distances(model, rows, sharing="none")
+    assert whole[0] > 1e-3 and max(whole[1:honest]) == 0.0
+    for sharing in ("tree", "prompts"):
+        shared = _distances(model, rows, sharing=sharing)
+        assert shared[0] > 1e-3  # the tampered row
+        assert max(shared[1:honest]) <= 1e-5 and np.allclose(shared, whole, atol=1e-5), sharing
+    # the logits themselves, at the wanted positions, against the row forwarded whole, in calls of a few
+    # rows (the tree's node budget) and of all rows
     wanted = [[t for t, x in enumerate(r.uniforms or ()) if x == x] for r in rows]
     assert any(len(w) < len(r.completion) for w, r in zip(wanted, rows, strict=True))
+    tree = Tree()
+    for r in rows:
+        tree.add(r.prompt + r.completion)
+    assert len(tree.tokens) < sum(len(r.prompt) + len(r.completion) for r in rows) // 2  # shared prefixes
     with torch.no_grad():
-        calls = cached_prompt_logits(model, [r.prompt for r in rows], [r.completion for r in rows], wanted)
-        for part, logits in calls:
-            for j, k in enumerate(part):
-                r = rows[k]
-                alone = model(torch.tensor([r.prompt + r.completion])).logits[0, len(r.prompt) - 1 : -1]
-                assert torch.allclose(logits[j, : len(wanted[k])], alone[wanted[k]], atol=1e-4), k
+        for logits_of, budget in ((cached_prompt_logits, None), (tree_logits, 1024), (tree_logits, 64)):
+            prompts, completions = [r.prompt for r in rows], [r.completion for r in rows]
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(prefix_tree, "TREE_NODES", budget or prefix_tree.TREE_NODES)
+                calls = list(logits_of(model, prompts, completions, wanted))
+            assert sorted(k for part, _ in calls for k in part) == list(range(len(rows)))
+            assert (len(calls) > 2) == (budget == 64), (logits_of, len(calls))
+            for part, logits in calls:
+                for j, k in enumerate(part):
+                    r = rows[k]
+                    alone = model(torch.tensor([r.prompt + r.completion])).logits[0, len(r.prompt) - 1 : -1]
+                    assert torch.allclose(logits[j, : len(wanted[k])], alone[wanted[k]], atol=1e-4), k
+
+
+def test_the_prefix_tree_holds_each_distinct_prefix_once_and_fits_only_plain_attention_models():
+    """`prefix_tree.Tree`: one node per distinct prefix, a node attends to its ancestors and itself only,
+    positions are depths; `packs_prefixes` admits plain full-attention decoders and refuses a sliding
+    window, mixed layer kinds, an unknown architecture and an attention that does not take the mask."""
+    import torch
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    from pnyx.train.prefix_tree import Tree, packs_prefixes
+
+    tree = Tree()
+    assert tree.add([7, 8, 9]) == [0, 1, 2]
+    assert tree.add([7, 8, 5]) == [0, 1, 3]  # shares 7, 8
+    assert tree.missing([7, 8, 9, 6]) == 1 and tree.missing([7, 8, 9]) == 0 and tree.missing([5, 8]) == 2
+    assert tree.add([7, 8, 9, 6]) == [0, 1, 2, 4]
+    assert tree.tokens == [7, 8, 9, 5, 6] and tree.depth == [0, 1, 2, 2, 3]
+    sees = tree.mask(torch.float32)[0, 0] == 0
+    assert sees.tolist() == [
+        [True, False, False, False, False],
+        [True, True, False, False, False],
+        [True, True, True, False, False],
+        [True, True, False, True, False],  # 5 does not see its sibling 9
+        [True, True, True, False, True],
+    ]
+
+    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, vocab_size=32)  # fmt: skip
+    assert packs_prefixes(LlamaForCausalLM(LlamaConfig(**small)))
+    assert packs_prefixes(Qwen2ForCausalLM(Qwen2Config(**small)))
+    assert not packs_prefixes(
+        Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=4))
+    )
+    mixed = Qwen2Config(**small, layer_types=["full_attention", "sliding_attention"], sliding_window=4)
+    assert not packs_prefixes(Qwen2ForCausalLM(mixed))
+    assert not packs_prefixes(GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32)))
+    model = LlamaForCausalLM(LlamaConfig(**small))
+    model.config._attn_implementation = "flash_attention_2"
+    assert not packs_prefixes(model)

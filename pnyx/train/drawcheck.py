@@ -19,7 +19,8 @@ tolerance there is measured once more under exactly the published weights of its
 its group (`draw_mismatch`, a fault of its key). Measured design and costs: docs/verifiable-sampling.md.
 
 This module holds what the rest shares: the reasons, the ingestion's policy for unseeded groups, the
-step's per-row verdict (`row_draws`) and weight rounding (`rounded_weights`), the exact re-check's forward
+step's per-row verdict (`row_draws`) and weight rounding (`rounded_weights`), and the exact re-check's
+forward for models the prefix tree (`pnyx.train.prefix_tree`, one call per version) does not fit
 (`cached_prompt_logits`: each prompt once, the completions on its KV cache).
 """
 

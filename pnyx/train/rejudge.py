@@ -21,8 +21,9 @@ reaches the forward.
 
 `Rejudge.draws` is the same exact forward for seeded draws (`pnyx.train.drawcheck`): a row whose tokens
 the step's forward put over the draw tolerance is measured under the published weights of its version
-(on the plane its group records; each distinct prompt forwarded once, the completions on its KV cache),
-and only that distance can drop its group. Knows nothing about the loop, the ingestion or the checks'
+(on the plane its group records; the rows' prefix tree in one forward, `prefix_tree`, or for models the
+tree does not fit each distinct prompt once and the completions on its KV cache), and only that distance can
+drop its group. Knows nothing about the loop, the ingestion or the checks'
 thresholds.
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
+from typing import Literal
 
 import torch
 
@@ -119,26 +121,41 @@ class Rejudge:
         raise IntegrityError(f"no published plane of v{version} has digest {digest}")
 
 
-def _distances(model: torch.nn.Module, rows: list[Row], share_prompts: bool = True) -> list[float]:
+Sharing = Literal["tree", "prompts", "none"]
+
+
+def sharing_of(model: torch.nn.Module) -> Sharing:
+    """How the exact re-check shares work between rows under `model`: one forward of the rows' prefix tree
+    (`prefix_tree.packs_prefixes`), else each distinct prompt once and the completions on its KV cache
+    (`drawcheck.caches_prompts`), else each row whole."""
+    from pnyx.train.drawcheck import caches_prompts
+    from pnyx.train.prefix_tree import packs_prefixes
+
+    return "tree" if packs_prefixes(model) else "prompts" if caches_prompts(model) else "none"
+
+
+def _distances(model: torch.nn.Module, rows: list[Row], sharing: Sharing | None = None) -> list[float]:
     """Per row (each with uniforms and a completion), its largest distance from its draws under `model` over
-    its model tokens (a tool token has no uniform: NaN), rows of one sampling setting together: each
-    distinct prompt forwarded once and the completions on its KV cache (`drawcheck.cached_prompt_logits`),
-    or, for a model without a cache (or `share_prompts` False), each row whole; rows sorted by length in
-    calls of `drawcheck.CHUNK_TOKENS` either way."""
+    its model tokens (a tool token has no uniform: NaN), rows of one sampling setting together, shared as
+    `sharing` says (default: `sharing_of(model)`): the rows' prefix tree in one forward per call
+    (`prefix_tree.tree_logits`), each distinct prompt forwarded once and the completions on its KV cache
+    (`drawcheck.cached_prompt_logits`), or each row whole, rows sorted by length in calls of
+    `drawcheck.CHUNK_TOKENS`."""
     from pnyx.models.logprobs import draw_distance, sampling_logprobs
-    from pnyx.train.drawcheck import cached_prompt_logits, caches_prompts, chunks
+    from pnyx.train.drawcheck import cached_prompt_logits, chunks
+    from pnyx.train.prefix_tree import tree_logits
 
     out = [math.inf] * len(rows)
     by_setting: dict[tuple[float, int, float], list[int]] = {}
     for i, r in enumerate(rows):
         by_setting.setdefault(r.sampling, []).append(i)
-    shared = share_prompts and caches_prompts(model)
+    sharing = sharing or sharing_of(model)
     fwd = Forward(model, torch.device("cpu"), torch.float32, False)
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 1 << 17)
     with torch.no_grad():
         for (temp, top_k, top_p), idx in by_setting.items():
             mine = [rows[i] for i in idx]
-            if not shared:
+            if sharing == "none":
                 for part in chunks([len(r.prompt) + len(r.completion) for r in mine], vocab):
                     for k, w in zip(
                         part,
@@ -148,9 +165,8 @@ def _distances(model: torch.nn.Module, rows: list[Row], share_prompts: bool = Tr
                         out[idx[k]] = math.inf if w is None else w
                 continue
             wanted = [[t for t, x in enumerate(r.uniforms or ()) if x == x] for r in mine]  # model tokens
-            calls = cached_prompt_logits(
-                model, [r.prompt for r in mine], [r.completion for r in mine], wanted
-            )
+            logits_of = tree_logits if sharing == "tree" else cached_prompt_logits
+            calls = logits_of(model, [r.prompt for r in mine], [r.completion for r in mine], wanted)
             for part, logits in calls:
                 npos = logits.shape[1]
                 targets = torch.zeros((len(part), npos), dtype=torch.long)
