@@ -38,8 +38,14 @@ start-up and model loading excluded: both systems pay it once, the fleet's proce
 also printed, from process start. Prints both, the ratio sync/fleet (> 1: the fleet is faster) and the load
 average.
 
+With `--seeds 1,2,3,4,5` both systems run once per seed (the seed decides the task stream and the
+sampling) and the summary compares the medians: one seed's time to a noisy target says as much about its
+luck as about the system (the fleet needed 38 versions in one run and 57 in the next, the loop 43 steps
+in both).
+
     python benchmarks/bench_async.py --arm equal
     python benchmarks/bench_async.py --arm hetero --slowdown 3
+    python benchmarks/bench_async.py --arm equal --seeds 1,2,3,4,5 --budget-s 120
 """
 
 from __future__ import annotations
@@ -405,6 +411,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420.0, help="give up on a system after this long")
     ap.add_argument("--only", choices=["sync", "fleet"], default=None, help="run one system only")
     ap.add_argument("--sync-threads", type=int, default=1, help="torch threads of the synchronous loop")
+    ap.add_argument(
+        "--seeds", default=None, help="comma-separated run seeds: both systems once per seed, then medians"
+    )
     ap.add_argument("overrides", nargs="*", help="dotted config overrides for both, e.g. --trainer.lr=3e-4")
     args, extra = ap.parse_known_args()
     arm = ARMS[args.arm]
@@ -432,32 +441,62 @@ def main() -> None:
         f"leave_after_s={args.leave_after_s} load={_load()}",
         flush=True,
     )
-    results: dict[str, Any] = {}
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [cfg.run.seed]
+    runs: list[dict[str, Any]] = []
+    for seed in seeds:
+        if args.seeds:
+            cfg = load_config(None, [*overrides, f"--run.seed={seed}"])
+            print(f"-- seed {seed}", flush=True)
+        results: dict[str, Any] = {}
+        for system in ("sync", "fleet"):
+            if args.only not in (None, system):
+                continue
+            w = RewardWindow(args.window, args.target)
+            if system == "sync":
+                info = run_sync(
+                    cfg, w, args.budget_s, args.sync_threads, speeds, slowdown, leaver, args.leave_after_s,
+                    args.sync_timeout_x,
+                )  # fmt: skip
+            else:
+                info = run_fleet(cfg, w, args.budget_s, speeds, slowdown, leaver, args.leave_after_s)
+            results[system] = {**_result(w), **info, "load_after": _load()}
+            print(
+                f"{system:5}: time to {args.target} from the first rollout {_s(w.after_first_s)}, from process "
+                f"start {_s(w.hit_s)}  ({info}) load={_load()}",
+                flush=True,
+            )
+        for key, label in (
+            ("after_first_rollout_s", "from the first rollout"),
+            ("time_to_target_s", "from process start"),
+        ):
+            s, f = (results.get(k, {}).get(key) for k in ("sync", "fleet"))
+            if s and f:
+                print(f"ratio sync/fleet {label} = {s / f:.2f}x (> 1: the fleet reaches the target sooner)")
+        print(json.dumps({"seed": cfg.run.seed, **results}), flush=True)
+        runs.append(results)
+    if len(runs) > 1:
+        _summary(runs, args.budget_s)
+
+
+def _summary(runs: list[dict[str, Any]], budget_s: float) -> None:
+    """Per system, the median over seeds of its time to target (a seed that never reached it counts as the
+    budget) and of its versions or steps, and the ratio of the medians: each system's own luck averaged out
+    (a seed decides the task stream and the sampling; the fleet's timing adds its own)."""
+    med: dict[str, float] = {}
     for system in ("sync", "fleet"):
-        if args.only not in (None, system):
-            continue
-        w = RewardWindow(args.window, args.target)
-        if system == "sync":
-            info = run_sync(
-                cfg, w, args.budget_s, args.sync_threads, speeds, slowdown, leaver, args.leave_after_s,
-                args.sync_timeout_x,
-            )  # fmt: skip
-        else:
-            info = run_fleet(cfg, w, args.budget_s, speeds, slowdown, leaver, args.leave_after_s)
-        results[system] = {**_result(w), **info, "load_after": _load()}
+        times = [r[system]["after_first_rollout_s"] or budget_s for r in runs if system in r]
+        counts = [r[system].get("steps") or r[system].get("versions") or 0 for r in runs if system in r]
+        if times:
+            med[system] = statistics.median(times)
+            print(
+                f"{system:5} over {len(times)} seeds: time to target from the first rollout "
+                f"{' '.join(f'{t:.1f}' for t in times)} s, median {med[system]:.1f} s; steps/versions "
+                f"{' '.join(str(c) for c in counts)}, median {statistics.median(counts):g}"
+            )
+    if len(med) == 2:
         print(
-            f"{system:5}: time to {args.target} from the first rollout {_s(w.after_first_s)}, from process "
-            f"start {_s(w.hit_s)}  ({info}) load={_load()}",
-            flush=True,
+            f"ratio of the medians sync/fleet = {med['sync'] / med['fleet']:.2f}x (> 1: the fleet is faster)"
         )
-    for key, label in (
-        ("after_first_rollout_s", "from the first rollout"),
-        ("time_to_target_s", "from process start"),
-    ):
-        s, f = (results.get(k, {}).get(key) for k in ("sync", "fleet"))
-        if s and f:
-            print(f"ratio sync/fleet {label} = {s / f:.2f}x (> 1: the fleet reaches the target sooner)")
-    print(json.dumps(results))
 
 
 def _result(w: RewardWindow) -> dict[str, Any]:
