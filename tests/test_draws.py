@@ -353,6 +353,7 @@ def test_the_exact_recheck_shares_prefixes_with_the_same_distances_as_whole_rows
 
     from pnyx.train import prefix_tree
     from pnyx.train.drawcheck import cached_prompt_logits, prefix
+    from pnyx.train.forward import Forward
     from pnyx.train.microbatch import build_rows
     from pnyx.train.prefix_tree import Tree, tree_logits
     from pnyx.train.rejudge import _distances, sharing_of
@@ -408,6 +409,12 @@ def test_the_exact_recheck_shares_prefixes_with_the_same_distances_as_whole_rows
                     r = rows[k]
                     alone = model(torch.tensor([r.prompt + r.completion])).logits[0, len(r.prompt) - 1 : -1]
                     assert torch.allclose(logits[j, : len(wanted[k])], alone[wanted[k]], atol=1e-4), k
+    # the drift probe's log π as a tree (`Forward.logp`) against the padded forward of the same rows
+    fwd = Forward(model, torch.device("cpu"), torch.float32, False)
+    with torch.no_grad():
+        tree_mb, padded = fwd.logp(rows), fwd.run(rows, entropy=False, var=False)
+    assert torch.equal(tree_mb.lmask, padded.lmask) and bool(padded.lmask.any())
+    assert torch.allclose(tree_mb.logp, padded.logp, atol=1e-5)
 
 
 def test_the_prefix_tree_holds_each_distinct_prefix_once_and_fits_only_plain_attention_models():

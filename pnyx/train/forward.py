@@ -83,6 +83,38 @@ class Forward:
             ref_logp = ref_logp.masked_fill(~lmask, 0.0)
         return MicroBatch(mb, logp, mu, lmask, adv, ref_logp, out.entropy, out.var, out.draw, out.draw_s)
 
+    def logp(self, mb: list[Row]) -> MicroBatch:
+        """`run` for log π alone (the drift probe: no entropy, variance or draws; `mu` and `adv` zeros): the
+        rows' prefix tree in one forward where the model fits it (`prefix_tree.packs_prefixes`, no
+        autocast), each distinct prefix once (the chat template the probe's rows share); else `run`. The
+        same values up to floating-point summation order."""
+        from pnyx.train.prefix_tree import packs_prefixes, tree_logits
+
+        if self.autocast or not packs_prefixes(self.view):
+            return self.run(mb, entropy=False, var=False)
+        from pnyx.models.logprobs import sampling_logprobs
+
+        temp, top_k, top_p = mb[0].sampling
+        width = max((len(r.completion) for r in mb), default=0)
+        logp = torch.zeros((len(mb), width), dtype=torch.float32, device=self.device)
+        wanted = [list(range(len(r.completion))) for r in mb]
+        for part, logits in tree_logits(
+            self.view, [r.prompt for r in mb], [r.completion for r in mb], wanted
+        ):
+            targets = _pad([mb[i].completion for i in part], logits.shape[1], torch.long, self.device)
+            got = sampling_logprobs(logits, temp, top_k, top_p).gather(-1, targets[..., None]).squeeze(-1)
+            for j, i in enumerate(part):
+                n = len(mb[i].completion)
+                logp[i, :n] = got[j, :n]
+        lmask = _pad([r.loss_mask for r in mb], width, torch.long, self.device).bool()
+        lmask &= (
+            torch.arange(width, device=self.device)[None, :]
+            < torch.tensor([len(r.completion) for r in mb], device=self.device)[:, None]
+        )
+        zeros = torch.zeros_like(logp)
+        adv = torch.zeros(len(mb), dtype=torch.float32, device=self.device)
+        return MicroBatch(mb, logp.masked_fill(~lmask, 0.0), zeros, lmask, adv, None, None, None)
+
 
 def group_evidence(
     mb: MicroBatch, policy_version: int | None, draws: Sequence[float | None] | None = None

@@ -387,9 +387,10 @@ def _own_rows(rows: list[Row]) -> list[Row]:
 
 
 def _probe(st: _Step, rows: list[Row]) -> MicroBatch:
-    """The probe rows' log q under the current weights, no gradient."""
+    """The probe rows' log q under the current weights, no gradient (as a prefix tree where the model fits
+    one: `Forward.logp`)."""
     with torch.no_grad():
-        return st.fwd.run(rows, entropy=False, var=False)
+        return st.fwd.logp(rows) if st.world == 1 else st.fwd.run(rows, entropy=False, var=False)
 
 
 def _drift(before: MicroBatch, after: MicroBatch, held_out: bool) -> Drift | None:
