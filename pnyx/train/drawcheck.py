@@ -150,7 +150,7 @@ def chunks(lengths: list[int], vocab: int) -> Iterator[list[int]]:
 
 def caches_prompts(model: torch.nn.Module) -> bool:
     """Whether `model`'s forward takes a KV cache and position ids (`cached_prompt_logits` needs both)."""
-    accepted = _forward_parameters(type(model))
+    accepted = forward_parameters(type(model))
     return "position_ids" in accepted and bool({"cache", "past_key_values"} & accepted)
 
 
@@ -174,7 +174,7 @@ def cached_prompt_logits(
     for i, p in enumerate(distinct):
         ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
     pmask = (torch.arange(pwidth)[None, :] < plens[:, None]).long()
-    cache_arg = "cache" if "cache" in _forward_parameters(type(model)) else "past_key_values"
+    cache_arg = "cache" if "cache" in forward_parameters(type(model)) else "past_key_values"
     first = picked_forward(
         model, (plens - 1)[:, None].to(dev), input_ids=ids.to(dev), attention_mask=pmask.to(dev), use_cache=True
     )  # fmt: skip
@@ -206,6 +206,7 @@ def cached_prompt_logits(
 
 
 @functools.cache
-def _forward_parameters(model_class: type) -> frozenset[str]:
-    """The keyword names a model class's `forward` takes (read once per class, not per group)."""
+def forward_parameters(model_class: type) -> frozenset[str]:
+    """The keyword names a model class's `forward` takes (read once per class, not per group; also
+    `prefix_tree.packs_prefixes`)."""
     return frozenset(inspect.signature(model_class.forward).parameters)

@@ -12,21 +12,21 @@ id is its depth, so every node sees what it would see at the head of its own row
 This needs a model whose every layer is plain full attention over positions given by ids and masks
 (`packs_prefixes`): a sliding window, a convolution or a recurrent state would see the tree's sequence
 order, not the row's. Other models take `drawcheck.cached_prompt_logits` (prompts once, completions on their
-KV cache). Knows nothing about draws, uniforms or the store.
+KV cache). Knows nothing about draws, uniforms or the store (it takes the logits budget and the forward
+introspection `drawcheck` already has).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
+from pnyx.train.drawcheck import MAX_LOGITS, forward_parameters
+
 TREE_NODES = 1024
 """Nodes per forward call: the call's attention mask is nodes x nodes."""
-MAX_LOGITS = 32 * 1024 * 1024
-"""Rows x positions x vocabulary of one call's logits (float32: 128 MB)."""
 ATTENTION = ("sdpa", "eager")
 """Attention implementations that take a 4-D additive mask as given."""
 
@@ -38,7 +38,7 @@ def packs_prefixes(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) not in ATTENTION:
         return False
-    if not {"position_ids", "attention_mask"} <= set(inspect.signature(type(model).forward).parameters):
+    if not {"position_ids", "attention_mask"} <= forward_parameters(type(model)):
         return False
     kinds = getattr(config, "layer_types", None)
     if kinds is not None and set(kinds) != {"full_attention"}:
@@ -109,17 +109,19 @@ def tree_logits(
     nodes or its logits `MAX_LOGITS`; the vocabulary projection runs once per distinct predicting node."""
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 1)
     tree, part, at = Tree(), [], []  # at: per row of the call, the node predicting each wanted token
+    width = 1  # the call's widest row of wanted tokens
     for i in sorted(range(len(prompts)), key=lambda i: (prompts[i], len(completions[i]))):
         seq = prompts[i] + completions[i]
-        npos = max([len(wanted[i]), *(len(a) for a in at), 1])
+        npos = max(width, len(wanted[i]))
         if part and (
             len(tree.tokens) + tree.missing(seq) > TREE_NODES or (len(part) + 1) * npos * vocab > MAX_LOGITS
         ):
             yield part, _forward(model, tree, at)
-            tree, part, at = Tree(), [], []
+            tree, part, at, npos = Tree(), [], [], max(1, len(wanted[i]))
         path = tree.add(seq)
         part.append(i)
         at.append([path[len(prompts[i]) + t - 1] for t in wanted[i]])
+        width = npos
     if part:
         yield part, _forward(model, tree, at)
 
