@@ -13,7 +13,9 @@ times the exact re-check of those rows under v's weights, alternating, in one pr
   trie, each distinct prefix forwarded once (template and system prompt, prompts, completions' common
   starts), one call (`prefix_tree.tree_logits`).
 
-Beside it, what moving the exact model one version forward costs: syncing the version from the store
+Then the drift probe's forward of 4 rows, padded against the prefix tree (`Forward.logp`), and what one
+forward of the model costs by its token count (1, 16, 64). Beside it, what moving the exact model one
+version forward costs: syncing the version from the store
 (download, decode, verify the hash chain; what every step paid before the trainer handed its own published
 states over) against copying in the state the trainer remembered (`PublishedModel.remember`).
 
@@ -124,6 +126,35 @@ def main() -> None:
         tree = Tree()
         for r in flagged:
             tree.add(r.prompt + r.completion)
+        # the drift probe's forward (one row of each of the first 4 groups, as the step holds out): padded
+        # (`Forward.run`) against the prefix tree (`Forward.logp`), under the same weights, alternating
+        probe = [next(r for r in rows if r.key == g.key) for g in groups[:4]]
+        exact_fwd = Forward(model, torch.device("cpu"), torch.float32, False)
+        probe_t: dict[str, list[float]] = {"padded": [], "prefix tree": []}
+        with torch.no_grad():
+            for _ in range(args.repeats):
+                for label in probe_t:
+                    t0 = time.perf_counter()
+                    if label == "padded":
+                        exact_fwd.run(probe, entropy=False, var=False)
+                    else:
+                        exact_fwd.logp(probe)
+                    probe_t[label].append(time.perf_counter() - t0)
+            gap = float(
+                (exact_fwd.run(probe, entropy=False, var=False).logp - exact_fwd.logp(probe).logp).abs().max()
+            )
+            # what one forward costs by its token count: mostly the read of every weight
+            per_tokens = {}
+            seq = (rows[0].prompt + rows[0].completion) * 64
+            for n in (1, 16, 64):
+                ids = torch.tensor([seq[:n]])
+                model(ids, logits_to_keep=1)
+                best = []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    model(ids, logits_to_keep=1)
+                    best.append(time.perf_counter() - t0)
+                per_tokens[n] = min(best)
 
     print(
         f"run {args.run}: {len(groups)} groups sampled at v{v}, {len(rows)} rows (prompts of "
@@ -144,8 +175,17 @@ def main() -> None:
             print(f"  {label} / whole rows: {med[label] / med['whole rows']:.2f}x the time")
     print(
         f"  tokens forwarded: whole rows {sum(len(r.prompt) + len(r.completion) for r in flagged)}, cached "
-        f"prompts {len({tuple(r.prompt) for r in flagged}) * len(flagged[0].prompt)}+"
+        f"prompts {sum(len(p) for p in {tuple(r.prompt) for r in flagged})}+"
         f"{sum(len(r.completion) for r in flagged)}, prefix tree {len(tree.tokens)}"
+    )
+    padded, treed = (statistics.median(probe_t[k]) for k in ("padded", "prefix tree"))
+    print(
+        f"  the drift probe's forward ({len(probe)} rows): padded {padded:.3f} s, prefix tree {treed:.3f} s = "
+        f"{treed / padded:.2f}x, log q apart by at most {gap:.1e}"
+    )
+    print(
+        "  one forward of the exact model by its tokens (best of the repeats): "
+        + ", ".join(f"{n} token(s) {1000 * t:.0f} ms" for n, t in per_tokens.items())
     )
     synced, kept = (statistics.median(switch[k]) for k in ("synced from the store", "remembered"))
     print(

@@ -2,7 +2,7 @@
 
 The exact re-check of seeded draws (`pnyx.train.rejudge`) measures a handful of short rows per version,
 under weights of their own. On a CPU such a forward costs mostly the read of every weight (SmolLM2-135M:
-56 ms for one token, +1.5 ms per token), so what counts is the number of calls and then the tokens. The
+~70 ms for one token, +1.4 ms per token with 2 threads), so what counts is the number of calls and then the tokens. The
 rows' token sequences (prompt, then completion) are put in a trie: one node per distinct prefix, so a chat
 template and system prompt shared by every prompt, a prompt shared by its group's rows, and completions that
 start alike are each forwarded once. The nodes go in one sequence in creation order (a parent before its
