@@ -209,6 +209,9 @@ def run_fleet(
         "step_s_median": _median([m.get("step_s", 0.0) for m in steps]),
         "publish_s_median": _median([m.get("publish_s", 0.0) for m in steps]),
         "ingest_wait_s_median": _median([m.get("ingest_wait_s", 0.0) for m in steps]),
+        # versions whose step waited over 0.05 s for groups, and the seconds all steps waited
+        "waits": sum(m.get("ingest_wait_s", 0.0) > 0.05 for m in steps),
+        "wait_s": round(sum(m.get("ingest_wait_s", 0.0) for m in steps), 1),
     }
 
 

@@ -1,11 +1,11 @@
 """Many rows that share prefixes, forwarded as one tree: each distinct prefix token once, in one call.
 
 The exact re-check of seeded draws (`pnyx.train.rejudge`) measures a handful of short rows per version,
-under weights of their own. On a CPU such a forward costs mostly the read of every weight (SmolLM2-135M:
-~70 ms for one token, +1.4 ms per token with 2 threads), so what counts is the number of calls and then the tokens. The
-rows' token sequences (prompt, then completion) are put in a trie: one node per distinct prefix, so a chat
-template and system prompt shared by every prompt, a prompt shared by its group's rows, and completions that
-start alike are each forwarded once. The nodes go in one sequence in creation order (a parent before its
+under weights of their own. On a CPU such a forward costs mostly the read of every weight (SmolLM2-135M
+with 2 threads: ~70 ms for one token, +1.4 ms per token), so what counts is the number of calls and then
+the tokens. The rows' token sequences (prompt, then completion) are put in a trie: one node per distinct
+prefix, so a chat template and system prompt shared by every prompt, a prompt shared by its group's rows,
+and completions that start alike are each forwarded once. The nodes go in one sequence in creation order (a parent before its
 children); a 4-D attention mask lets each node attend to exactly its ancestors and itself, and its position
 id is its depth, so every node sees what it would see at the head of its own row forwarded alone.
 
