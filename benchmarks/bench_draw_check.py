@@ -22,6 +22,9 @@ for the scheme. Needs a run that kept its versions (`--trainer.keep_anchors 1000
 
     pnyx run --run.name drawtiny --run.steps 40 --run.eval_every 0 --trainer.keep_anchors 1000
     python benchmarks/bench_draw_check.py --run runs/drawtiny --versions 10,30 --groups 32
+
+`--device cuda --dtype bfloat16` samples on a GPU worker in bf16 (the trainer stays on the CPU in fp32): how
+many honest tokens other kernels and another dtype put outside the tolerance.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--staleness", default="0,1,2,3")
     p.add_argument("--groups", type=int, default=32, help="groups per engine and version")
     p.add_argument("--engines", default="torch,mlx")
+    p.add_argument(
+        "--device", default="cpu", help="the engines' device (cuda: a GPU worker; MLX stays on the CPU)"
+    )
+    p.add_argument("--dtype", default="float32", help="the engines' compute dtype (bfloat16: a bf16 worker)")
     p.add_argument("--tolerance", type=float, default=None, help="default: the run's security.draw_tolerance")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="also write the figures here")
@@ -99,7 +106,8 @@ def main() -> None:
     print(
         f"run {args.run} ({cfg.env.name}, T={w.temperature}, top_p={w.top_p}, top_k={w.top_k}, G={w.group_size}, "
         f"max_new_tokens={w.max_new_tokens}, lr={t.lr}, {t.groups_per_step} groups per step), base {base}, "
-        f"tolerance {tolerance:g}, {args.groups} groups per engine and version, {args.threads} thread(s)"
+        f"tolerance {tolerance:g}, {args.groups} groups per engine and version, {args.threads} thread(s); "
+        f"engines on {args.device} in {args.dtype}, the trainer's step and exact re-checks on the CPU in float32"
     )
     print(
         f"{'engine':>6} {'sampled':>7} {'stale':>5} {'groups':>6} {'rows':>5} {'flagged':>7} {'rejected':>8} "
@@ -109,7 +117,8 @@ def main() -> None:
     seqs = itertools.count()
     for name in args.engines.split(","):
         try:
-            engine = make_engine(name, base, tok)
+            device = "cpu" if name == "mlx" else args.device
+            engine = make_engine(name, base, tok, dtype=args.dtype, device=device)
         except Exception as e:  # noqa: BLE001 - an engine this machine lacks is reported, not fatal
             print(f"{name:>6} unavailable: {e}")
             continue

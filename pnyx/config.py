@@ -258,6 +258,24 @@ def resolve_max_new_tokens(configured: int | None, env: object) -> int:
     return budget
 
 
+def check_draw_precision(cfg: PnyxConfig) -> None:
+    """Refuse a run whose workers would compute in half precision under seeded draws (`security.seeded_draws`).
+
+    The trainer checks every seeded token under the published weights in float32. A worker that computes
+    in bfloat16 draws another token often enough that the check drops its honest groups: on an H200 with
+    the tiny model, 31 of 384 groups (8%) at `draw_tolerance` 1e-3, 12 (3%) at 1e-2 (BENCHMARKS.md,
+    "Seeded draws on a GPU"); float32 workers on the same GPU: 0, every distance exactly 0. A float16 worker
+    cannot hold bf16-published weights exactly, so its weight proof fails and it never generates."""
+    if cfg.security.seeded_draws and cfg.model.dtype != "float32":
+        raise ConfigError(
+            f"model.dtype={cfg.model.dtype} with security.seeded_draws: workers would draw tokens in "
+            f"{cfg.model.dtype}, and the trainer's float32 check of every seeded token drops a share of their "
+            'honest groups (bfloat16 on an H200: 8% at draw_tolerance 1e-3). Keep model.dtype = "float32" '
+            "(the default; the trainer's compute precision is trainer.compute_dtype), or set "
+            "security.seeded_draws = false (the statistical checks alone)"
+        )
+
+
 def resolve_device(device: str) -> str:
     """Map 'auto' to the best available device; anything else is passed through to torch."""
     if device != "auto":

@@ -17,7 +17,7 @@ from train_support import batches, make_trainer, prepared_run, run_toml, write_g
 from pnyx.protocol.runfile import read_run
 from pnyx.store import open_store
 from pnyx.train import checkpoint
-from pnyx.weights import Syncer, latest_version, verify_chain
+from pnyx.weights import Syncer, latest_version, read_manifest, verify_chain
 
 pytestmark = pytest.mark.gpu
 
@@ -82,3 +82,26 @@ def test_fsdp2_on_two_gpus_matches_one_gpu_replaying_the_same_batches(tmp_path, 
             differ += int((x != y).sum())
             total += x.numel()
         assert differ <= 0.05 * total
+
+
+def test_a_cuda_lora_trainer_trains_and_publishes_only_the_adapter(tmp_path, model_dir):
+    """`[trainer.lora]` on CUDA: the base never moves, the adapter does, and what is published is the adapter
+    alone, verifiable through the Syncer."""
+    t = make_trainer(
+        str(tmp_path / "run"),
+        model_dir,
+        trainer__device="cuda",
+        trainer__lora={"enabled": True, "rank": 4, "alpha": 8.0},
+    )
+    t.start()
+    names = {e.name for e in read_manifest(t.store, 0).weights.tensors}
+    assert names and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in names)
+    base = {k: v.detach().clone() for k, v in t.parts.model.state_dict().items() if ".lora_" not in k}
+    write_groups(t.store, model_dir, 0, 6)
+    assert t.run() == 3
+    assert all(p.is_cuda for p in t.parts.model.parameters())
+    state = t.parts.model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in base.items())
+    version, published = Syncer(t.store).sync()
+    assert version == 3 and verify_chain(t.store).ok and set(published) == names
+    assert any(bool(published[n].float().abs().max() > 0) for n in names if n.endswith("lora_B.weight"))

@@ -22,10 +22,21 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def _cache_layer_kinds() -> tuple[type, type, type]:
-    from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
+class _Absent:
+    """A cache layer kind this transformers release lacks: no layer is one."""
 
-    return DynamicLayer, LinearAttentionCacheLayerMixin, DummyLayer
+
+def _cache_layer_kinds() -> tuple[type, type, type]:
+    """(DynamicLayer, LinearAttentionCacheLayerMixin, DummyLayer). The last two came in later transformers 5
+    releases than DynamicLayer (5.17, seen on a GPU machine, has neither): where one is absent no cache
+    layer can be of that kind."""
+    from transformers import cache_utils
+
+    return (
+        cache_utils.DynamicLayer,
+        getattr(cache_utils, "LinearAttentionCacheLayerMixin", _Absent),
+        getattr(cache_utils, "DummyLayer", _Absent),
+    )
 
 
 def _select_rows(cache: Any, rows: torch.Tensor) -> None:
