@@ -8,7 +8,9 @@ encode and decode GB/s of the full state next to a memcpy of the same bytes (dec
 arrays, as a one-step sync does, and into the arrays of the state rebuilt one step earlier, as every later
 step of a multi-step route does and as a preallocated memcpy does), the same round trip with the numpy
 kernels on the same step when the compiled ones are in force (`pnyx.weights.kernels`; "vs numpy" is their
-time over the compiled kernels' time, both into reused arrays), and the int8 plane's code change
+time over the compiled kernels' time, both into reused arrays), the decode into arrays that already hold
+the base ("dec inpl": only the changes are added, `DeltaApplier(in_place=...)`, as a route's later steps
+do; the copy of the base into them is not timed) and its round trip, and the int8 plane's code change
 fraction and delta size. At the end: the cold join time (anchor + all deltas) from the store.
 
     python benchmarks/bench_pulse.py                       # ~100M params, 11 versions (anchor + 10 deltas)
@@ -121,11 +123,12 @@ def main() -> None:
     hdr = (
         f"{'step':>4} {'changed':>8} {'delta/full':>10} {'bound/full':>10} {'delta/bound':>11} "
         f"{'values/full':>11} {'delta/values':>12} {'enc GB/s':>8} {'dec GB/s':>8} {'dec reuse':>9} {'memcpy':>7} "
-        f"{'rt/memcpy':>9} {'rt reuse':>8} {'vs numpy':>8} {'int8 chg':>8} {'int8 d/full':>11} {'train s':>7} {'pub s':>6}"
+        f"{'rt/memcpy':>9} {'rt reuse':>8} {'dec inpl':>8} {'rt inpl':>7} {'vs numpy':>8} {'int8 chg':>8} {'int8 d/full':>11} {'train s':>7} {'pub s':>6}"
     )
     print(hdr)
     rows = []
     spare: dict = {}  # the arrays of the state rebuilt one step earlier (nothing reads them any more)
+    mirror = {k: tb.data.copy() for k, tb in old.items()}  # arrays holding the base (untimed copies)
     ct = args.codec_threads
     for step in range(1, args.steps + 1):
         t = time.perf_counter()
@@ -147,7 +150,12 @@ def main() -> None:
         t = time.perf_counter()
         reused = apply_delta(old, chunks, expected_of(new), reuse=spare, threads=ct)
         reuse_s = time.perf_counter() - t
-        for got in (rebuilt, reused):
+        for k, tb in old.items():
+            np.copyto(mirror[k], tb.data)
+        t = time.perf_counter()
+        in_place = apply_delta(old, chunks, expected_of(new), threads=ct, in_place=mirror)
+        inplace_s = time.perf_counter() - t
+        for got in (rebuilt, reused, in_place):
             if any(not np.array_equal(got[k].data, new[k].data) for k in new):
                 raise SystemExit("round trip is not bit-exact")
         base_rt = float("nan")  # the numpy kernels on the same step, into the same (reused) arrays
@@ -190,6 +198,8 @@ def main() -> None:
             mem=mem,
             rt=(full / (enc_s + dec_s) / 1e9) / mem,
             rt_r=(full / (enc_s + reuse_s) / 1e9) / mem,
+            dec_i=full / inplace_s / 1e9,
+            rt_i=(full / (enc_s + inplace_s) / 1e9) / mem,
             vs_np=base_rt,
             int8=int8_changed,
             int8_d=int8_delta / full8,
@@ -198,7 +208,7 @@ def main() -> None:
         print(
             f"{step:>4} {100 * r['changed']:>7.3f}% {100 * r['delta']:>9.3f}% {100 * r['bound']:>9.3f}% "
             f"{r['d_bound']:>11.3f} {100 * r['values']:>10.3f}% {r['d_values']:>12.3f} {r['enc']:>8.2f} "
-            f"{r['dec']:>8.2f} {r['dec_r']:>9.2f} {r['mem']:>7.2f} {r['rt']:>9.3f} {r['rt_r']:>8.3f} {r['vs_np']:>7.2f}x {100 * r['int8']:>7.3f}% "
+            f"{r['dec']:>8.2f} {r['dec_r']:>9.2f} {r['mem']:>7.2f} {r['rt']:>9.3f} {r['rt_r']:>8.3f} {r['dec_i']:>8.2f} {r['rt_i']:>7.3f} {r['vs_np']:>7.2f}x {100 * r['int8']:>7.3f}% "
             f"{100 * r['int8_d']:>10.3f}% {train_s:>7.2f} {pub_s:>6.2f}",
             flush=True,
         )
@@ -221,6 +231,7 @@ def main() -> None:
         f"delta/bound {med['d_bound']:.3f} (goal <= 1.2)  delta/values {med['d_values']:.3f} (goal <= 0.65)  "
         f"enc {med['enc']:.2f} GB/s dec {med['dec']:.2f} GB/s (into reused arrays {med['dec_r']:.2f}) "
         f"memcpy {med['mem']:.2f} GB/s  round trip/memcpy {med['rt']:.3f} (reused arrays {med['rt_r']:.3f}; "
+        f"in place {med['dec_i']:.2f} GB/s, round trip {med['rt_i']:.3f}; "
         f"goal >= 0.5; {med['vs_np']:.2f}x the numpy kernels' round trip)  int8 codes changed {100 * med['int8']:.3f}% "
         f"int8 delta {100 * med['int8_d']:.3f}% of the int8 plane"
     )

@@ -108,6 +108,40 @@ def test_patch_codes_refuses_positions_outside_the_segment(patch, gaps):
     assert not backing[:100].any() and not backing[200:].any()
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.uint8])
+@pytest.mark.parametrize("size", [1, 5, 300_001])
+@pytest.mark.parametrize("frac", [0.0, 0.018, 1.0])
+def test_add_codes_equals_numpy_and_turns_the_base_into_the_new_array_in_place(dtype, size, frac):
+    rng = np.random.default_rng(size + 1)
+    a = rng.integers(0, np.iinfo(dtype).max, size, dtype=dtype, endpoint=True)
+    b = edited(rng, a.astype(np.uint16) if dtype == np.uint16 else a, frac).astype(dtype)
+    gaps, codes = kernels.diff_codes_numpy(a, b)
+    out_np, out_nb = a.copy(), a.copy()
+    kernels.add_codes_numpy(out_np, gaps, codes)
+    kernels.add_codes_numba(out_nb, gaps, codes)
+    np.testing.assert_array_equal(out_np, b)
+    np.testing.assert_array_equal(out_nb, b)
+
+
+@pytest.mark.parametrize("add", [kernels.add_codes_numpy, kernels.add_codes_numba])
+@pytest.mark.parametrize(
+    "gaps",
+    [
+        np.array([100], np.uint64),
+        np.array([10, 40, 49], np.uint64),
+        np.array([0, np.iinfo(np.uint64).max, 0], np.uint64),
+        np.array([0, 1 << 62, 1 << 62, 1 << 62], np.uint64),
+    ],
+)
+def test_add_codes_refuses_positions_outside_the_segment_and_writes_nothing(add, gaps, monkeypatch):
+    monkeypatch.setattr(kernels, "MIN_ELEMS", 1)  # the compiled path, even for 100 elements
+    backing = np.arange(300, dtype=np.uint16)
+    dst = backing[100:200]
+    with pytest.raises(IntegrityError, match="past its segment"):
+        add(dst, gaps, np.zeros(len(gaps), np.uint16))
+    np.testing.assert_array_equal(backing, np.arange(300, dtype=np.uint16))
+
+
 def state(rng: np.random.Generator, frac: float) -> tuple[dict, dict]:
     old, new = {}, {}
     for name, size, dtype in [

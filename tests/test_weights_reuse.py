@@ -1,6 +1,8 @@
 """Decoding into recycled arrays: `DeltaApplier`'s `reuse` gives bit-exact states in the arrays it is handed,
 never writes the base (even when a reuse array is the base), fills ranges no record covers, and the Syncer's
-multi-step warm route (which recycles each intermediate state's arrays) never writes the served state."""
+multi-step warm route (which recycles each intermediate state's arrays) never writes the served state.
+`in_place` arrays (holding the base's values already) are patched in place, as each later step of a route
+patches the route's own intermediate state."""
 
 from __future__ import annotations
 
@@ -141,3 +143,16 @@ def test_warm_multi_step_sync_never_writes_the_served_state():
     for name, tb in served.items():
         assert np.array_equal(tb.data, before[name]), f"served tensor {name} was written"
     assert_bits_equal(syncer.state, states[7])
+
+
+def test_in_place_arrays_holding_the_base_are_patched_in_place_and_the_base_is_untouched(step):
+    old, new, chunks = step
+    before = snapshot(old)
+    mirror = {name: tb.data.copy() for name, tb in old.items()}
+    out = apply_delta(old, chunks, expected_of(new), in_place=mirror)
+    assert_bits_equal(out, new)
+    for name in ("w0", "w1", "f"):
+        assert np.shares_memory(out[name].data, mirror[name]), name
+    assert out["w2"] is old["w2"]  # no record: the base's, the mirror unused
+    for name, tb in old.items():
+        assert np.array_equal(tb.data, before[name]), f"base tensor {name} was written"

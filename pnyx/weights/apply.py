@@ -1,8 +1,10 @@
 """Applying PULSE delta chunks (`pnyx.weights.codec`'s format) onto a base state, bit-exact.
 
 Decoding copies each record's range from the base and patches it in the same pass (`kernels.patch_codes`),
-into arrays the caller may recycle (`reuse`); the base is never written. Knows nothing about the store,
-manifests or torch.
+into arrays the caller may recycle (`reuse`); the base is never written. Or, for arrays the caller hands
+over already holding the base's values (`in_place`: a route's own intermediate state), it
+only adds the changes (`kernels.add_codes`): work in the changes, not the state. Knows nothing about the
+store, manifests or torch.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ class DeltaApplier:
     reuse: arrays (by tensor name) the applier may overwrite as work arrays instead of allocating fresh
     pages, e.g. a retired state's. The caller guarantees nothing else reads them; an array of the wrong
     dtype/shape, or overlapping the base tensor's memory, is ignored.
+
+    in_place: arrays (by tensor name) that already hold exactly the base's values of their tensor, which
+    nothing else reads: a record of such a tensor is applied into it in place (only the changes are
+    written), and its ranges no record covers need no copy. The caller guarantees the values; a wrong one
+    shows as a digest mismatch of the result, which the caller verifies. An array that does not fit is
+    ignored.
     """
 
     def __init__(
@@ -42,6 +50,7 @@ class DeltaApplier:
         expected: Mapping[str, tuple[str, tuple[int, ...]]],
         threads: int | None = None,
         reuse: Mapping[str, np.ndarray] | None = None,
+        in_place: Mapping[str, np.ndarray] | None = None,
     ):
         self.base = base
         self.expected = expected
@@ -49,18 +58,32 @@ class DeltaApplier:
         self.covered: dict[str, list[tuple[int, int]]] = {}
         self.threads = threads or default_threads()
         self.reuse = reuse or {}
+        self.in_place = {n: a for n, a in (in_place or {}).items() if self._fits(n, a)}
+
+    def _fits(self, name: str, arr: np.ndarray) -> bool:
+        exp = self.expected.get(name)
+        base = self.base.get(name)
+        return (
+            exp is not None
+            and arr.dtype.itemsize == unsigned_dtype(exp[0]).itemsize
+            and arr.shape == tuple(exp[1])
+            and arr.flags.c_contiguous
+            and arr.flags.writeable
+            and not (base is not None and np.may_share_memory(arr, base.data))
+        )
 
     def apply(self, chunk: bytes) -> None:
         """Apply one chunk: first the work arrays of every touched tensor, then the records, spread over
         threads (records of one chunk cover disjoint element ranges)."""
         header, body = read_header(chunk)
-        for r in {r.name: r for r in reversed(header.records)}.values():
+        records = header.records
+        for r in {r.name: r for r in reversed(records)}.values():
             self._target(r)
-        if self.threads > 1 and len(header.records) > 1:
+        if self.threads > 1 and len(records) > 1:
             with ThreadPoolExecutor(self.threads) as pool:
-                list(pool.map(lambda r: self._apply_record(r, body), header.records))
+                list(pool.map(lambda r: self._apply_record(r, body), records))
         else:
-            for r in header.records:
+            for r in records:
                 self._apply_record(r, body)
 
     def _base_of(self, r: Record) -> np.ndarray | None:
@@ -79,6 +102,11 @@ class DeltaApplier:
         if arr is not None:
             return arr
         u = unsigned_dtype(r.dtype)
+        if r.name in self.in_place:
+            given = self.in_place[r.name]
+            arr = self.work[r.name] = given if given.dtype == u else given.view(u)  # the caller's object
+            self.covered[r.name] = [(0, arr.size)]  # it holds the base's values: nothing to copy
+            return arr
         base = self._base_of(r)
         if r.op != "whole" and base is None:
             raise IntegrityError(
@@ -160,6 +188,15 @@ class DeltaApplier:
                 )
             exc = unplanes(memoryview(codes_raw)[packed_len(n, bits) :], r.esc_n, r.esc_width)
             codes[at] = top + exc.astype(flat.dtype)
+        try:
+            if r.name in self.in_place:  # seg already holds the base's values: write only the changes
+                if r.op == "value":
+                    seg[kernels.positions(gaps, r.count)] = codes
+                else:
+                    kernels.add_codes(seg, gaps, codes)
+                return
+        except IntegrityError:
+            raise IntegrityError(f"delta record for {r.name!r} points past its segment") from None
         src = self._base_of(r)
         assert src is not None  # _target checked it
         src = src.reshape(-1)[r.start : r.start + r.count]
@@ -211,9 +248,10 @@ def apply_delta(
     expected: Mapping[str, tuple[str, tuple[int, ...]]],
     reuse: Mapping[str, np.ndarray] | None = None,
     threads: int | None = None,
+    in_place: Mapping[str, np.ndarray] | None = None,
 ) -> BitState:
     """Convenience: apply all chunks at once (see DeltaApplier)."""
-    ap = DeltaApplier(base, expected, threads=threads, reuse=reuse)
+    ap = DeltaApplier(base, expected, threads=threads, reuse=reuse, in_place=in_place)
     for c in chunks:
         ap.apply(c)
     return ap.result()

@@ -10,6 +10,8 @@ numpy cannot fuse either pass:
   each position the gaps reach. numpy takes a cumulative sum and an unzigzag, copies, then scatters with
   fancy indexing (~10 ns per change); the kernel copies `PATCH_ELEMS` at a time and patches that block while
   it is in cache, decoding positions and changes on the way.
+- `add_codes(dst, gaps, codes)`, decoding in place: the same changes added to `dst`, which already holds the
+  base's values (a route's own intermediate state, `DeltaApplier(in_place=...)`): no copy; the changes only.
 Both release the GIL: the codec's thread pool runs segments side by side on them.
 
 The compiled kernels are used when numba imports and `PNYX_PULSE_KERNELS` is not `numpy`; `KERNELS` says
@@ -36,6 +38,7 @@ __all__ = [
     "KERNELS",
     "MIN_ELEMS",
     "PATCH_ELEMS",
+    "add_codes",
     "check_gaps",
     "diff_codes",
     "patch_codes",
@@ -94,6 +97,14 @@ def patch_codes_numpy(dst: np.ndarray, src: np.ndarray, gaps: np.ndarray, codes:
         lo = hi
 
 
+def add_codes_numpy(dst: np.ndarray, gaps: np.ndarray, codes: np.ndarray) -> None:
+    """Add unzigzag(code + 1) (modular, dst's dtype) at each position the gaps reach, in place.
+
+    Raises IntegrityError when a position falls outside dst (nothing is written then)."""
+    pos = positions(gaps, dst.size)
+    dst[pos] += unzigzag(codes.astype(dst.dtype) + dst.dtype.type(1))
+
+
 # --- numba (kernels_nb.py) --------------------------------------------------------------------------------
 
 _compiled = None
@@ -104,7 +115,7 @@ def _kernels():
     if _compiled is None:
         from pnyx.weights import kernels_nb
 
-        _compiled = (kernels_nb.diff16, kernels_nb.patch)
+        _compiled = (kernels_nb.diff16, kernels_nb.patch, kernels_nb.add)
     return _compiled
 
 
@@ -130,23 +141,37 @@ def patch_codes_numba(dst: np.ndarray, src: np.ndarray, gaps: np.ndarray, codes:
         raise IntegrityError("delta record points past its segment")
 
 
+def add_codes_numba(dst: np.ndarray, gaps: np.ndarray, codes: np.ndarray) -> None:
+    """`add_codes_numpy`, compiled (`MIN_ELEMS` or more elements of up to 32 bits; others take the numpy path).
+    A record that points past dst is refused before anything is written (`check_gaps` bounds each gap; the
+    kernel stops at the first position past the end, so the sum is checked first)."""
+    if dst.size < MIN_ELEMS or dst.dtype.itemsize > 4:
+        return add_codes_numpy(dst, gaps, codes)
+    check_gaps(gaps, dst.size)
+    if len(gaps) and int(gaps.sum(dtype=np.int64)) + len(gaps) > dst.size:
+        raise IntegrityError("delta record points past its segment")
+    if not _kernels()[2](dst, gaps, codes):
+        raise IntegrityError("delta record points past its segment")
+
+
 KERNELS: Kernels = "numpy"
 diff_codes = diff_codes_numpy
 patch_codes = patch_codes_numpy
+add_codes = add_codes_numpy
 
 
 def use(kind: Kernels) -> None:
     """Put `kind`'s kernels in force (`PNYX_PULSE_KERNELS` chooses at import; tests switch to compare).
 
     Callers reach the kernels as `kernels.diff_codes` / `kernels.patch_codes`, so a switch applies at once."""
-    global KERNELS, diff_codes, patch_codes
+    global KERNELS, diff_codes, patch_codes, add_codes
     if kind == "numba" and importlib.util.find_spec("numba") is None:
         raise ImportError("numba is not installed: pip install numba (the numpy kernels need nothing)")
     KERNELS = kind
     if kind == "numba":
-        diff_codes, patch_codes = diff_codes_numba, patch_codes_numba
+        diff_codes, patch_codes, add_codes = diff_codes_numba, patch_codes_numba, add_codes_numba
     else:
-        diff_codes, patch_codes = diff_codes_numpy, patch_codes_numpy
+        diff_codes, patch_codes, add_codes = diff_codes_numpy, patch_codes_numpy, add_codes_numpy
 
 
 use(

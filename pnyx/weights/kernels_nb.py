@@ -62,3 +62,17 @@ def patch(dst, src, gaps, codes, block):  # pragma: no cover - compiled
             if j < m:
                 p += np.int64(gaps[j]) + 1
     return j == m
+
+
+@njit(nogil=True, cache=True)
+def add(dst, gaps, codes):  # pragma: no cover - compiled
+    """Add each decoded change at the position its gap reaches, in place; False if one falls outside dst."""
+    n = dst.size
+    p = np.int64(-1)
+    for j in range(gaps.size):
+        p += np.int64(gaps[j]) + 1
+        if p >= n:
+            return False
+        c = np.int64(codes[j]) + 1
+        dst[p] = dst[p] + ((c >> 1) ^ (-(c & 1)))  # unzigzag, wrapped to dst's width on store
+    return True

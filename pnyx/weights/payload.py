@@ -164,13 +164,16 @@ def read_delta(
     plane: PlaneManifest,
     base: Mapping[str, TensorBits],
     reuse: Mapping[str, np.ndarray] | None = None,
+    in_place: Mapping[str, np.ndarray] | None = None,
 ) -> BitState:
     """Apply the plane's delta chunks onto `base` (never written into) and return the new state.
 
-    reuse: arrays nothing else reads any more (a superseded state's), overwritten instead of allocating."""
+    reuse: arrays nothing else reads any more (a superseded state's), overwritten instead of allocating.
+    in_place: arrays nothing else reads that hold exactly `base`'s values of their tensors: patched in place
+    (`DeltaApplier`)."""
     if not plane.has_delta:
         raise IntegrityError(f"v{version} carries no delta from its parent")
-    ap = DeltaApplier(base, plane.expected(), reuse=reuse)
+    ap = DeltaApplier(base, plane.expected(), reuse=reuse, in_place=in_place)
     for data in fetch_verified(store, version, plane.delta):
         ap.apply(data)
     return ap.result()

@@ -233,9 +233,9 @@ class Syncer:
 
     def _run(self, route: Route, base: Verified | None) -> Verified:
         cur = base
-        # Arrays of the starting state are served (or staged) and never written. Each intermediate state
-        # of a multi-step route is dropped once the next one verifies: its arrays that the next state does
-        # not share go to `spare`, and the step after overwrites them instead of faulting in fresh pages.
+        # Arrays of the starting state are served (or staged) and never written: the first delta is applied
+        # into fresh arrays or `spare` ones. Each intermediate state of a route is private: the next delta
+        # patches its arrays in place, and its arrays the next state does not share go to `spare`.
         keep = {id(tb.data) for tb in base.state.values()} if base is not None else set()
         spare: dict[str, np.ndarray] = {}
         for i, m in enumerate(route.steps):
@@ -246,7 +246,14 @@ class Syncer:
             else:
                 if cur is None or m.parent_version != cur.version or p.parent_digest != cur.digest:
                     raise IntegrityError(f"v{m.version} does not chain onto v{cur.version if cur else None}")
-                state = read_delta(self.store, m.version, p, cur.state, reuse=spare)
+                # the starting state is served or staged: never written. A later step's base is this route's
+                # own intermediate state: its arrays are patched in place (only the changes are written)
+                in_place = (
+                    None
+                    if cur is base
+                    else {n: tb.data for n, tb in cur.state.items() if id(tb.data) not in keep}
+                )
+                state = read_delta(self.store, m.version, p, cur.state, reuse=spare, in_place=in_place)
                 digests = {
                     n: cur.digests[n] if n in cur.digests and cur.state.get(n) is tb else tb.digest()
                     for n, tb in state.items()
