@@ -420,7 +420,8 @@ def test_the_exact_recheck_shares_prefixes_with_the_same_distances_as_whole_rows
 def test_the_prefix_tree_holds_each_distinct_prefix_once_and_fits_only_plain_attention_models():
     """`prefix_tree.Tree`: one node per distinct prefix, a node attends to its ancestors and itself only,
     positions are depths; `packs_prefixes` admits plain full-attention decoders and refuses a sliding
-    window, mixed layer kinds, an unknown architecture and an attention that does not take the mask."""
+    window, mixed layer kinds, an unknown architecture, an attention that does not take the mask, and a
+    model whose tree does not reproduce its rows on a first probe."""
     import torch
     from transformers import (
         GPT2Config,
@@ -461,3 +462,18 @@ def test_the_prefix_tree_holds_each_distinct_prefix_once_and_fits_only_plain_att
     model = LlamaForCausalLM(LlamaConfig(**small))
     model.config._attn_implementation = "flash_attention_2"
     assert not packs_prefixes(model)
+    # a model that passes every structural check but ignores the tree's mask (causal over the tree's order,
+    # as another transformers release could) fails the proof on its first use: its rows are not packed
+    from pnyx.train import prefix_tree
+
+    unmasked = LlamaForCausalLM(LlamaConfig(**small))
+    forward = unmasked.forward
+
+    def causal_only(*args, attention_mask=None, **kwargs):
+        mask = attention_mask if attention_mask is None or attention_mask.dim() == 2 else None
+        return forward(*args, attention_mask=mask, **kwargs)
+
+    unmasked.forward = causal_only  # type: ignore[method-assign]
+    assert prefix_tree.tree_equals_rows(LlamaForCausalLM(LlamaConfig(**small)))
+    assert not prefix_tree.tree_equals_rows(unmasked)
+    assert not packs_prefixes(unmasked) and prefix_tree._PROVEN[unmasked] is False

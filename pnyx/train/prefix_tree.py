@@ -12,18 +12,25 @@ id is its depth, so every node sees what it would see at the head of its own row
 This needs a model whose every layer is plain full attention over positions given by ids and masks
 (`packs_prefixes`): a sliding window, a convolution or a recurrent state would see the tree's sequence
 order, not the row's. Other models take `drawcheck.cached_prompt_logits` (prompts once, completions on their
-KV cache). Knows nothing about draws, uniforms or the store (it takes the logits budget and the forward
-introspection `drawcheck` already has).
+KV cache). The structural checks rest on how today's transformers builds masks, so each model object is
+also proven once, on two short rows that share a prefix, before its first tree: the tree's logits must
+equal each row forwarded alone (another transformers release, a custom model that passes the checks but
+not the mask: the model is then not packed, with a warning). Knows nothing about draws, uniforms or the
+store (it takes the logits budget and the forward introspection `drawcheck` already has).
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from pnyx.train.drawcheck import MAX_LOGITS, forward_parameters
+
+log = logging.getLogger("pnyx.trainer")
 
 TREE_NODES = 1024
 """Nodes per forward call: the call's attention mask is nodes x nodes."""
@@ -45,7 +52,48 @@ def packs_prefixes(model: torch.nn.Module) -> bool:
         return False
     if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
         return False
-    return getattr(config, "model_type", "") in PLAIN_TYPES
+    if getattr(config, "model_type", "") not in PLAIN_TYPES:
+        return False
+    proven = _PROVEN.get(model)
+    if proven is None:
+        proven = _PROVEN[model] = tree_equals_rows(model)
+        if not proven:
+            import transformers
+
+            log.warning(
+                "trainer: a prefix tree of %s does not reproduce its rows forwarded alone here (transformers "
+                "%s): its rows are not packed", type(model).__name__, transformers.__version__,
+            )  # fmt: skip
+    return proven
+
+
+_PROVEN: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+"""Per model object, whether its tree reproduced its rows (`tree_equals_rows`): proven once."""
+PROBE_ROWS = (([1, 2, 3], [4, 5]), ([1, 2, 6], [7]))
+"""(prompt, completion) pairs that share a prefix, of token ids every vocabulary has."""
+
+
+def tree_equals_rows(model: torch.nn.Module, atol: float = 1e-3) -> bool:
+    """Whether the tree of `PROBE_ROWS` gives, at every completion position, the logits of each row forwarded
+    alone (within `atol`, relative to the logits' scale), computed in eval mode (no dropout)."""
+    prompts = [list(p) for p, _ in PROBE_ROWS]
+    completions = [list(c) for _, c in PROBE_ROWS]
+    wanted = [list(range(len(c))) for c in completions]
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for part, logits in tree_logits(model, prompts, completions, wanted):
+                for j, k in enumerate(part):
+                    row = torch.tensor([prompts[k] + completions[k]], dtype=torch.long, device=device)
+                    alone = model(row).logits[0, len(prompts[k]) - 1 : -1].float()
+                    got = logits[j, : len(wanted[k])]
+                    if not torch.allclose(got, alone, atol=atol * max(1.0, float(alone.abs().max())), rtol=0):
+                        return False
+    finally:
+        model.train(was_training)
+    return True
 
 
 PLAIN_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "olmo", "olmo2", "phi3", "granite"})
