@@ -259,13 +259,21 @@ def resolve_max_new_tokens(configured: int | None, env: object) -> int:
 
 
 def check_draw_precision(cfg: PnyxConfig) -> None:
-    """Refuse a run whose workers would compute in half precision under seeded draws (`security.seeded_draws`).
+    """Refuse a run whose workers would compute in a precision that fails their checks, before it starts.
 
-    The trainer checks every seeded token under the published weights in float32. A worker that computes
-    in bfloat16 draws another token often enough that the check drops its honest groups: on an H200 with
-    the tiny model, 31 of 384 groups (8%) at `draw_tolerance` 1e-3, 12 (3%) at 1e-2 (BENCHMARKS.md,
-    "Seeded draws on a GPU"); float32 workers on the same GPU: 0, every distance exactly 0. A float16 worker
-    cannot hold bf16-published weights exactly, so its weight proof fails and it never generates."""
+    - float16 workers under bf16 publishing: a float16 engine cannot hold bf16 values exactly (fewer
+      exponent bits), so its weight proof fails and it never generates (seen on an H200).
+    - half precision under seeded draws (`security.seeded_draws`): the trainer checks every seeded token
+      under the published weights in float32, and a bfloat16 worker draws another token often enough that
+      the check drops its honest groups: on an H200 with the tiny model, 31 of 384 (8%) at
+      `draw_tolerance` 1e-3, 12 (3%) at 1e-2; float32 workers on the same GPU: 0, every distance exactly 0
+      (BENCHMARKS.md, "Seeded draws", "On a GPU worker")."""
+    if cfg.model.dtype == "float16" and cfg.trainer.publish_dtype == "bfloat16":
+        raise ConfigError(
+            "model.dtype=float16 with trainer.publish_dtype=bfloat16: a float16 engine cannot hold the "
+            "published bf16 values exactly, so no worker could prove its weights. Use model.dtype = "
+            '"float32" (the default)'
+        )
     if cfg.security.seeded_draws and cfg.model.dtype != "float32":
         raise ConfigError(
             f"model.dtype={cfg.model.dtype} with security.seeded_draws: workers would draw tokens in "
