@@ -67,6 +67,35 @@ def memcpy_gbps(state: dict) -> float:
     return nbytes / best / 1e9
 
 
+def bounds(old: dict, new: dict) -> dict[str, float]:
+    """Seconds, on one thread, best of 3 over the whole state: the encode kernel alone (`kernels.diff_codes`
+    per tensor, no zstd, no packing), a memcpy of one state, and a pass that reads both states and writes
+    nothing (a wrapping sum of each as 64-bit words: vectorized, so bound by the reads)."""
+    from pnyx.weights import kernels
+
+    pairs = [(old[k].data.reshape(-1), new[k].data.reshape(-1)) for k in new if k in old]
+
+    def words(x: np.ndarray) -> np.ndarray:
+        n = x.nbytes - x.nbytes % 8
+        return x.view(np.uint8)[:n].view(np.uint64)
+
+    dst = [np.empty_like(b) for _, b in pairs]
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    return {
+        "kernel": best(lambda: [kernels.diff_codes(a, b) for a, b in pairs]),
+        "memcpy": best(lambda: [np.copyto(d, b) for d, (_, b) in zip(dst, pairs, strict=True)]),
+        "read_both": best(lambda: [(words(a).sum(), words(b).sum()) for a, b in pairs]),
+    }
+
+
 def main() -> None:
     args = parse()
     import torch
@@ -212,6 +241,8 @@ def main() -> None:
             f"{100 * r['int8_d']:>10.3f}% {train_s:>7.2f} {pub_s:>6.2f}",
             flush=True,
         )
+        if step == args.steps:
+            bound = bounds(old, new)
         old, old8 = new, new8
 
     t = time.perf_counter()
@@ -225,6 +256,12 @@ def main() -> None:
         f"digest {'matches' if ok else 'DIFFERS'}"
     )
 
+    print(
+        f"what bounds the encode (last step, one thread, {full / 1e6:.0f} MB per state): the compare kernel alone "
+        f"{bound['kernel'] * 1e3:.1f} ms, reading both states {bound['read_both'] * 1e3:.1f} ms, "
+        f"a memcpy of one {bound['memcpy'] * 1e3:.1f} ms: kernel / read both = "
+        f"{bound['kernel'] / bound['read_both']:.2f}, kernel / memcpy = {bound['kernel'] / bound['memcpy']:.2f}"
+    )
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     print(
         f"median: changed {100 * med['changed']:.3f}%  delta {100 * med['delta']:.3f}% of full  "
