@@ -9,9 +9,12 @@
 #   bash scripts/gpu_check.sh                       # logs to ./gpu-out, or to $OUT when set
 #
 # What it needs beside the repo, prepared on a CPU machine (both ignored by git, carried to the device):
-#   .whl/           pnyx's dependencies the device image lacks, as wheels (obstore msgspec zstandard bm25s
-#                   math-verify latex2sympy2_extended antlr4-python3-runtime tomli_w cryptography cffi pydantic
-#                   pydantic-core annotated-types typing-inspection typing-extensions pycparser), fetched with `pip download --no-deps --only-binary=:all: --python-version ...`
+#   .whl/           pnyx's dependencies the device image lacks (seen 2026-12-04: torch 2.11, transformers 5.17,
+#                   no pydantic), as cp312 manylinux wheels of the versions installed here: obstore msgspec
+#                   zstandard bm25s math-verify latex2sympy2_extended antlr4-python3-runtime tomli_w
+#                   cryptography cffi pycparser pydantic pydantic-core annotated-types typing-inspection
+#                   typing-extensions, fetched with `pip download --no-deps --only-binary=:all:
+#                   --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 ...` (17 MB)
 #   .gpu/drawtiny/  run.json and weights/ of a tiny run that kept its versions:
 #                   pnyx run --run.name drawtiny --run.steps 32 --run.eval_every 0 --trainer.keep_anchors 1000
 # Not here: vLLM on CUDA (the device image has no vllm and its wheel is larger than what can be carried),
