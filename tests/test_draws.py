@@ -286,12 +286,11 @@ def test_ingestion_drops_unseeded_groups_of_untrusted_keys_only():
     assert unseeded_policy(True, set())(group("stranger", "")) is None  # type: ignore[arg-type]
 
 
-def test_the_step_measures_every_token_in_its_own_forward_and_rechecks_only_rows_over_the_tolerance(run):
-    """The trainer at v1 (its master: v1's published weights) steps on fresh v1 groups, stale v0 groups and
-    a v0 temperature liar. Fresh rows are measured in the step's own forward, and none goes further; stale
-    rows over the tolerance there (v1's weights are not v0's) are measured again under v0's exact weights
-    and kept; the liar's groups that differ from the honest draw are dropped as `draw_mismatch` before the
-    optimizer step."""
+def _step_on_fresh_stale_and_liars(run, device: str = "cpu"):
+    """The trainer at v1 (its master: v1's published weights, on `device`) takes one step on 3 fresh v1
+    groups, 3 stale v0 groups and 3 v0 temperature-liar groups (drawn at 0.3 with the honest uniforms,
+    claiming 1.0), the draw check on (tolerance 1e-3), exact re-checks on the CPU. Returns (exact, stats,
+    {version: rows}, keys of the liar groups that differ from the honest draw, the stale groups)."""
     import copy
 
     import torch
@@ -302,7 +301,7 @@ def test_the_step_measures_every_token_in_its_own_forward_and_rechecks_only_rows
 
     exact = _Exact(run)
     with exact.rejudge.published.lock:
-        master = copy.deepcopy(exact.rejudge.published.at(1)).train()
+        master = copy.deepcopy(exact.rejudge.published.at(1)).train().to(device)
     for p in master.parameters():
         p.requires_grad_(True)
     adv = [1.0, -1.0] * 4
@@ -326,11 +325,21 @@ def test_the_step_measures_every_token_in_its_own_forward_and_rechecks_only_rows
         grad_clip=1.0, policy_version=1, checks=CheckSettings(lp_gap_base=None, plausibility_z=None, draw_tolerance=1e-3),
         exact_draws=exact.rejudge.draws, forward_dtype=torch.bfloat16,
     )  # fmt: skip
-    tally = stats.draws
-    assert tally is not None
     rows = {
         v: sum(1 for g in gs for s in g.samples if s.tokens) for v, gs in ((1, fresh), (0, stale + liars))
     }
+    return exact, stats, rows, differ, stale
+
+
+def test_the_step_measures_every_token_in_its_own_forward_and_rechecks_only_rows_over_the_tolerance(run):
+    """The trainer at v1 (its master: v1's published weights) steps on fresh v1 groups, stale v0 groups and
+    a v0 temperature liar. Fresh rows are measured in the step's own forward, and none goes further; stale
+    rows over the tolerance there (v1's weights are not v0's) are measured again under v0's exact weights
+    and kept; the liar's groups that differ from the honest draw are dropped as `draw_mismatch` before the
+    optimizer step."""
+    exact, stats, rows, differ, stale = _step_on_fresh_stale_and_liars(run)
+    tally = stats.draws
+    assert tally is not None
     assert tally.by_staleness["0"] == [rows[1], 0, 0]  # fresh rows: measured in the step's forward alone
     n1, flagged, failed = tally.by_staleness["1"]
     assert n1 == rows[0] and 0 < failed <= flagged < n1 and exact.rejudge.draw_rows == flagged

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 import test_draws as td
 import torch
@@ -45,44 +44,9 @@ def test_a_cuda_fp32_workers_honest_groups_pass_the_exact_check_on_the_cpu(run):
 
 
 def test_a_cuda_trainer_keeps_honest_groups_and_rejects_the_liars_that_differ(run):
-    import copy
-
-    from pnyx.security.checks import CheckSettings
-    from pnyx.train.losses import LossSettings
-    from pnyx.train.step import make_optimizer, train_step
-
-    exact = td._Exact(run)
-    with exact.rejudge.published.lock:
-        master = copy.deepcopy(exact.rejudge.published.at(1)).train().cuda()
-    for p in master.parameters():
-        p.requires_grad_(True)
-    adv = [1.0, -1.0] * 4
-    fresh = td._groups(run, *td._engine(run, "torch", 1), 1, key="k1", n=3)
-    engine, digest = td._engine(run, "torch", 0)
-    stale = td._groups(run, engine, digest, 0, key="k1", n=3)
-    honest0 = td._groups(run, engine, digest, 0, key="k1", n=3, seq0=50)
-    liars = [
-        msgspec.structs.replace(x, temperature=1.0)
-        for x in td._groups(run, engine, digest, 0, "k1", n=3, temperature=0.3, seq0=50)
-    ]
-    differ = {
-        td._scored(x, "k1").key
-        for x, h in zip(liars, honest0, strict=True)
-        if any(a.tokens != b.tokens for a, b in zip(x.samples, h.samples, strict=True))
-    }
-    assert differ
-    batch = [td._scored(g, "k1", adv) for g in fresh + stale + liars]
-    stats = train_step(
-        master, make_optimizer(master, 1e-4, (0.9, 0.99), 0.0), batch, LossSettings(), micro_batch_tokens=4096,
-        grad_clip=1.0, policy_version=1,
-        checks=CheckSettings(lp_gap_base=None, plausibility_z=None, draw_tolerance=TOLERANCE),
-        exact_draws=exact.rejudge.draws, forward_dtype=torch.bfloat16,
-    )  # fmt: skip
+    _, stats, rows, differ, _ = td._step_on_fresh_stale_and_liars(run, device="cuda")
     tally = stats.draws
     assert tally is not None
-    rows = {
-        v: sum(1 for g in gs for s in g.samples if s.tokens) for v, gs in ((1, fresh), (0, stale + liars))
-    }
     n0, flagged0, failed0 = tally.by_staleness["0"]
     n1, flagged1, failed1 = tally.by_staleness["1"]
     print(
