@@ -258,7 +258,7 @@ def resolve_max_new_tokens(configured: int | None, env: object) -> int:
     return budget
 
 
-def check_draw_precision(cfg: PnyxConfig) -> None:
+def check_worker_dtype(cfg: PnyxConfig) -> None:
     """Refuse a run whose workers would compute in a precision that fails their checks, before it starts.
 
     - float16 workers under bf16 publishing: a float16 engine cannot hold bf16 values exactly (fewer

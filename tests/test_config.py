@@ -139,19 +139,19 @@ def test_half_precision_workers_are_refused_under_seeded_draws_before_anything_s
     so such a run is refused with what to do instead, by `pnyx run` before it makes a folder, by the
     trainer and by a worker joining an older run.json."""
     from pnyx.cli.run_folder import plan_run
-    from pnyx.config import check_draw_precision
+    from pnyx.config import check_worker_dtype
 
     cfg = load_config(overrides=[f"--model.dtype={dtype}"])
     with pytest.raises(ConfigError, match=rf"model.dtype={dtype} with .*float32"):
-        check_draw_precision(cfg)
+        check_worker_dtype(cfg)
     with pytest.raises(ConfigError, match=rf"model.dtype={dtype} with"):
         plan_run(cfg, resume=False, root=tmp_path)
     assert list(tmp_path.iterdir()) == []
     unseeded = [f"--model.dtype={dtype}", "--security.seeded_draws=false"]
     if dtype == "bfloat16":
-        check_draw_precision(load_config(overrides=unseeded))
+        check_worker_dtype(load_config(overrides=unseeded))
     else:  # float16 cannot hold bf16-published weights, seeded draws or not; fp16 publishing it can
         with pytest.raises(ConfigError, match="cannot hold the published bf16 values"):
-            check_draw_precision(load_config(overrides=unseeded))
-        check_draw_precision(load_config(overrides=[*unseeded, "--trainer.publish_dtype=float16"]))
-    check_draw_precision(load_config())  # float32, the default
+            check_worker_dtype(load_config(overrides=unseeded))
+        check_worker_dtype(load_config(overrides=[*unseeded, "--trainer.publish_dtype=float16"]))
+    check_worker_dtype(load_config())  # float32, the default

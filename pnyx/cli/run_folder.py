@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pnyx.config import PnyxConfig, check_draw_precision, load_config, overlay_changed, to_toml, with_fields
+from pnyx.config import PnyxConfig, check_worker_dtype, load_config, overlay_changed, to_toml, with_fields
 from pnyx.errors import ConfigError
 
 RUNS_ROOT = Path("runs")
@@ -63,7 +63,7 @@ def plan_run(cfg: PnyxConfig, resume: bool, root: Path = RUNS_ROOT) -> RunPlan:
                 f"run {name!r} already exists in {root}/: continue it with `pnyx run --resume --run.name={name}` "
                 "or pick another --run.name"
             )
-    check_draw_precision(cfg)  # before any folder is made: the trainer would refuse it anyway
+    check_worker_dtype(cfg)  # before any folder is made: the trainer would refuse it anyway
     folder = (root / name).resolve()
     store_url = cfg.store.url if cfg.store.url is not None else str(folder)
     cfg = with_fields(

@@ -132,7 +132,7 @@ class Worker:
     def join(self) -> None:
         """Read run.json, load model + tokenizer + env, cold-join the weights, find the resume seq, start the
         courier (the store thread)."""
-        from pnyx.config import check_draw_precision, resolve_env_kwargs, resolve_max_new_tokens
+        from pnyx.config import check_worker_dtype, resolve_env_kwargs, resolve_max_new_tokens
         from pnyx.envs import get_env
         from pnyx.models import load_tokenizer, resolve_run_model
         from pnyx.protocol.rules import worker_version_cap
@@ -141,7 +141,7 @@ class Worker:
 
         self.progress.set("starting", "reading run.json")
         self.cfg = cfg = self.link.read_run()  # ConfigError: refuse to join
-        check_draw_precision(cfg)  # a run.json written before the trainer refused half precision
+        check_worker_dtype(cfg)  # a run.json written before the trainer refused half precision
         self.version_cap = worker_version_cap(cfg)  # half the run's flood limit (docs/security.md)
         engine_name = self.opts.engine or cfg.worker.engine
         check_engine(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pnyx.config import PnyxConfig, check_draw_precision, overlay_changed
+from pnyx.config import PnyxConfig, check_worker_dtype, overlay_changed
 from pnyx.envs import Environment
 from pnyx.errors import ConfigError, FencedError, NotFoundError
 from pnyx.models.source import resolve_model_source
@@ -339,7 +339,7 @@ def open_run(cfg: PnyxConfig, store: Store, resume: bool, steps: int | None) -> 
                 f"nothing to resume at {store.url}: it has no run.json. Start without --resume."
             )
         cfg = merge_resume_config(existing.config, cfg)
-    check_draw_precision(cfg)
+    check_worker_dtype(cfg)
     budget = steps if steps is not None else cfg.run.steps
     parts = load_parts(cfg, store, budget, existing if resume else None)
     dist = parts.dist

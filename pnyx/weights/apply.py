@@ -76,14 +76,13 @@ class DeltaApplier:
         """Apply one chunk: first the work arrays of every touched tensor, then the records, spread over
         threads (records of one chunk cover disjoint element ranges)."""
         header, body = read_header(chunk)
-        records = header.records
-        for r in {r.name: r for r in reversed(records)}.values():
+        for r in {r.name: r for r in reversed(header.records)}.values():
             self._target(r)
-        if self.threads > 1 and len(records) > 1:
+        if self.threads > 1 and len(header.records) > 1:
             with ThreadPoolExecutor(self.threads) as pool:
-                list(pool.map(lambda r: self._apply_record(r, body), records))
+                list(pool.map(lambda r: self._apply_record(r, body), header.records))
         else:
-            for r in records:
+            for r in header.records:
                 self._apply_record(r, body)
 
     def _base_of(self, r: Record) -> np.ndarray | None:
@@ -194,19 +193,16 @@ class DeltaApplier:
                     seg[kernels.positions(gaps, r.count)] = codes
                 else:
                     kernels.add_codes(seg, gaps, codes)
-                return
-        except IntegrityError:
-            raise IntegrityError(f"delta record for {r.name!r} points past its segment") from None
-        src = self._base_of(r)
-        assert src is not None  # _target checked it
-        src = src.reshape(-1)[r.start : r.start + r.count]
-        try:
-            if r.op == "value":
-                pos = kernels.positions(gaps, r.count)
-                np.copyto(seg, src)
-                seg[pos] = codes
-            else:  # one pass: copy each block of the base and add the decoded changes while it is in cache
-                kernels.patch_codes(seg, src, gaps, codes)
+            else:
+                src = self._base_of(r)
+                assert src is not None  # _target checked it
+                src = src.reshape(-1)[r.start : r.start + r.count]
+                if r.op == "value":
+                    pos = kernels.positions(gaps, r.count)
+                    np.copyto(seg, src)
+                    seg[pos] = codes
+                else:  # one pass: copy each block of the base and add the decoded changes while in cache
+                    kernels.patch_codes(seg, src, gaps, codes)
         except IntegrityError:
             raise IntegrityError(f"delta record for {r.name!r} points past its segment") from None
         self.covered[r.name].append((r.start, r.start + r.count))
