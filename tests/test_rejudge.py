@@ -153,3 +153,40 @@ def test_an_older_version_after_a_newer_one_is_rebuilt_exactly_without_failed_at
     assert newer.gap > 10 * max(first.gap, 1e-4)  # v1's weights are not v0's: the rows' own logprobs moved
     assert (again.gap, again.dev_sum, again.var_sum) == (first.gap, first.dev_sum, first.var_sum)
     assert rejudge.published._syncer is not None and not rejudge.published._syncer.failures
+
+
+def test_prepare_does_the_first_checks_start_up_work_before_any_step_and_fetches_nothing(tmp_path):
+    """`Rejudge.prepare` (called as the trainer starts): the model holds the newest version it keeps and its
+    prefix tree is proven, so the first step's check pays neither; a plane that keeps nothing is left alone."""
+    import torch
+    from worker_support import create_signed_run
+
+    from pnyx.config import shipped_model_path
+    from pnyx.models import load_model
+    from pnyx.store import open_store
+    from pnyx.train import prefix_tree
+    from pnyx.train.published import PublishedModel
+    from pnyx.train.rejudge import Rejudge
+    from pnyx.weights.trust import run_verifier
+
+    store = open_store(tmp_path / "run")
+    manifest, _ = create_signed_run(store, {"worker": {}, "env": {}}, {"vocab_size": 10})
+    model_dir = shipped_model_path()
+    empty = PublishedModel(store, model_dir)
+    empty.trust = run_verifier(manifest)
+    assert Rejudge(empty).prepare() >= 0 and empty.version is None and empty._model is None  # nothing fetched
+
+    pm = PublishedModel(store, model_dir)
+    pm.trust = run_verifier(manifest)
+    state = {
+        k: v.detach().to(torch.bfloat16)
+        for k, v in load_model(model_dir, dtype="float32").state_dict().items()
+    }
+    pm.remember(0, "d0", state)
+    pm.remember(1, "d1", {k: v + 1 if v.is_floating_point() else v for k, v in state.items()})
+    assert pm.version is None  # remembered, not yet loaded
+    Rejudge(pm).prepare()
+    assert (pm.version, pm.digest) == (1, "d1")
+    assert prefix_tree._PROVEN.get(pm._model) is True  # proven once, here: the first check reuses it
+    name, param = next(iter(pm._params.items()))
+    assert torch.equal(param.detach(), (state[name] + 1).float())

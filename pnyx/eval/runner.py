@@ -141,7 +141,7 @@ def heldout_tasks(env: Environment, n: int, seed: int = 0) -> list[Task]:
     return env.sample("test", seed, n)
 
 
-def _is_correct(score: Score) -> bool:
+def is_correct(score: Score) -> bool:
     """Full marks: the verifier's `correct` part when it reports one, else reward == 1."""
     if "correct" in score.parts:
         return score.parts["correct"] >= 1.0 - 1e-9
@@ -206,7 +206,7 @@ def evaluate_model(
         outs = sample_env(engine, env, [p for _, p in chunk], [tasks[i] for i, _ in chunk], params)
         for (i, _), out in zip(chunk, outs, strict=True):
             score = env.score(tasks[i], out.text)
-            ok = _is_correct(score)
+            ok = is_correct(score)
             correct[i] += ok
             formatted += _has_format(score)
             tally = by_search[getattr(out, "num_tool_calls", 0) > 0]

@@ -120,6 +120,9 @@ class Trainer:
             self.manifest, self.trust = opened.manifest, opened.trust
             if self.resume:
                 restore(self, opened.published)
+            rejudge = self.parts.rejudge
+            if self.parts.dist.is_main and rejudge is not None:
+                log.info("trainer: exact checks prepared in %.2fs", rejudge.prepare())
 
     def load(self, run: RunManifest) -> None:
         """Load the parts for the existing `run` without joining it or restoring a checkpoint: the weights

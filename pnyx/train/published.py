@@ -95,6 +95,11 @@ class PublishedModel:
         self.version, self.digest = version, digest
         return model
 
+    @property
+    def kept(self) -> list[int]:
+        """The versions whose verified states are in memory (moving the model to one of them fetches nothing)."""
+        return sorted(self._states)
+
     def remember(self, version: int, digest: str, tensors: dict[str, torch.Tensor]) -> None:
         """Keep `version`'s state as this trainer has just published it (`Publisher.published_tensors`: the
         very bits it uploaded, chain digest `digest`), so a check of that version neither fetches nor

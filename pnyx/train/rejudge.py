@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping
 from typing import Literal
 
@@ -107,6 +108,23 @@ class Rejudge:
                 log.warning("trainer: cannot check draws against v%d (%s)", version, e)
             self.draw_rows += len(idx)
         return out
+
+    def prepare(self) -> float:
+        """Start-up work of the first check, done before the first step instead of inside it: each plane's
+        model loaded with the newest version it keeps (the first load copies the whole state in) and its way
+        of sharing work between rows chosen (`sharing_of`: the prefix tree's proof is a few forwards). Nothing
+        is fetched: a plane that keeps no version yet (a resumed run before its first publish) is left as
+        is. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        for pm in self.planes.values():
+            if pm.trust is None or not pm.kept:
+                continue
+            with pm.lock:
+                try:
+                    sharing_of(pm.at(max(pm.kept)))
+                except PnyxError as e:  # the first check fails closed on its own; nothing to decide here
+                    log.warning("trainer: exact checks not prepared on the %s plane: %s", pm.plane, e)
+        return time.perf_counter() - t0
 
     def _exact(self, rows: list[Row], version: int, digest: str) -> list[float]:
         """The rows' largest distances under the plane of `version` whose chain digest is `digest`."""
