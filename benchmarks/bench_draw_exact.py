@@ -17,7 +17,9 @@ Then the drift probe's forward of 4 rows, padded against the prefix tree (`Forwa
 forward of the model costs by its token count (1, 16, 64). Beside it, what moving the exact model one
 version forward costs: syncing the version from the store
 (download, decode, verify the hash chain; what every step paid before the trainer handed its own published
-states over) against copying in the state the trainer remembered (`PublishedModel.remember`).
+states over) against copying in the state the trainer remembered (`PublishedModel.remember`). And what a
+skip record's audit costs (the exact check of its draws, `Rejudge.draws` on its rows, the model already at
+its version), for each skip record sampled at the version.
 
     python benchmarks/bench_draw_exact.py --run runs/<smollm2 recipe run> --version 1 --staleness 1
 """
@@ -98,6 +100,21 @@ def main() -> None:
         t0 = time.perf_counter()
         published.at(newer)
         switch["remembered"].append(time.perf_counter() - t0)
+
+    from pnyx.protocol import layout
+    from pnyx.train.rejudge import Rejudge
+
+    audits: list[tuple[float, int, int]] = []  # a skip record's audit: (seconds, rows, completion tokens)
+    rejudge = Rejudge(published)
+    with published.lock:
+        published.at(v)  # as in a run: the model already at the version (moving it is timed above)
+        for g in (g for g in groups if layout.is_skip_key(g.key)):
+            audit_rows = build_rows([g])
+            t0 = time.perf_counter()
+            rejudge.draws(audit_rows)  # what `TrainerLoop._audit_skip_draws` runs per skip record
+            audits.append(
+                (time.perf_counter() - t0, len(audit_rows), sum(len(r.completion) for r in audit_rows))
+            )
 
     with published.lock:
         trainer = published.at(newer)
@@ -192,6 +209,13 @@ def main() -> None:
         f"  the exact model from v{v} to v{newer}: {synced:.3f} s synced from the store (one delta, verified) "
         f"and copied in, {kept:.3f} s from the state the trainer remembered"
     )
+    if audits:
+        print(
+            f"  a skip record's audit at v{v} ({len(audits)} records): median "
+            f"{statistics.median(a[0] for a in audits):.3f} s per group of "
+            f"{statistics.median(a[1] for a in audits):.0f} rows, "
+            f"{statistics.median(a[2] for a in audits):.0f} completion tokens"
+        )
 
 
 if __name__ == "__main__":

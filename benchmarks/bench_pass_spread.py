@@ -53,12 +53,9 @@ def main() -> None:
         sys.exit("--groups must be at least 2: one or more to rank by, the last one to test")
     import torch
 
-    from pnyx.config import config_from_dict, resolve_env_kwargs
-    from pnyx.eval.runner import VersionEvaluator, is_correct
-    from pnyx.models import render_prompt
+    from pnyx.config import config_from_dict, resolve_env_kwargs, resolve_max_new_tokens
+    from pnyx.eval.runner import VersionEvaluator, is_correct, scored_samples
     from pnyx.models.source import resolve_run_model
-    from pnyx.rollout.cohort import sample_env
-    from pnyx.rollout.sampling import SamplingParams
     from pnyx.store import open_store
     from pnyx.weights import TrustedWeights
 
@@ -67,7 +64,7 @@ def main() -> None:
     cfg = config_from_dict(weights.run.config or {}, source="run.json")
     source = resolve_run_model(weights.run.model or {}, cfg.model.path, cfg.model.revision, check="tokenizer")
     ev = VersionEvaluator(weights, source.folder, cfg.env.name, resolve_env_kwargs(cfg), tasks=1)
-    env, engine = ev.env, ev.engine
+    env = ev.env
     seen: set = set()
     tasks = []
     for t in env.sample("train", 20261204, args.tasks * 8):
@@ -77,30 +74,23 @@ def main() -> None:
             tasks.append(t)
         if len(tasks) == args.tasks:
             break
-    ev.weights.manifest(args.version)
-    ev.syncer.sync(to_version=args.version)
-    engine.update(args.version, ev.syncer.state, ev.syncer.manifest)
-    prompts = [render_prompt(engine.tokenizer, t.prompt) for t in tasks]
-    g, n = args.group_size, args.group_size * args.groups
-    flat = [i for i in range(len(tasks)) for _ in range(n)]
+    ev.load(args.version)
+    w = cfg.worker
+    sampling = {
+        "temperature": w.temperature, "top_p": w.top_p, "top_k": w.top_k,
+        "max_new_tokens": resolve_max_new_tokens(w.max_new_tokens, env),
+    }  # fmt: skip
+    g = args.group_size
     passed = [[0] * args.groups for _ in tasks]  # per problem, per group: passes
     done = collections.Counter()
-    for b, start in enumerate(range(0, len(flat), 64)):
-        chunk = flat[start : start + 64]
-        params = SamplingParams(
-            temperature=cfg.worker.temperature,
-            top_p=cfg.worker.top_p,
-            top_k=cfg.worker.top_k,
-            max_new_tokens=env.max_new_tokens,
-            stop=list(env.stop_strings),
-            seed=b + 1,
-        )
-        outs = sample_env(engine, env, [prompts[i] for i in chunk], [tasks[i] for i in chunk], params)
-        for i, out in zip(chunk, outs, strict=True):
-            passed[i][done[i] // g] += is_correct(env.score(tasks[i], out.text))
-            done[i] += 1
-        if b % 10 == 0:
-            print(f"  {min(start + 64, len(flat))}/{len(flat)} samples", file=sys.stderr, flush=True)
+    total = len(tasks) * g * args.groups
+    for k, (i, _, score) in enumerate(
+        scored_samples(ev.engine, env, tasks, g * args.groups, sampling, seed=1)
+    ):
+        passed[i][done[i] // g] += is_correct(score)
+        done[i] += 1
+        if (k + 1) % 640 == 0 or k + 1 == total:
+            print(f"  {k + 1}/{total} samples", file=sys.stderr, flush=True)
 
     first = collections.Counter(row[0] for row in passed)
     zv = sum(1 for row in passed if row[0] in (0, g)) / len(tasks)

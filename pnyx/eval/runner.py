@@ -26,7 +26,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,8 @@ from pnyx.store import Store
 
 if TYPE_CHECKING:
     from pnyx.rollout.engines import EngineName, WorkerEngine
+    from pnyx.rollout.episodes import Episode
+    from pnyx.rollout.sampling import Completion
     from pnyx.weights.trusted import TrustedWeights
 
 Z95 = 1.959963984540054
@@ -175,9 +177,6 @@ def evaluate_model(
     means the environment's budget. The first `examples` completion texts are kept in the report.
     """
     from pnyx.config import resolve_max_new_tokens
-    from pnyx.models import render_prompt
-    from pnyx.rollout.cohort import sample_env
-    from pnyx.rollout.sampling import SamplingParams
 
     if samples < 1:
         raise ConfigError(f"samples per task must be >= 1, got {samples}")
@@ -187,35 +186,22 @@ def evaluate_model(
     budget = resolve_max_new_tokens(max_new_tokens, env)
     t0 = time.perf_counter()
     multi_turn = bool(getattr(env, "tool_stops", []))
-    prompts = [render_prompt(engine.tokenizer, t.prompt) for t in tasks]
-    flat = [(i, prompts[i]) for i in range(len(tasks)) for _ in range(samples)]
     correct = [0] * len(tasks)
     formatted = ntokens = 0
     by_search = {True: [0, 0], False: [0, 0]}  # searched? -> [correct, total]
     kept: list[str] = []
-    for b, start in enumerate(range(0, len(flat), batch_size)):
-        chunk = flat[start : start + batch_size]
-        params = SamplingParams(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            max_new_tokens=budget,
-            stop=list(env.stop_strings),
-            seed=seed * 1_000_003 + b,
-        )
-        outs = sample_env(engine, env, [p for _, p in chunk], [tasks[i] for i, _ in chunk], params)
-        for (i, _), out in zip(chunk, outs, strict=True):
-            score = env.score(tasks[i], out.text)
-            ok = is_correct(score)
-            correct[i] += ok
-            formatted += _has_format(score)
-            tally = by_search[getattr(out, "num_tool_calls", 0) > 0]
-            tally[0] += ok
-            tally[1] += 1
-            ntokens += len(out.tokens)
-            if len(kept) < examples:
-                kept.append(out.text)
-    total = len(flat)
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": budget}
+    for i, out, score in scored_samples(engine, env, tasks, samples, sampling, seed, batch_size):
+        ok = is_correct(score)
+        correct[i] += ok
+        formatted += _has_format(score)
+        tally = by_search[getattr(out, "num_tool_calls", 0) > 0]
+        tally[0] += ok
+        tally[1] += 1
+        ntokens += len(out.tokens)
+        if len(kept) < examples:
+            kept.append(out.text)
+    total = len(tasks) * samples
     searched = by_search[True][1]
     lo, hi = pass_at_1_interval(correct, samples)
     return EvalReport(
@@ -237,6 +223,32 @@ def evaluate_model(
         created_at=time.time(),
         examples=kept,
     )
+
+
+def scored_samples(
+    engine: WorkerEngine,
+    env: Environment,
+    tasks: Sequence[Task],
+    samples: int,
+    sampling: Mapping[str, Any],
+    seed: int = 0,
+    batch_size: int = 64,
+) -> Iterator[tuple[int, Completion | Episode, Score]]:
+    """(task index, completion, score) of `samples` completions per task, task by task (a task's samples
+    come one after another), generated in batches of `batch_size` with `sampling` (`SamplingParams`' fields
+    but `stop` and `seed`: the env's stop strings, a seed per batch derived from `seed`)."""
+    from pnyx.models import render_prompt
+    from pnyx.rollout.cohort import sample_env
+    from pnyx.rollout.sampling import SamplingParams
+
+    prompts = [render_prompt(engine.tokenizer, t.prompt) for t in tasks]
+    flat = [i for i in range(len(tasks)) for _ in range(samples)]
+    for b, start in enumerate(range(0, len(flat), batch_size)):
+        chunk = flat[start : start + batch_size]
+        params = SamplingParams(**sampling, stop=list(env.stop_strings), seed=seed * 1_000_003 + b)
+        outs = sample_env(engine, env, [prompts[i] for i in chunk], [tasks[i] for i in chunk], params)
+        for i, out in zip(chunk, outs, strict=True):
+            yield i, out, env.score(tasks[i], out.text)
 
 
 def _rate(hits: int, n: int) -> float | None:
@@ -334,16 +346,7 @@ class VersionEvaluator:
         UntrustedWeightsError (nothing loaded) unless the run's trainer key signed `version`;
         IntegrityError (nothing sampled) unless the engine proves it computes with exactly that version,
         as a worker does before it generates (`pnyx.rollout.engines.base`)."""
-        self.weights.manifest(version)  # refuses a version the trainer did not sign, before any download
-        got, _ = self.syncer.sync(to_version=version)
-        if got != version:
-            raise ConfigError(f"asked to evaluate version {version} but the store served version {got}")
-        proof = self.engine.update(version, self.syncer.state, self.syncer.manifest)
-        if proof.chain_digest != self.syncer.digest:
-            raise IntegrityError(
-                f"v{version}: the {self.engine.name} engine proved {proof.chain_digest}, the syncer holds "
-                f"{self.syncer.digest}; refusing to evaluate"
-            )
+        digest = self.load(version)
         report = evaluate_model(
             self.engine,
             self.env,
@@ -354,8 +357,22 @@ class VersionEvaluator:
             **self.sampling,
         )
         report.version = version
-        report.digest = proof.chain_digest
+        report.digest = digest
         return report
+
+    def load(self, version: int) -> str:
+        """Load exactly `version` into the engine (see `evaluate`); returns the chain digest it proved."""
+        self.weights.manifest(version)  # refuses a version the trainer did not sign, before any download
+        got, _ = self.syncer.sync(to_version=version)
+        if got != version:
+            raise ConfigError(f"asked to evaluate version {version} but the store served version {got}")
+        proof = self.engine.update(version, self.syncer.state, self.syncer.manifest)
+        if proof.chain_digest != self.syncer.digest:
+            raise IntegrityError(
+                f"v{version}: the {self.engine.name} engine proved {proof.chain_digest}, the syncer holds "
+                f"{self.syncer.digest}; refusing to evaluate"
+            )
+        return proof.chain_digest
 
     def close(self) -> None:
         """Release what the engine holds (a vLLM engine's processes, for one)."""
