@@ -26,8 +26,10 @@ cursor: rejected with a reason, trained on, stale, or still waiting at the end.
   `sybil_cherry` is the within-group picker with a fresh key per group; the harm is the held-out answers'
   length after `--poison-steps`, beside the same arm undefended (`cherry_*_undefended`) and `none`;
   `cherry_whole_skip` announces the groups it keeps back as skip records (honest tokens), `cherry_whole_forged`
-  forges them to zero variance, `sybil_whole` is the whole-group picker with a fresh key per group (detection
-  counts groups; the skip records' verdicts are `hostile_skips`);
+  forges them to zero variance, `cherry_whole_reuse` never uploads a group it does not want and draws its
+  next group under the same seq (with another task: no gap, no skip record), `sybil_whole` is the
+  whole-group picker with a fresh key per group (detection counts groups; the skip records' verdicts are
+  `hostile_skips`);
 - the flooder uploads `--flood` groups per step (over the run's flood limit), the `eager` control 8 x
   `--hostile` (under it: not an attack, it shows the fair share); the Sybil is a copier, a reward liar and
   a poisoner in turn with a fresh key per group, the Sybil temperature liar apart (the statistical attack
@@ -60,7 +62,8 @@ sys.path.insert(0, str(REPO))
 ARMS = [
     "none", "copier", "temperature_liar", "reward_liar", "replayer", "flooder", "eager", "id_thief",
     "weight_forger", "fork_squatter", "sybil", "sybil_temperature_liar", "poisoner",
-    "cherry_within", "sybil_cherry", "cherry_whole", "cherry_whole_skip", "cherry_whole_forged", "sybil_whole",
+    "cherry_within", "sybil_cherry", "cherry_whole", "cherry_whole_skip", "cherry_whole_forged",
+    "cherry_whole_reuse", "sybil_whole",
 ]  # fmt: skip
 HARM_ARMS = ("poisoner", "cherry_within", "cherry_whole")
 """Arms run for `--poison-steps` beside an undefended twin (`<arm>_undefended`: the checks off), so the
@@ -163,6 +166,7 @@ def attacker(name: str, arena: Any) -> Any:
         "sybil_cherry": lambda: A.Sybil("sybil-p", source=name, inner="cherry_picker"),
         "cherry_whole_skip": lambda: A.CherryPicker("picker-s", source=name, form="whole_skip"),
         "cherry_whole_forged": lambda: A.CherryPicker("picker-f", source=name, form="whole_forged"),
+        "cherry_whole_reuse": lambda: A.CherryPicker("picker-r", source=name, form="whole_reuse"),
         "sybil_whole": lambda: A.Sybil("sybil-w", source=name, inner="cherry_whole"),
     }[name]()
 

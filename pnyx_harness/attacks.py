@@ -314,7 +314,7 @@ def brevity(group: Any) -> float:
     return sum(wrong) / len(wrong) - sum(right) / len(right)
 
 
-WHOLE_FORMS = ("whole", "whole_skip", "whole_forged")
+WHOLE_FORMS = ("whole", "whole_skip", "whole_forged", "whole_reuse")
 """The cherry-picker's forms that choose whole groups (`CherryPicker`)."""
 
 
@@ -330,12 +330,18 @@ class CherryPicker(Producer):
     - `form="whole_skip"`: the same choice, and each group it keeps back is announced as a skip record (as
       if it had zero variance) with its honest tokens;
     - `form="whole_forged"`: the same, with the skip record's samples forged to zero variance (every sample
-      a copy of the first)."""
+      a copy of the first);
+    - `form="whole_reuse"`: the same choice, and a group it does not want (zero variance included) is never
+      uploaded: its seq is used again for the next draw, with another task (the worker chooses its tasks
+      and the seed names the task), so its seqs stay contiguous and nothing in the store shows a draw it
+      dropped."""
 
     form: str = "within"
     pool: int = 4
 
     def produce(self, arena: Arena, n: int) -> list[Upload]:
+        if self.form == "whole_reuse":
+            return self._reusing(arena, n)
         if self.form in WHOLE_FORMS:
             out: list[Upload] = []
             kept = 0
@@ -359,6 +365,19 @@ class CherryPicker(Producer):
         return [
             self.pack(g) for g in (picked_group(self, arena, self.pool) for _ in range(n)) if g is not None
         ]
+
+    def _reusing(self, arena: Arena, n: int) -> list[Upload]:
+        out: list[Upload] = []
+        for _ in range(50 * n + 10):
+            if len(out) >= n:
+                break
+            seq = self.seq
+            group = self.draw(arena, self.tasks(arena, 1))[0]  # drawn under `seq`
+            if brevity(group) > 0:
+                out.append(self.pack(group))
+            else:
+                self.seq = seq  # dropped unseen: the next draw takes the same seq
+        return out
 
 
 def picked_group(producer: Producer, arena: Arena, pool: int = 4) -> Any | None:

@@ -27,6 +27,13 @@ WHOLE_GROUP_PICKER = (
     "only standing for new keys can bind it)"
 )
 
+SEQ_REUSING_PICKER = (
+    "a one-key whole-group picker that draws its next group under the seq of a group it dropped (with another "
+    "task: a worker chooses its tasks, and the seed names the task) leaves no gap and no skip record; every "
+    "group it uploads is an honest, contiguous, signed draw (issue #25, open: only a commitment to the task "
+    "made before the draw's randomness is known binds it, docs/verifiable-sampling.md)"
+)
+
 HONEST = [HonestWorker("honest-1"), HonestWorker("honest-2")]
 
 
@@ -291,6 +298,34 @@ def test_sybil_whole_group_cherry_picker_is_detected(arena):
     """A fresh key per group, abandoned after a group it does not want: no seq of a key it keeps is empty."""
     _hostile_step(arena, A.Sybil("sybil-w", source="sybil_whole", inner="cherry_whole"), 4)
     assert_all_rejected(arena, "sybil_whole")
+
+
+def test_seq_reusing_picker_drops_draws_without_a_trace(arena):
+    """What the store shows of a picker that never uploads a group it does not want and draws the next one
+    under the same seq: contiguous seqs from 0, every group favouring short answers, no skip record, while
+    it drew more groups than it uploaded. (Whether the trainer rejects its groups: the strict xfail below.)"""
+    picker = A.CherryPicker("picker-r", source="cherry_reuse_probe", form="whole_reuse")
+    drawn = 0
+    draw = picker.draw
+
+    def counting(*a, **k):
+        nonlocal drawn
+        groups = draw(*a, **k)
+        drawn += len(groups)
+        return groups
+
+    picker.draw = counting  # type: ignore[method-assign]
+    ups = picker.uploads(arena, 6)
+    seqs = sorted(layout.parse_rollout_key(u.key)[2] for u in ups)
+    assert seqs == list(range(len(ups))) and len(ups) == 6, seqs
+    assert not any(layout.is_skip_key(u.key) for u in ups)
+    assert drawn > len(ups), (drawn, len(ups))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SEQ_REUSING_PICKER)
+def test_seq_reusing_whole_group_picker_is_detected(arena):
+    _hostile_step(arena, A.CherryPicker("picker-r", source="cherry_reuse", form="whole_reuse"), 4)
+    assert_all_rejected(arena, "cherry_reuse")
 
 
 def _picker_report(arena: Arena, picker: Producer) -> dict:

@@ -20,6 +20,11 @@ under any name), is counted as **gaps**: `gap` faults of the name's key. Only na
 bound to a key are judged; the others' seqs are forgotten (`forget`). A book holds the seqs of versions
 not swept yet; books of names with nothing listed and bound to no key are dropped at the sweep (`prune`).
 
+What gaps do not show: a worker that reuses a seq. The seq is reserved only in the worker's memory and
+the worker chooses its tasks, so it can draw its next group under the seq of one it did not want (with
+another task) and leave no gap (the attack suite's `CherryPicker(form="whole_reuse")`; a commitment to
+the task before the draw's randomness is known would bind it: docs/verifiable-sampling.md).
+
 Not built: holding a group back while a seq below it is missing (so a worker's groups after one it kept
 back are never trained on). Tried: a late upload lands in a version the trainer has already swept and
 never lists again, so the groups after it waited for good (a tiny `pnyx run` starved at v80).
