@@ -27,7 +27,8 @@ cursor: rejected with a reason, trained on, stale, or still waiting at the end.
   length after `--poison-steps`, beside the same arm undefended (`cherry_*_undefended`) and `none`;
   `cherry_whole_skip` announces the groups it keeps back as skip records (honest tokens), `cherry_whole_forged`
   forges them to zero variance, `cherry_whole_reuse` never uploads a group it does not want and draws its
-  next group under the same seq (with another task: no gap, no skip record), `sybil_whole` is the
+  next group under the same seq (with another task: no gap, no skip record; `_even` keeps a property
+  unrelated to how likely its tokens are: an even count of right-sample tokens), `sybil_whole` is the
   whole-group picker with a fresh key per group (detection counts groups; the skip records' verdicts are
   `hostile_skips`);
 - the flooder uploads `--flood` groups per step (over the run's flood limit), the `eager` control 8 x
@@ -63,7 +64,7 @@ ARMS = [
     "none", "copier", "temperature_liar", "reward_liar", "replayer", "flooder", "eager", "id_thief",
     "weight_forger", "fork_squatter", "sybil", "sybil_temperature_liar", "poisoner",
     "cherry_within", "sybil_cherry", "cherry_whole", "cherry_whole_skip", "cherry_whole_forged",
-    "cherry_whole_reuse", "sybil_whole",
+    "cherry_whole_reuse", "cherry_whole_reuse_even", "sybil_whole",
 ]  # fmt: skip
 HARM_ARMS = ("poisoner", "cherry_within", "cherry_whole")
 """Arms run for `--poison-steps` beside an undefended twin (`<arm>_undefended`: the checks off), so the
@@ -167,6 +168,9 @@ def attacker(name: str, arena: Any) -> Any:
         "cherry_whole_skip": lambda: A.CherryPicker("picker-s", source=name, form="whole_skip"),
         "cherry_whole_forged": lambda: A.CherryPicker("picker-f", source=name, form="whole_forged"),
         "cherry_whole_reuse": lambda: A.CherryPicker("picker-r", source=name, form="whole_reuse"),
+        "cherry_whole_reuse_even": lambda: A.CherryPicker(
+            "picker-e", source=name, form="whole_reuse", wants="even"
+        ),
         "sybil_whole": lambda: A.Sybil("sybil-w", source=name, inner="cherry_whole"),
     }[name]()
 

@@ -314,6 +314,8 @@ def brevity(group: Any) -> float:
     return sum(wrong) / len(wrong) - sum(right) / len(right)
 
 
+WANTS = ("short", "even")
+"""What a whole-group cherry-picker can keep (`CherryPicker.wants`)."""
 WHOLE_FORMS = ("whole", "whole_skip", "whole_forged", "whole_reuse")
 """The cherry-picker's forms that choose whole groups (`CherryPicker`)."""
 
@@ -338,6 +340,18 @@ class CherryPicker(Producer):
 
     form: str = "within"
     pool: int = 4
+    wants: str = "short"
+    """What a whole-group form keeps (`WANTS`): "short", groups that favour short answers (`brevity` > 0);
+    "even", mixed groups whose right samples hold an even number of model tokens in all, a choice that
+    has nothing to do with how likely the tokens are."""
+
+    def wanted(self, group: Any) -> bool:
+        if self.wants not in WANTS:
+            raise ValueError(f"cherry-picker wants must be one of {WANTS}, got {self.wants!r}")
+        if self.wants == "short":
+            return brevity(group) > 0
+        right = [sum(s.loss_mask) for s in group.samples if s.reward >= 1.0]
+        return 0 < len(right) < len(group.samples) and sum(right) % 2 == 0
 
     def produce(self, arena: Arena, n: int) -> list[Upload]:
         if self.form == "whole_reuse":
@@ -349,7 +363,7 @@ class CherryPicker(Producer):
                 if kept >= n:
                     break
                 for g in self.sampled(arena, 1):
-                    if brevity(g) > 0:
+                    if self.wanted(g):
                         kept += 1
                         out.append(self.pack(g))
                     elif self.form == "whole_skip":
@@ -373,7 +387,7 @@ class CherryPicker(Producer):
                 break
             seq = self.seq
             group = self.draw(arena, self.tasks(arena, 1))[0]  # drawn under `seq`
-            if brevity(group) > 0:
+            if self.wanted(group):
                 out.append(self.pack(group))
             else:
                 self.seq = seq  # dropped unseen: the next draw takes the same seq
