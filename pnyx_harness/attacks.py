@@ -25,8 +25,9 @@ base `Producer` and the `HonestWorker` are in `producer.py`):
 - `Sybil`: a copier, reward liar, poisoner or temperature liar with a fresh key and a fresh name for every
   group, so per-key quotas and quarantine never bind.
 - `CherryPicker`: honest samples, chosen: within a group (the shortest right and longest wrong samples of
-  several honest groups of one task, uploaded as one group) or whole groups (only those that already
-  favour short answers are uploaded). Every sample is an honest draw with exact logprobs.
+  several honest groups of one task, uploaded as one group) or whole groups (only those it wants are
+  uploaded; the others left as gaps, announced as skip records, forged, or dropped with their seq reused
+  for the next draw). Every sample is an honest draw with exact logprobs.
 - `Poisoner`: correct answers carrying a payload the model would never sample (`PAYLOAD` before the answer
   tag), half of each group, beside wrong honest samples so the payload gets a positive advantage; claimed
   logprobs are the model's own for those tokens (ratio, gate and logprob gap look clean).
