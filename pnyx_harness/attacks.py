@@ -436,3 +436,55 @@ def poisoned_groups(producer: Producer, arena: Arena, n: int, payload: str = PAY
             if any(s.reward < 1.0 for s in g.samples[len(g.samples) - len(g.samples) // 2 :]):
                 out.append(poisoned_group(arena, g, t, payload))
     return out[:n]
+
+
+EPISODE_FORMS = ("tool_answer", "truncate", "unseeded_skip")
+"""What an `EpisodeForger` forges (the red-team review of 2026-12-04)."""
+
+
+@dataclass
+class EpisodeForger(Producer):
+    """Honest seeded draws, with what the draw check cannot see changed (`form`, one of `EPISODE_FORMS`):
+
+    - `"tool_answer"`: every sample gets an answer appended as tool tokens (loss mask 0, no uniform), right
+      on even samples and wrong on odd ones, so the worker sets every reward (arith has no tool);
+    - `"truncate"`: each right sample is cut before its last two tokens (a prefix of an honest draw is a run
+      of honest draws), so the worker chooses which right answers count as wrong;
+    - `"unseeded_skip"`: each group it keeps back is announced as a skip record with no seeded draws and
+      made-up all-wrong samples (zero variance on re-score), so its seq is filled by a record no draw check
+      reads."""
+
+    form: str = "tool_answer"
+
+    def produce(self, arena: Arena, n: int) -> list[Upload]:
+        if self.form not in EPISODE_FORMS:
+            raise ValueError(f"episode forger form must be one of {EPISODE_FORMS}, got {self.form!r}")
+        out: list[Upload] = []
+        for g in self.sampled(arena, n):
+            task = arena.env.task(g.task_id)
+            if self.form == "unseeded_skip":
+                fake = _fabricate(arena, task, ["<answer>-1</answer>"] * len(g.samples))
+                out.append(self.pack(msgspec.structs.replace(g, samples=fake, draws=""), skip=True))
+                continue
+            samples = [self._forged(arena, task, s, i) for i, s in enumerate(g.samples)]
+            out.append(self.pack(msgspec.structs.replace(g, samples=samples)))
+        return out
+
+    def _forged(self, arena: Arena, task: Any, s: Any, i: int) -> Any:
+        tokens, logprobs, mask = list(s.tokens), list(s.logprobs), list(s.loss_mask)
+        if self.form == "tool_answer":
+            answer = str(task.answer) if i % 2 == 0 else f"{task.answer}9"
+            extra = [
+                int(t) for t in arena.tokenizer.encode(f"<answer>{answer}</answer>", add_special_tokens=False)
+            ]
+            tokens, logprobs, mask = tokens + extra, logprobs + [0.0] * len(extra), mask + [0] * len(extra)
+        elif s.reward >= 1.0 and len(tokens) > 2:
+            tokens, logprobs, mask = tokens[:-2], logprobs[:-2], mask[:-2]
+        text = arena.tokenizer.decode(tokens, skip_special_tokens=True)
+        return msgspec.structs.replace(
+            s,
+            tokens=tokens,
+            logprobs=logprobs,
+            loss_mask=mask,
+            reward=float(arena.env.score(task, text).reward),
+        )

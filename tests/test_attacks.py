@@ -376,3 +376,30 @@ def test_honest_skip_records_pass_their_audit(arena):
     for h in HONEST:
         report = _picker_report(arena, h)
         assert report["counts"].get("false_skip", 0) == 0 and report["quarantined"] is None, report
+
+
+def test_answers_appended_as_tool_tokens_are_rejected(arena):
+    """Tool tokens (loss mask 0) take no uniform, so the draw check passes them; arith has no tool, and a
+    worker that appends a right or wrong answer as tool tokens would set every sample's reward. Each group
+    is `forged_episode` (`pnyx.train.episode_check`)."""
+    _hostile_step(arena, A.EpisodeForger("ep-tool", source="episode_tool", form="tool_answer"), 4)
+    assert_all_rejected(arena, "episode_tool", {"forged_episode", "quarantined"})
+
+
+def test_right_samples_cut_short_are_rejected(arena):
+    """A prefix of an honest draw is a run of honest draws: a worker cutting its right samples short would
+    choose which answers count. The engine stops only at EOS, a stop string or the budget; a sample that
+    ends anywhere else is `forged_episode`."""
+    forger = A.EpisodeForger("ep-cut", source="episode_cut", form="truncate")
+    _hostile_step(arena, forger, 4)
+    assert_all_rejected(arena, "episode_cut", {"forged_episode", "quarantined"})
+
+
+def test_a_skip_record_without_seeded_draws_is_a_false_skip(arena):
+    """A skip record with no seeded draws and made-up all-wrong samples re-scores as zero variance, and no
+    draw check reads it; under seeded draws such a record is a `false_skip`, and its key is quarantined."""
+    forger = A.EpisodeForger("ep-skip", source="episode_skip", form="unseeded_skip")
+    _hostile_step(arena, forger, 3)
+    report = _picker_report(arena, forger)
+    assert "false skip" in (report["quarantined"] or ""), report
+    assert arena.tally("episode_skip").get("false_skip", 0) >= 1, arena.tally("episode_skip")

@@ -214,7 +214,7 @@ def test_replaced_parameter_is_used_not_a_stale_fused_copy(tiny_model_dir, token
 
 @pytest.mark.parametrize("stop", ["é a", "</answer>", "🙂"], ids=["accent", "tag", "emoji"])
 def test_stop_matcher_fires_first_at_the_token_completing_a_multibyte_stop(tokenizer, stop):
-    from pnyx.rollout.sampling import StopMatcher
+    from pnyx.models.tokenizer import StopMatcher
 
     tokens = tokenizer.encode("un café au lait <answer>7</answer> 🙂 fin", add_special_tokens=False)
     first = next(k for k in range(1, len(tokens) + 1) if stop in tokenizer.decode(tokens[:k]))

@@ -10,7 +10,7 @@ produces a single rollout. Knows nothing about models, the store or RL; imports 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import xxhash
 
@@ -77,3 +77,37 @@ def tokenizer_digest(tokenizer_dir: str | Path) -> str:
     if not found:
         raise ConfigError(f"{folder} holds no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
     return h.hexdigest()
+
+
+class StopMatcher:
+    """Finds the first token whose text completes one of the stop strings, from a window of recent tokens."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str]):
+        self.tokenizer = tokenizer
+        self.stops = list(stops)
+        # Every token decodes to at least one byte, so a stop of n bytes is covered by its last n tokens;
+        # two more absorb a partial UTF-8 character at the window's start.
+        self.window = max((len(s.encode("utf-8")) for s in self.stops), default=0) + 2
+        self.last_chars = {s[-1] for s in self.stops}
+        self.token_text: dict[int, str] = {}
+
+    def could_end(self, token: int) -> bool:
+        """False if `token` cannot be the one completing a stop: a newly completed stop ends inside the
+        newest token's text, so that text must hold a stop's last character (unknown for tokens that
+        decode to nothing or to part of a UTF-8 character; those are always checked)."""
+        text = self.token_text.get(token)
+        if text is None:
+            text = self.token_text[token] = cast(
+                str, self.tokenizer.decode([token], skip_special_tokens=False)
+            )
+        return not text or "\ufffd" in text or any(c in text for c in self.last_chars)
+
+    def match(self, tokens: list[int]) -> str | None:
+        """The stop string the text of `tokens` now contains, checked after every appended token."""
+        if not self.stops or not self.could_end(tokens[-1]):
+            return None
+        tail = self.tokenizer.decode(tokens[-self.window :], skip_special_tokens=False)
+        for s in self.stops:
+            if s in tail:
+                return s
+        return None

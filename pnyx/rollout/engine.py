@@ -29,14 +29,13 @@ import torch
 
 from pnyx.errors import ConfigError
 from pnyx.models.logprobs import sampling_logprobs
-from pnyx.models.tokenizer import eos_token_ids
+from pnyx.models.tokenizer import StopMatcher, eos_token_ids
 from pnyx.rollout.decoder import FastSession, Parked, left_pad, open_session
 from pnyx.rollout.sampling import (
     COMPACT_FRACTION,
     Completion,
     FinishReason,
     SamplingParams,
-    StopMatcher,
     Turn,
 )
 

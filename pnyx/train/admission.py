@@ -28,6 +28,7 @@ from pnyx.protocol.rules import is_zero_variance
 from pnyx.security.keys import fingerprint
 from pnyx.store import Store
 from pnyx.train import seq_books
+from pnyx.train.episode_check import EpisodeRules
 from pnyx.train.key_ledger import KeyLedger, id_theft
 from pnyx.train.listing import Shared, WindowListings
 from pnyx.train.pool import DaemonPool
@@ -75,6 +76,8 @@ class Admission:
         self.expected_digest = expected_digest
         self.decode = decode
         self.check_draws = check_draws
+        self.episodes: EpisodeRules | None = None
+        """Tool replies and turn endings (`pnyx.train.episode_check`; set by the trainer's setup)."""
         """Whether a group may enter without seeded draws (`pnyx.train.drawcheck.unseeded_policy`): None, or
         a drop reason. Run on each admitted group that would otherwise be ready, outside the lock. The
         tokens themselves are checked by the step's forward (`pnyx.train.step`)."""
@@ -232,6 +235,7 @@ class Admission:
                 expected_digest=self.expected_digest,
                 render=self.render,
                 rendered=self._rendered,
+                episodes=self.episodes,
             )
         except RecordRejected as e:
             e.signer = signer  # the drop counts against the key that signed the record

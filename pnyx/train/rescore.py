@@ -19,6 +19,7 @@ from pnyx.envs.base import Environment, Prompt
 from pnyx.errors import ConfigError, RecordRejected
 from pnyx.protocol.records import RolloutGroup
 from pnyx.train.advantages import group_advantages
+from pnyx.train.episode_check import EpisodeRules
 from pnyx.train.ingest_state import IngestSettings
 
 REWARD_TOL = 1e-6
@@ -75,10 +76,12 @@ def rescore(
     expected_digest: Callable[[int], frozenset[str] | None] | None = None,
     render: Callable[[Prompt], list[int]] | None = None,
     rendered: dict[str, list[int]] | None = None,
+    episodes: EpisodeRules | None = None,
 ) -> ScoredGroup:
     """Validate the decoded `group` stored at `key` and re-score it (see the module docstring).
 
-    `settings` gives `advantage` and `adv_eps`; `rendered` caches rendered prompts by task id.
+    `settings` gives `advantage` and `adv_eps`; `rendered` caches rendered prompts by task id; `episodes`
+    checks every tool reply and turn ending (`forged_episode`) before anything is scored.
     """
     from pnyx.protocol import layout
 
@@ -117,6 +120,8 @@ def rescore(
             expected = cache[task.id] = list(render(task.prompt))
         if list(group.prompt_tokens) != expected:
             raise RecordRejected("prompt_mismatch", f"prompt tokens do not render task {task.id}")
+    if episodes is not None:
+        episodes.check(task, group)
     rewards, parts = [], []
     for s in group.samples:
         score = env.score(task, detokenize(list(s.tokens)))

@@ -18,6 +18,7 @@ from concurrent.futures import wait as wait_futures
 
 from pnyx.errors import NotFoundError, RecordRejected, StoreUnavailableError
 from pnyx.protocol import layout
+from pnyx.protocol.draws import SCHEME
 from pnyx.protocol.rules import is_zero_variance
 from pnyx.train.ingest_state import Cursor, IngestSettings
 from pnyx.train.key_ledger import KeyLedger
@@ -48,6 +49,10 @@ class SkipAudits:
         self.skip_draw_audit = 1.0
         """Share of skip records with seeded draws queued for the exact check of their tokens, chosen at
         random (`take_draw_audits`; the trainer sets it from `security.skip_draw_audit`)."""
+        self.check_draws: Callable[[ScoredGroup], str | None] | None = None
+        """The admission's policy for unseeded groups (`drawcheck.unseeded_policy`), applied to skip records
+        too: a skip record without the run's seeded draws would fill its seq with a group no check can
+        see, so under seeded draws it is a `false_skip` (the trainer sets it with `security.seeded_draws`)."""
         self._audit_rng = random.SystemRandom()  # no worker can predict which skip records are checked
         self._draw_audits: deque[ScoredGroup] = deque(maxlen=MAX_DRAW_AUDITS)
 
@@ -107,10 +112,17 @@ class SkipAudits:
                     key, scored.signer, f"its re-scored rewards differ ({sorted(set(scored.rewards))})"
                 )
                 return
+            if self.check_draws is not None and (why := self.check_draws(scored)) is not None:
+                self._false_skip(key, scored.signer, f"{why} (draws {scored.group.draws!r})")
+                return
             self.cursor.rejected[key] = "skipped"  # audited: never trained on, never fetched again
             self._count_skip("audited")
             self.ledger.count_key(scored.signer, "skips")
-            if scored.group.draws and scored.signer and self._audit_rng.random() < self.skip_draw_audit:
+            if (
+                scored.group.draws == SCHEME
+                and scored.signer
+                and self._audit_rng.random() < self.skip_draw_audit
+            ):
                 self._draw_audits.append(scored)
 
     def _false_skip(self, key: str, fp: str, why: str) -> None:

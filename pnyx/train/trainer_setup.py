@@ -17,6 +17,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -179,7 +180,9 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
     from pnyx.config import resolve_device, resolve_env_kwargs, resolve_max_new_tokens
     from pnyx.envs import get_env
     from pnyx.models import load_model, load_tokenizer, render_prompt, resolve_run_model, tokenizer_digest
+    from pnyx.models.tokenizer import StopMatcher, eos_token_ids
     from pnyx.train.distributed import init_distributed, prepare_model, resolve_compute_dtype
+    from pnyx.train.episode_check import EpisodeRules
 
     t = cfg.trainer
     torch.manual_seed(cfg.run.seed)  # nothing in a step samples today; keeps any future use seeded
@@ -202,6 +205,7 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
             "trainer: %s, %d trainable parameters of %d", describe(t.lora),
             sum(p.numel() for p in model.parameters() if p.requires_grad), sum(p.numel() for p in model.parameters()),
         )  # fmt: skip
+    generation_config = getattr(model, "generation_config", None)  # its EOS ids end a worker's completion
     model = prepare_model(model, dist, compute_dtype, t.activation_checkpointing)
     tokenizer = load_tokenizer(model_dir)
     env = get_env(cfg.env.name, **resolve_env_kwargs(cfg))
@@ -256,8 +260,17 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         expected_digest=digests,
         require_signatures=True,  # every group signed by its worker's key (docs/security.md)
     )
+    ingestor.admission.episodes = EpisodeRules(
+        env=env,
+        eos_ids=frozenset(eos_token_ids(tokenizer, SimpleNamespace(generation_config=generation_config))),
+        stops=StopMatcher(tokenizer, [*env.stop_strings, *env.tool_stops]),
+        detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        tokenize=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
+        max_new_tokens=budget,
+    )
     if sec.seeded_draws:
         ingestor.admission.check_draws = unseeded_policy(sec.accept_unseeded, ingestor.settings.trusted_keys)
+        ingestor.skips.check_draws = ingestor.admission.check_draws
     ingestor.skips.skip_draw_audit = sec.skip_draw_audit if sec.seeded_draws else 0.0
     ingestor.admission.decode = hooks.decoder(ingestor.admission.decode)
     return TrainerParts(

@@ -24,7 +24,8 @@ import pnyx.rollout.engines.mlx_blas  # noqa: F401  before mlx.core: chooses the
 import mlx.core as mx
 # isort: on
 
-from pnyx.rollout.sampling import COMPACT_FRACTION, Completion, FinishReason, SamplingParams, StopMatcher
+from pnyx.models.tokenizer import StopMatcher
+from pnyx.rollout.sampling import COMPACT_FRACTION, Completion, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
