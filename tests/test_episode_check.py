@@ -98,12 +98,18 @@ def test_a_tool_reply_that_is_not_the_environments_is_rejected(tokenizer, search
         check, task, group(sample([parts[0], (enc(tokenizer, doc), 0), parts[2]]))
     )
     # a reply where the model made no call (text inserted into its own turn)
-    assert "no reply" in reason(check, task, group(sample([(enc(tokenizer, "<answer>"), 1), parts[1], parts[2]])))
+    assert "no reply" in reason(
+        check, task, group(sample([(enc(tokenizer, "<answer>"), 1), parts[1], parts[2]]))
+    )
     # a reply re-tokenized another way (the same text, other ids: another context for the next draws)
     ids = parts[1][0]
-    other = [t for t in (enc(tokenizer, tokenizer.decode(ids[:3])) + enc(tokenizer, tokenizer.decode(ids[3:])))]
+    other = [
+        t for t in (enc(tokenizer, tokenizer.decode(ids[:3])) + enc(tokenizer, tokenizer.decode(ids[3:])))
+    ]
     if other != ids:
-        assert "not the environment's reply" in reason(check, task, group(sample([parts[0], (other, 0), parts[2]])))
+        assert "not the environment's reply" in reason(
+            check, task, group(sample([parts[0], (other, 0), parts[2]]))
+        )
 
 
 def test_more_model_turns_than_the_environment_allows_are_rejected(tokenizer, searchqa):
