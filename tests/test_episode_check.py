@@ -145,3 +145,20 @@ def test_a_turn_before_a_tool_reply_must_end_with_the_tool_call(tokenizer, searc
     cut = [(call[:-3], 1), (call[-3:], 0)]
     with pytest.raises(RecordRejected):
         rules(env, tokenizer).check(task, group(sample([*cut, parts[1], parts[2]])))
+
+
+def test_a_tool_call_with_an_empty_reply_splits_the_run_into_two_turns(tokenizer, searchqa):
+    """The tool loop appends an empty reply as no tokens and goes on with the next turn: the model's run of
+    tokens then holds two turns, the first ending at the call. It passes; the same text where the env gives
+    a non-empty reply (so the loop would have inserted it) does not."""
+    env, task = searchqa
+
+    class Silent(type(env)):  # a tool that answers every call with nothing
+        def respond(self, task, text_so_far):
+            return "" if text_so_far.rstrip().endswith("</search>") else None
+
+    silent = Silent()
+    parts = honest_search(tokenizer, env, task)
+    run = [(parts[0][0] + parts[2][0], 1)]  # call, (empty reply), answer
+    rules(silent, tokenizer).check(task, group(sample(run)))
+    assert "past the stop" in reason(rules(env, tokenizer).check, task, group(sample(run)))

@@ -82,22 +82,45 @@ class EpisodeRules:
         runs = _runs(mask)
         if runs[0][2] == 0:
             raise _Forged("starts with tool tokens")
-        turns = sum(1 for r in runs if r[2])
-        max_turns = int(getattr(self.env, "max_turns", 1) or 1)
-        if turns > max_turns:
-            raise _Forged(f"{turns} model turns (the environment allows {max_turns})")
         for start, end, m in runs:
             if m == 0:
                 self._tool_reply(task, tokens, start, end)
+        turns = self._model_turns(task, tokens, runs)
+        max_turns = int(getattr(self.env, "max_turns", 1) or 1)
+        if len(turns) > max_turns:
+            raise _Forged(f"{len(turns)} model turns (the environment allows {max_turns})")
         if not seeded:
             return
         tool_stops = set(self.env.tool_stops)
+        for start, end, reply_follows in turns:
+            capped = end == len(tokens) and len(tokens) >= self.max_episode_tokens
+            self._turn_end(
+                tokens[start:end], capped=capped, tool_follows=reply_follows, tool_stops=tool_stops
+            )
+
+    def _model_turns(
+        self, task: Task, tokens: list[int], runs: list[tuple[int, int, int]]
+    ) -> list[tuple[int, int, bool]]:
+        """(start, end, a reply follows) of each model turn. A run of model tokens is one turn, unless a tool
+        call inside it got an empty reply (no tokens): the tool loop then went on with the next turn right
+        after the call, so the run is split there."""
+        turns: list[tuple[int, int, bool]] = []
+        tool_stops = set(self.env.tool_stops)
         for k, (start, end, m) in enumerate(runs):
-            if m:
-                follows = runs[k + 1][2] == 0 if k + 1 < len(runs) else None
-                capped = end == len(tokens) and len(tokens) >= self.max_episode_tokens
-                self._turn_end(tokens[start:end], capped=capped, tool_follows=bool(follows),
-                               tool_stops=tool_stops)  # fmt: skip
+            if not m:
+                continue
+            cur = start
+            if tool_stops:
+                for j in range(start + 1, end):
+                    if self.stops.match(tokens[cur:j]) in tool_stops and self._empty_reply(task, tokens[:j]):
+                        turns.append((cur, j, True))
+                        cur = j
+            turns.append((cur, end, k + 1 < len(runs)))
+        return turns
+
+    def _empty_reply(self, task: Task, before: list[int]) -> bool:
+        reply = self.env.respond(task, self.detokenize(before))
+        return reply is not None and not list(self.tokenize(reply))
 
     def _tool_reply(self, task: Task, tokens: list[int], start: int, end: int) -> None:
         if not self.env.tool_stops:
@@ -109,6 +132,7 @@ class EpisodeRules:
             raise _Forged(f"tool tokens at {start}-{end} are not the environment's reply")
 
     def _turn_end(self, turn: list[int], *, capped: bool, tool_follows: bool, tool_stops: set[str]) -> None:
+        """The engine's stop rules on one model turn (`tool_follows`: the tool loop answered its call)."""
         for j in range(1, len(turn)):  # what the engine checked after each token but the last
             if turn[j - 1] in self.eos_ids:
                 raise _Forged(f"continues past EOS at turn token {j - 1}")
