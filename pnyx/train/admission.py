@@ -2,12 +2,12 @@
 
 `Admission` is the `Ingestor`'s collaborator that reads records: `load` fetches one record, checks its
 signature and the name's binding before anything is decoded (`unsigned`, `bad_signature`, `id_theft`,
-`quarantined`), decodes and validates it (`rescore.decode_record`, `check_sampling`, `rescore`) and books its
-seq (`seq_books.verify`); `admit` files the result (ready, or rejected with its reason, counted per key) and
-`fetch` admits keys in parallel on the fetch pool. `read_signer` is the listing's sweep's view of one record
-(who signed it, whether it is seeded). Its hooks (`decode`, `render`, `expected_digest`, `check_draws`,
-`run_id`) are set by the trainer after the run is known, and by tests. Thread-safe through the shared lock;
-store I/O and scoring run outside it.
+`quarantined`), decodes and validates it (`rescore.decode_record`, `check_sampling`, `rescore` with the
+episode check) and books its seq (`seq_books.verify`); `admit` files the result (ready, or rejected with its
+reason, counted per key) and `fetch` admits keys in parallel on the fetch pool. `read_signer` is the
+listing's sweep's view of one record (who signed it, whether it is seeded). Its hooks (`decode`, `render`,
+`expected_digest`, `check_draws`, `episodes`, `run_id`) are set by the trainer after the run is known, and
+by tests. Thread-safe through the shared lock; store I/O and scoring run outside it.
 """
 
 from __future__ import annotations
@@ -76,11 +76,11 @@ class Admission:
         self.expected_digest = expected_digest
         self.decode = decode
         self.check_draws = check_draws
-        self.episodes: EpisodeRules | None = None
-        """Tool replies and turn endings (`pnyx.train.episode_check`; set by the trainer's setup)."""
         """Whether a group may enter without seeded draws (`pnyx.train.drawcheck.unseeded_policy`): None, or
         a drop reason. Run on each admitted group that would otherwise be ready, outside the lock. The
         tokens themselves are checked by the step's forward (`pnyx.train.step`)."""
+        self.episodes: EpisodeRules | None = None
+        """Tool replies and turn endings (`pnyx.train.episode_check`; set by the trainer's setup)."""
         self._pool: DaemonPool | None = None
         self._rendered: dict[str, list[int]] = {}
         self.fetched = 0
