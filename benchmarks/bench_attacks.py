@@ -31,6 +31,9 @@ cursor: rejected with a reason, trained on, stale, or still waiting at the end.
   unrelated to how likely its tokens are: an even count of right-sample tokens), `sybil_whole` is the
   whole-group picker with a fresh key per group (detection counts groups; the skip records' verdicts are
   `hostile_skips`);
+- episode forgers (the red-team review of 2026-12-04): `episode_tool` appends answers as tool tokens,
+  `episode_cut` cuts its right samples short, `episode_skip` announces kept-back groups as skip records
+  without seeded draws (its groups are honest: detection counts them, its skip records are `hostile_skips`);
 - the flooder uploads `--flood` groups per step (over the run's flood limit), the `eager` control 8 x
   `--hostile` (under it: not an attack, it shows the fair share); the Sybil is a copier, a reward liar and
   a poisoner in turn with a fresh key per group, the Sybil temperature liar apart (the statistical attack
@@ -64,7 +67,7 @@ ARMS = [
     "none", "copier", "temperature_liar", "reward_liar", "replayer", "flooder", "eager", "id_thief",
     "weight_forger", "fork_squatter", "sybil", "sybil_temperature_liar", "poisoner",
     "cherry_within", "sybil_cherry", "cherry_whole", "cherry_whole_skip", "cherry_whole_forged",
-    "cherry_whole_reuse", "cherry_whole_reuse_even", "sybil_whole",
+    "cherry_whole_reuse", "cherry_whole_reuse_even", "sybil_whole", "episode_tool", "episode_cut", "episode_skip",
 ]  # fmt: skip
 HARM_ARMS = ("poisoner", "cherry_within", "cherry_whole")
 """Arms run for `--poison-steps` beside an undefended twin (`<arm>_undefended`: the checks off), so the
@@ -171,6 +174,9 @@ def attacker(name: str, arena: Any) -> Any:
         "cherry_whole_reuse_even": lambda: A.CherryPicker(
             "picker-e", source=name, form="whole_reuse", wants="even"
         ),
+        "episode_tool": lambda: A.EpisodeForger("ep-tool", source=name, form="tool_answer"),
+        "episode_cut": lambda: A.EpisodeForger("ep-cut", source=name, form="truncate"),
+        "episode_skip": lambda: A.EpisodeForger("ep-skip", source=name, form="unseeded_skip"),
         "sybil_whole": lambda: A.Sybil("sybil-w", source=name, inner="cherry_whole"),
     }[name]()
 
