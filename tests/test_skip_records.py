@@ -205,3 +205,25 @@ def test_a_seq_far_above_a_names_others_is_settled_in_bounded_time_and_memory(st
     assert ing.cursor.gaps == top - 1
     assert ing.cursor.by_key[signer.fingerprint]["gap"] == top - 1
     assert signer.fingerprint in ing.cursor.quarantined
+
+
+@pytest.mark.parametrize("fetched_first", [False, True])
+def test_junk_squatting_a_seq_does_not_drop_the_names_own_record(store, fetched_first):
+    """Junk under a worker's name at the seq it is about to upload, listed first (a lower stamp), made the
+    worker's own record the `duplicate`: its group was lost and no one was blamed (the red-team review of
+    2026-12-04). The junk proves to be no record of the name (`bad_magic`) and the seq goes back to the
+    worker's record, whether the junk was fetched before the record was listed or after."""
+    signer = _signer()
+    put_signed(store, _seeded(make_group(0, "w", 0)), signer)
+    ing = signed_ingestor(store, max_staleness=0)
+    ing.poll(0)  # binds the name to its key
+    squat = layout.rollout_key(0, "w", 1, stamp_ms=1)  # listed before the worker's own seq 1
+    store.put(squat, b"junk", mode="create")
+    if fetched_first:
+        ing.poll(0)
+        assert ing.cursor.rejected[squat] == "bad_magic"
+    own = put_signed(store, _seeded(make_group(0, "w", 1, task_index=1)), signer)
+    ing.poll(0)
+    assert ing.cursor.rejected[squat] == "bad_magic"
+    assert own not in ing.cursor.rejected, ing.cursor.rejected
+    assert own in {g.key for g in ing.select(0, 10)}

@@ -85,6 +85,11 @@ class Shared:
     """Fetched, valid groups by key, until consumed or dropped."""
 
 
+NOT_THE_NAMES = frozenset({"unsigned", "bad_signature", "bad_magic", "id_theft"})
+"""Rejections that say a key holds no record of the name it is listed under (not signed, not decodable,
+signed by another key): such a key does not keep a (name, seq) from the name's own record."""
+
+
 class WindowListings:
     """The window's listings and the sweep of versions that left it (see the module docstring)."""
 
@@ -190,13 +195,19 @@ class WindowListings:
         ident = (parsed[1], parsed[2])
         other = lst.ids.get(ident)
         if other is not None:
-            # Two keys for one group: the first listed stays unless the other was consumed already.
-            keep, dup = (key, other) if self.shared.cursor.uses.get(key, 0) > 0 else (other, key)
+            # Two keys for one group: the first listed stays unless the other was consumed already, or the
+            # first was found to be no record of that name (junk squatting the seq: `NOT_THE_NAMES`).
+            rejected = self.shared.cursor.rejected
+            first_forged = rejected.get(other) in NOT_THE_NAMES
+            keep_new = self.shared.cursor.uses.get(key, 0) > 0 or first_forged
+            keep, dup = (key, other) if keep_new else (other, key)
             lst.ids[ident] = keep
-            if dup not in self.shared.cursor.rejected:
+            if dup not in rejected:
                 lst.remove_pending(dup)
                 self.shared.ready.pop(dup, None)
                 self.reject(dup, "duplicate")
+            if dup == key:
+                lst.dups.setdefault(ident, []).append(key)
             if keep is other:
                 return
         elif not layout.is_skip_key(key):  # a skip record is no group: the flood limit counts groups
@@ -338,11 +349,31 @@ class WindowListings:
 
     def reject(self, key: str, reason: str, detail: str = "") -> None:
         """File `key` as rejected for `reason`: counted, out of the pending set and the fetched groups, never
-        fetched again (caller holds the lock)."""
+        fetched again (caller holds the lock). A key that held its (name, seq) and proves to be no record of
+        that name (`NOT_THE_NAMES`: junk squatting the seq) hands the seq to the first key filed as its
+        duplicate, which is waiting again."""
         self.shared.cursor.rejected[key] = reason
         self.drop(reason)
         parsed = layout.parse_rollout_key(key)
         if parsed is not None and parsed[0] in self.versions:
-            self.versions[parsed[0]].remove_pending(key)
+            lst = self.versions[parsed[0]]
+            lst.remove_pending(key)
+            ident = (parsed[1], parsed[2])
+            if reason in NOT_THE_NAMES and lst.ids.get(ident) == key:
+                self._restore_duplicate(lst, ident)
         self.shared.ready.pop(key, None)
         log.debug("rejected %s: %s %s", key, reason, detail)
+
+    def _restore_duplicate(self, lst: VersionListing, ident: tuple[str, int]) -> None:
+        for dup in lst.dups.pop(ident, []):
+            if self.shared.cursor.rejected.get(dup) != "duplicate":
+                continue
+            del self.shared.cursor.rejected[dup]
+            lst.ids[ident] = dup
+            if layout.is_skip_key(dup):
+                lst.skips.append(dup)
+            else:
+                lst.add_pending(dup, ident[0])
+            log.info("ingest: %s holds seq %d of %s again (the key listed first was no record of it)",
+                     dup, ident[1], ident[0])  # fmt: skip
+            return

@@ -37,6 +37,9 @@ class VersionListing:
     """Worker id -> keys that may still be trained on (not rejected, not used up), sorted (oldest first)."""
     ids: dict[tuple[str, int], str] = field(default_factory=dict)
     """(worker, seq) -> the key that holds that group: a second key for the same group is a duplicate."""
+    dups: dict[tuple[str, int], list[str]] = field(default_factory=dict)
+    """(worker, seq) -> keys filed as its duplicates, in listing order (one takes the seq back if the key
+    holding it proves to be no record of that worker: `listing.NOT_THE_NAMES`)."""
     counts: dict[str, int] = field(default_factory=dict)
     """Worker id -> distinct groups listed under it at this version (used, rejected or waiting)."""
     by_key: dict[str, int] = field(default_factory=dict)
