@@ -112,11 +112,16 @@ class EpisodeRules:
             cur = start
             if tool_stops:
                 for j in range(start + 1, end):
-                    if self.stops.match(tokens[cur:j]) in tool_stops and self._empty_reply(task, tokens[:j]):
+                    if self._stop_at(tokens, cur, j) in tool_stops and self._empty_reply(task, tokens[:j]):
                         turns.append((cur, j, True))
                         cur = j
             turns.append((cur, end, k + 1 < len(runs)))
         return turns
+
+    def _stop_at(self, tokens: list[int], start: int, end: int) -> str | None:
+        """The stop the turn `tokens[start:end]` completes with its last token, as the engine matches after
+        each token (`StopMatcher.match` reads only the last `window` tokens: no longer slice is copied)."""
+        return self.stops.match(tokens[max(start, end - self.stops.window) : end])
 
     def _empty_reply(self, task: Task, before: list[int]) -> bool:
         reply = self.env.respond(task, self.detokenize(before))
@@ -136,7 +141,7 @@ class EpisodeRules:
         for j in range(1, len(turn)):  # what the engine checked after each token but the last
             if turn[j - 1] in self.eos_ids:
                 raise _Forged(f"continues past EOS at turn token {j - 1}")
-            if (stop := self.stops.match(turn[:j])) is not None:
+            if (stop := self._stop_at(turn, 0, j)) is not None:
                 raise _Forged(f"continues past the stop {stop!r} at turn token {j - 1}")
         stop = self.stops.match(turn)
         if tool_follows:

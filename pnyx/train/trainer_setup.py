@@ -264,7 +264,7 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         env=env,
         eos_ids=frozenset(eos_token_ids(tokenizer, SimpleNamespace(generation_config=generation_config))),
         stops=StopMatcher(tokenizer, [*env.stop_strings, *env.tool_stops]),
-        detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        detokenize=ingestor.admission.detokenize,
         tokenize=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
         max_new_tokens=budget,
     )
