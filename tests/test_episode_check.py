@@ -102,14 +102,12 @@ def test_a_tool_reply_that_is_not_the_environments_is_rejected(tokenizer, search
         check, task, group(sample([(enc(tokenizer, "<answer>"), 1), parts[1], parts[2]]))
     )
     # a reply re-tokenized another way (the same text, other ids: another context for the next draws)
-    ids = parts[1][0]
-    other = [
-        t for t in (enc(tokenizer, tokenizer.decode(ids[:3])) + enc(tokenizer, tokenizer.decode(ids[3:])))
-    ]
-    if other != ids:
-        assert "not the environment's reply" in reason(
-            check, task, group(sample([parts[0], (other, 0), parts[2]]))
-        )
+    reply = env.reference_completion(task)[1][1]
+    other = [t for c in reply for t in enc(tokenizer, c)]  # one character at a time
+    assert other != parts[1][0] and tokenizer.decode(other) == reply
+    assert "not the environment's reply" in reason(
+        check, task, group(sample([parts[0], (other, 0), parts[2]]))
+    )
 
 
 def test_more_model_turns_than_the_environment_allows_are_rejected(tokenizer, searchqa):
