@@ -273,11 +273,13 @@ class SecurityConfig(_Section):
     still fills every batch and a batch never waits for a slow or dead key. "fair": share = 1 / (keys with
     groups waiting), so k keys get ceil(groups_per_step / k) places each. None: no share cap."""
     flood_limit: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["auto"] | None = "auto"
-    """A worker key with more than this many groups listed at one policy version is flooding: it is
-    quarantined from the listing (its groups are counted, never downloaded). "auto": 2 · (max_staleness + 1)
-    · groups_per_step, twice what could ever be trained from one version. Workers stop at half of it per
-    version (`worker.max_groups_per_version` can lower that), so an honest worker never reaches it. None:
-    no limit."""
+    """A worker key with more than this many groups (or, counted apart, skip records) at one policy version
+    is flooding: once the listing counts more, the trainer reads them until more than this many prove to be
+    records the key signed, then quarantines it from the listing (the rest are never downloaded; objects
+    others wrote under its names are rejected one by one and never count: `pnyx.train.flood_audit`).
+    "auto": 2 · (max_staleness + 1) · groups_per_step, twice what could ever be trained from one version.
+    Workers stop at half of it per version (`worker.max_groups_per_version` can lower that), so an honest
+    worker never reaches it. None: no limit."""
     max_groups_per_key_step: Annotated[int, Field(ge=1, le=4096)] | None = None
     """Hard cap on one key's groups in one batch (binds even when it is alone: a solo worker then cannot
     fill a batch larger than this). None: none."""

@@ -22,6 +22,8 @@ base `Producer` and the `HonestWorker` are in `producer.py`):
 - `Flooder`: one key behind many worker names, uploading more honest-looking groups per version than the
   run's flood limit (`security.flood_limit`; copies of a few fresh samples under new seqs).
 - `IdThief`: claims an honest worker's name, signs with its own key (seqs far above the owner's).
+- `JunkWriter`: no key at all: one-byte objects and copies of an honest worker's signed records under
+  that worker's name and other seqs, more than the flood limit at one version.
 - `Sybil`: a copier, reward liar, poisoner or temperature liar with a fresh key and a fresh name for every
   group, so per-key quotas and quarantine never bind.
 - `CherryPicker`: honest samples, chosen: within a group (the shortest right and longest wrong samples of
@@ -216,6 +218,31 @@ class Flooder(Producer):
                     out.append(self.pack(made[i % len(made)], seq=self.reserve()))
         finally:
             self.worker_id = home
+        return out
+
+
+@dataclass
+class JunkWriter(Producer):
+    """Writes under an honest worker's name (`victim`) at the run's version without its key: one-byte
+    objects and copies of the victim's own signed records put under other seqs (`produce(arena, n)`: n
+    objects, half of each, seqs from `seq` up). What a store that lets every worker write under
+    `rollouts/` allows anyone: it aims at the victim's key (a flood quarantine once counted these) and
+    at its seqs (a copy listed first squats the seq)."""
+
+    victim: str = ""
+    seq: int = 500_000
+
+    def produce(self, arena: Arena, n: int) -> list[Upload]:
+        from pnyx.protocol import layout
+
+        own = [u for u in arena.uploads if (layout.parse_rollout_key(u.key) or (0, "", 0))[1] == self.victim]
+        if not own:
+            raise ValueError(f"no upload of {self.victim!r} to copy yet")
+        out = []
+        for i in range(n):
+            data = b"x" if i % 2 == 0 else own[i % len(own)].data
+            key = layout.rollout_key(arena.version, self.victim, self.reserve())
+            out.append(Upload(key=key, data=data, source=self.source, index=i + 1))
         return out
 
 

@@ -221,6 +221,30 @@ def test_flooder_over_the_flood_limit_is_quarantined_from_the_listing(arena):
     assert arena.tally("flooder").get("draw_mismatch", 0) <= 8  # at most one GET per name
 
 
+def test_junk_and_copies_under_an_honest_name_neither_quarantine_nor_starve_it(arena):
+    """80 objects under honest-1's name at one version (junk and copies of its own signed records under
+    other seqs), over the run's flood limit of 64: the flood audit reads them before blaming the key, each
+    is rejected (`bad_magic`, `key_mismatch`), and honest-1 keeps its key, its names and its places."""
+    from pnyx.security.checks import faults
+
+    victim = HONEST[0]
+    junk = A.JunkWriter("junk", source="junk_writer", victim=victim.worker_id)
+    arena.upload(junk.uploads(arena, 80))
+    honest_round(arena, 4)
+    r = arena.step()
+    assert r is not None
+    ing = arena.trainer.parts.ingestor
+    assert victim.signer.fingerprint not in ing.cursor.quarantined, ing.cursor.quarantined
+    assert faults(ing.cursor.by_key[victim.signer.fingerprint]) == 0
+    arena.poll()
+    tally = arena.tally("junk_writer")
+    assert tally == {"bad_magic": 40, "key_mismatch": 40}, tally
+    assert any(g.signer == victim.signer.fingerprint for g in r.groups)
+    honest_round(arena, 4)
+    arena.poll()
+    assert arena.step() is not None and victim.signer.fingerprint not in ing.cursor.quarantined
+
+
 @pytest.mark.parametrize("inner", ["reward_liar", "poisoner"])
 def test_sybil_reward_liar_and_poisoner_with_a_fresh_key_per_group_are_rejected(arena, inner):
     """Identity-independent: the re-score catches each lying group, plausibility each poisoned one."""

@@ -608,6 +608,72 @@ def test_a_key_over_the_flood_limit_is_quarantined_and_its_groups_never_download
     assert LIAR.fingerprint in again.cursor.quarantined
 
 
+def test_junk_and_copies_under_an_honest_name_never_quarantine_its_key(tmp_path):
+    """Anyone who can write to the store can put objects under an honest worker's name: 30 one-byte objects
+    and 10 copies of one of its signed records under other seqs, 44 listed seqs where the limit is 10. The
+    listing counts them without a read (it once quarantined the honest key for flooding on that count);
+    the flood audit reads each once, rejects it (`bad_magic`; `key_mismatch`, not blamed on the key that
+    signed the copied record) and the key keeps its four groups."""
+    from pnyx.security.checks import faults
+
+    store = CountingStore(open_store(tmp_path / "s"))
+    honest = [_put(store, make_group(0, "a", i, task_index=i), HONEST) for i in range(4)]
+    ing = _ingestor(store, flood_limit=10)
+    ing.poll(0)  # binds "a" to HONEST
+    assert ing.cursor.keys["a"] == HONEST.fingerprint
+    junk = [layout.rollout_key(0, "a", 100 + i) for i in range(30)]
+    for key in junk:
+        store.put(key, b"x", mode="create")
+    record = store.inner.get(honest[0])
+    copies = [layout.rollout_key(0, "a", 200 + i) for i in range(10)]
+    for key in copies:
+        store.put(key, record, mode="create")
+    before = len(store.gets)
+    ing.refresh(0)  # 44 seqs of "a" listed: a flood suspect, nothing read yet
+    assert (HONEST.fingerprint, 0, "groups") in ing.ledger.suspects and len(store.gets) == before
+    ing.audit_skips()
+    # read in rounds of 11 - 4 proven = 7 until what is left is no flood: 35 reads, each key at most once,
+    # leaving the 4 groups and 5 unread
+    assert ing.cursor.quarantined == {} and not ing.ledger.suspects
+    read = store.gets[before:]
+    assert len(read) == len(set(read)) == ing.floods.reads == 35 and set(read) <= set(junk + copies)
+    assert ing.listing.versions[0].by_key[HONEST.fingerprint, "groups"] == 9
+    ing.poll(0)  # admission reads the last 5 as it would any listed key
+    assert ing.cursor.quarantined == {}
+    assert {ing.cursor.rejected[k] for k in junk} == {"bad_magic"}
+    assert {ing.cursor.rejected[k] for k in copies} == {"key_mismatch"}
+    assert ing.listing.versions[0].by_key[HONEST.fingerprint, "groups"] == 4
+    assert faults(ing.cursor.by_key.get(HONEST.fingerprint, {})) == 0
+    chosen = ing.select(0, 4) or []
+    assert sorted(g.key for g in chosen) == sorted(honest)
+    # admission blames no one for a copy either (it once counted it as a fault of the key that signed it)
+    again = _ingestor(store, flood_limit=None)
+    again.poll(0)
+    assert again.cursor.drops.get("key_mismatch") == 10
+    assert faults(again.cursor.by_key[HONEST.fingerprint]) == 0
+
+
+def test_a_bound_key_that_floods_is_quarantined_after_limit_plus_one_records(tmp_path):
+    """A key whose name is bound floods later: the audit reads only what proves more than the limit
+    (11 records signed by the key, the 4 groups already fetched among them), then rejects the rest
+    without a read."""
+    store = CountingStore(open_store(tmp_path / "s"))
+    for i in range(4):
+        _put(store, make_group(0, "f", i, task_index=i), LIAR)
+    ing = _ingestor(store, flood_limit=10)
+    ing.poll(0)
+    flood = [_put(store, make_group(0, "f", i, task_index=i), LIAR) for i in range(4, 44)]
+    before = len(store.gets)
+    ing.refresh(0)
+    ing.audit_skips()
+    assert (
+        "flooding: 44 groups at version 0 (11 of them signed by this key)"
+        in ing.cursor.quarantined[LIAR.fingerprint]
+    )
+    assert len(store.gets) - before == 7 and ing.floods.reads == 7
+    assert all(ing.cursor.rejected.get(k) == "quarantined" for k in flood)
+
+
 def test_keys_under_the_flood_limit_are_not_quarantined(tmp_path):
     store = open_store(tmp_path / "s")
     _two_keys(store, 10)
@@ -615,9 +681,9 @@ def test_keys_under_the_flood_limit_are_not_quarantined(tmp_path):
     ing.poll(0)
     ing.fetch([k for lst in ing.listing.versions.values() for ks in lst.pending.values() for k in ks])
     assert ing.cursor.quarantined == {}
-    assert {fp: n for fp, n in ing.listing.versions[0].by_key.items()} == {
-        HONEST.fingerprint: 10,
-        OTHER.fingerprint: 10,
+    assert ing.listing.versions[0].by_key == {
+        (HONEST.fingerprint, "groups"): 10,
+        (OTHER.fingerprint, "groups"): 10,
     }
 
 

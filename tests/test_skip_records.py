@@ -179,14 +179,23 @@ def test_a_skip_record_passes_to_the_exact_check_of_its_draws_and_a_forged_one_i
     assert signer.fingerprint not in ing.cursor.quarantined and "skipped" not in ing.cursor.drops
 
 
-def test_skip_records_do_not_count_against_the_flood_limit(store):
+def test_skip_records_and_groups_each_have_the_flood_limit(store):
+    """Skip records count against the flood limit apart from groups (a worker announces what it drops
+    beside what it offers): 2 of each pass a limit of 2; a third skip record at the version is a flood,
+    each record read and signed by the key, and its key is quarantined (skip records were once outside
+    the limit: a key could make the trainer fetch, re-score and check any number of them)."""
     signer = _signer()
-    put_signed(store, _seeded(make_group(0, "w", 0)), signer)
-    for seq in range(1, 6):
+    for seq in range(2):
+        put_signed(store, _seeded(make_group(0, "w", seq, task_index=seq)), signer)
+    for seq in range(2, 4):
         put_skip(store, _seeded(make_group(0, "w", seq, task_index=seq, answers=["1", "1"])), signer)
     ing = signed_ingestor(store, flood_limit=2)
     ing.poll(0)
-    assert ing.cursor.quarantined == {} and ing.cursor.by_key[signer.fingerprint]["skips"] == 5
+    assert ing.cursor.quarantined == {} and ing.cursor.by_key[signer.fingerprint]["skips"] == 2
+    put_skip(store, _seeded(make_group(0, "w", 4, task_index=4, answers=["1", "1"])), signer)
+    ing.poll(0)
+    why = ing.cursor.quarantined[signer.fingerprint]
+    assert why.startswith("flooding: 3 skip records at version 0 (3 of them signed by this key)"), why
 
 
 def test_a_seq_far_above_a_names_others_is_settled_in_bounded_time_and_memory(store):
@@ -208,22 +217,28 @@ def test_a_seq_far_above_a_names_others_is_settled_in_bounded_time_and_memory(st
 
 
 @pytest.mark.parametrize("fetched_first", [False, True])
-def test_junk_squatting_a_seq_does_not_drop_the_names_own_record(store, fetched_first):
+@pytest.mark.parametrize("content", ["junk", "copy"])
+def test_junk_squatting_a_seq_does_not_drop_the_names_own_record(store, fetched_first, content):
     """Junk under a worker's name at the seq it is about to upload, listed first (a lower stamp), made the
     worker's own record the `duplicate`: its group was lost and no one was blamed (the red-team review of
-    2026-12-04). The junk proves to be no record of the name (`bad_magic`) and the seq goes back to the
-    worker's record, whether the junk was fetched before the record was listed or after."""
+    2026-12-04). The junk proves to be no record of the name (`bad_magic`; a copy of the worker's own
+    signed seq 0: `key_mismatch`, blamed on no one) and the seq goes back to the worker's record, whether
+    the junk was fetched before the record was listed or after."""
+    from pnyx.security.checks import faults
+
     signer = _signer()
-    put_signed(store, _seeded(make_group(0, "w", 0)), signer)
+    first = put_signed(store, _seeded(make_group(0, "w", 0)), signer)
     ing = signed_ingestor(store, max_staleness=0)
     ing.poll(0)  # binds the name to its key
     squat = layout.rollout_key(0, "w", 1, stamp_ms=1)  # listed before the worker's own seq 1
-    store.put(squat, b"junk", mode="create")
+    store.put(squat, b"junk" if content == "junk" else store.get(first), mode="create")
+    reason = "bad_magic" if content == "junk" else "key_mismatch"
     if fetched_first:
         ing.poll(0)
-        assert ing.cursor.rejected[squat] == "bad_magic"
+        assert ing.cursor.rejected[squat] == reason
     own = put_signed(store, _seeded(make_group(0, "w", 1, task_index=1)), signer)
     ing.poll(0)
-    assert ing.cursor.rejected[squat] == "bad_magic"
+    assert ing.cursor.rejected[squat] == reason
+    assert faults(ing.cursor.by_key.get(signer.fingerprint, {})) == 0
     assert own not in ing.cursor.rejected, ing.cursor.rejected
     assert own in {g.key for g in ing.select(0, 10)}

@@ -132,3 +132,23 @@ def test_spooled_groups_past_the_trainers_window_are_counted_expired_and_uploade
     assert versions == [0, 0, 5, 5]  # the expired ones uploaded all the same: their seqs are accounted for
     hb = decode_json(run.store.get(layout.worker_heartbeat("w1")), Heartbeat)
     assert hb.groups_expired == 2 and hb.groups == 2
+
+
+def test_skip_records_stop_at_half_the_flood_limit_apart_from_groups(tmp_path, tiny_model_dir):
+    """The trainer quarantines a key with more skip records at one version than the flood limit (counted
+    apart from groups), so a worker whose every group has zero variance (the random model scores 0 on
+    every task) announces at most half the limit per version, then waits for the next one."""
+    run = make_run(
+        str(tmp_path / "run"), tiny_model_dir, security={"flood_limit": 4}, skip_zero_variance=True,
+        supply_control=False, prompts_per_cohort=4,
+    )  # fmt: skip
+    worker = Worker(run.store, WorkerOptions(worker_id="w1", spool_dir=str(tmp_path / "spool")))
+    worker.join()
+    try:
+        worker.step()  # a cohort clamped to the 2 places left: both skipped
+        worker.step()  # must wait, not generate
+        assert worker.progress.status == "waiting" and worker.progress.skipped_zero_variance == 2
+        wait_for(lambda: len(rollout_groups(run.store, skips=True)) == 2, 60, "the courier's uploads")
+    finally:
+        worker.close()
+    assert rollout_groups(run.store) == [] and worker.progress.rollouts == 2 * worker.cfg.worker.group_size

@@ -105,6 +105,7 @@ class Worker:
         self.supply: Supply | None = None  # made at join
         self.version_cap: int | None = None  # groups made per policy version before waiting for the next
         self._made: dict[int, int] = {}  # groups spooled per policy version (for version_cap)
+        self._skips: dict[int, int] = {}  # skip records spooled per policy version (version_cap too)
         self._cohorts = 0  # cohorts generated (for the curriculum's periodic log line)
         self._kept_frac = 1.0  # recent share of groups not skipped as zero-variance (sizes throttled cohorts)
         self._joined = False
@@ -243,11 +244,17 @@ class Worker:
             raise RuntimeError("Worker.step() before join(): call run() or join() first")
         w = cfg.worker
         cap = self.version_cap
-        if cap is not None and self._made.get(version, 0) >= cap:
-            progress.set("waiting", f"v={version}: {cap} groups made, waiting for the next version")
-            link.pause(w.poll_interval_s)
-            return
         n = w.prompts_per_cohort
+        if (
+            cap is not None
+        ):  # groups and skip records each stay under it (the trainer's flood limit: twice it)
+            n = min(n, cap - self._made.get(version, 0), cap - self._skips.get(version, 0))
+            if n <= 0:
+                progress.set(
+                    "waiting", f"v={version}: {cap} groups or skips made, waiting for the next version"
+                )
+                link.pause(w.poll_interval_s)
+                return
         if len(spool) + n > spool.max_groups:
             # never generate what could not be spooled; the courier is retrying the store
             progress.set("waiting", f"store unreachable, {len(spool)} group(s) spooled")
@@ -334,6 +341,8 @@ class Worker:
         if kept:
             self._made[version] = self._made.get(version, 0) + len(kept)
             supply.note_made(len(kept))
+        if skips:
+            self._skips[version] = self._skips.get(version, 0) + len(skips)
         if kept or skips:
             self.link.send(kept, skips)
         return len(kept)

@@ -91,8 +91,6 @@ FAULTS = frozenset(
         "implausible",
         "reward_lie",
         "malformed",
-        "key_mismatch",
-        "run_mismatch",
         "weights_mismatch",
         "env_mismatch",
         "group_too_small",
@@ -119,7 +117,10 @@ back (`pnyx.train.seq_books`).
 honest workers. `id_theft` is not in it either: names are first come, first bound, so an attacker who
 takes an honest worker's name first makes every group of that worker an `id_theft`; blaming the key
 would then quarantine the honest key under all its names. A thief's groups under a stolen name are
-rejected one by one anyway (one GET each)."""
+rejected one by one anyway (one GET each). `key_mismatch` (a record under another record's name) and
+`run_mismatch` (a record of another run) are not in it: a signed record is bytes anyone who read it can copy,
+so copies of an honest worker's records put under other names, or brought from another run its key worked
+in, would quarantine it (an honest worker never uploads either: they are replays, not its faults)."""
 JUDGED = (frozenset({"groups", "zero_variance", "lie_dropped"}) | FAULTS) - {"reward_lie"}
 """Per-key counters whose sum is the number of the key's groups the trainer judged. `reward_lie` is not
 one: it is counted beside the group's own outcome (`lie_dropped` when `security.reject_reward_lies` drops

@@ -5,7 +5,8 @@ signature and the name's binding before anything is decoded (`unsigned`, `bad_si
 `quarantined`), decodes and validates it (`rescore.decode_record`, `check_sampling`, `rescore` with the
 episode check) and books its seq (`seq_books.verify`); `admit` files the result (ready, or rejected with its
 reason, counted per key) and `fetch` admits keys in parallel on the fetch pool. `read_signer` is the
-listing's sweep's view of one record (who signed it, whether it is seeded). Its hooks (`decode`, `render`,
+listing's sweep's view of one record (who signed it, whether it is seeded), `flood_verdict` the flood
+audit's (did the name's key sign it). Its hooks (`decode`, `render`,
 `expected_digest`, `check_draws`, `episodes`, `run_id`) are set by the trainer after the run is known, and
 by tests. Thread-safe through the shared lock; store I/O and scoring run outside it.
 """
@@ -274,6 +275,36 @@ class Admission:
         if group.worker_id != worker or group.seq != seq:
             return None
         return fp, bool(group.draws)
+
+    def flood_verdict(self, key: str, fp: str) -> str | None:
+        """For the flood audit (`pnyx.train.flood_audit`): None if the object under `key` is a record that key
+        `fp` signed for the key's own version, name and seq (or one signed by `fp` that does not decode:
+        `fp` made it either way); else why it proves nothing about `fp`: "missing", a signature failure
+        (`unsigned`, `bad_signature`, `bad_magic`), `id_theft` (another key signed it) or `key_mismatch` (a
+        copy of a record of another version, name or seq: anyone who read one can make it)."""
+        parsed = layout.parse_rollout_key(key)
+        if parsed is None:
+            return "bad_key"
+        try:
+            data = self.store.get(key)
+        except NotFoundError:
+            return "missing"
+        finally:
+            with self.shared.lock:
+                self.fetched += 1
+        try:
+            signer = fingerprint(frame_signer(data))
+        except RecordRejected as e:
+            return e.reason
+        if signer != fp:
+            return "id_theft"
+        try:
+            group = self.decode(data, self.vocab_size)
+        except RecordRejected:
+            return None
+        if (group.policy_version, group.worker_id, group.seq) != parsed:
+            return "key_mismatch"
+        return None
 
     def _signer_of(self, worker: str, data: bytes) -> str:
         """The fingerprint of the key that signed `data`, checked before anything is decoded: the frame's

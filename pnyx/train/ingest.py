@@ -40,7 +40,8 @@ quarantine, `key_report`; it rejects through the listing, and is the listing's `
 exist) and `self.planner` (`planner.py`, `BatchPlanner`: the ranking walk under the caps, `plan`, `commit`; it
 reads the listing and books through the ledger), and `self.admission` (`admission.py`, `Admission`: fetch,
 verify, re-score and file one key, `fetch`, `load`; the trainer sets its hooks, `decode`, `run_id`,
-`check_draws`); `ingest_state.py` holds `IngestSettings` and the `Cursor` (`skip_audit.py` audits skip records).
+`check_draws`); `ingest_state.py` holds `IngestSettings` and the `Cursor` (`skip_audit.py` audits skip records,
+`flood_audit.py` reads a key's listed records before it is quarantined as a flooder).
 This module adds `select`, `poll` (exhaustive, for
 tools and tests; the trainer counts what waits with `waiting`, from what it already holds) and what the trainer
 reports, and keeps the collaborators' methods the rest of the trainer calls on it.
@@ -68,6 +69,7 @@ from pnyx.protocol.records import RolloutGroup
 from pnyx.security.calibration import Allowances, ProbeRow
 from pnyx.store import Store
 from pnyx.train.admission import Admission
+from pnyx.train.flood_audit import FloodAudits
 from pnyx.train.ingest_state import Cursor, IngestSettings
 from pnyx.train.key_ledger import KeyLedger
 from pnyx.train.listing import SWEEP_GRACE_S, Shared, WindowListings
@@ -135,6 +137,11 @@ class Ingestor:
         )  # fmt: skip
         """Fetching, verifying and re-scoring records (`admission.py`); the trainer sets its hooks."""
         self.listing.read_signer = self.admission.read_signer
+        self.floods = FloodAudits(
+            self.shared, self.listing, self.ledger, self.admission.flood_verdict, self.admission.pool,
+            closed, futures,
+        )  # fmt: skip
+        """The reads that prove a flood before its key is quarantined (`flood_audit.py`)."""
         self.skips = SkipAudits(
             self.shared, self.listing, self.ledger, self.admission.load, self.admission.pool, closed
         )
@@ -175,7 +182,10 @@ class Ingestor:
     # --- skip records: `skip_audit.SkipAudits` ----------------------------------------------------------
 
     def audit_skips(self, wait: bool = False) -> None:
-        """`SkipAudits.audit_skips`: re-score the skip records listed since the last call."""
+        """Settle the flood suspects the listings named (`FloodAudits.audit`: a quarantined flooder's skip
+        records are never read), then `SkipAudits.audit_skips`: re-score the skip records listed since the
+        last call."""
+        self.floods.audit()
         self.skips.audit_skips(wait)
 
     def take_draw_audits(self) -> list[ScoredGroup]:
@@ -228,6 +238,7 @@ class Ingestor:
                 if k not in self.shared.ready
             ]
         self.fetch(keys)
+        self.floods.audit()  # names bound by those fetches may have made their keys flood suspects
         return self.planner.available(version)
 
     # --- what the trainer reports ---------------------------------------------------------------------

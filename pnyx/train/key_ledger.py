@@ -4,8 +4,10 @@
 each key's counters (`Cursor.by_key`: groups consumed, samples re-scored, reward disagreements, the drop
 reasons of its groups), the binding of worker names to keys (`bind`), and quarantine. A key is quarantined
 once its counters or plausibility evidence cross the settings' rates
-(`pnyx.security.checks.quarantine_reason`), or once it has more groups listed at one version than the flood
-limit (`check_flood`); then its fetched groups and the listed keys of the names bound to it are rejected as
+(`pnyx.security.checks.quarantine_reason`), or once more records signed by it sit at one version than the
+flood limit (`check_flood` notes a key whose listed seqs pass the limit; `pnyx.train.flood_audit` reads them
+and quarantines only on records it signed: objects anyone else wrote under its names prove nothing); then
+its fetched groups and the listed keys of the names bound to it are rejected as
 `quarantined` through the listing (`WindowListings.reject`: counted, never downloaded). It is the listing's
 `KeyGate` (`quarantined_name`, `check_flood`) and reports per key (`key_report`).
 
@@ -31,9 +33,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from pnyx.errors import RecordRejected
+from pnyx.protocol import layout
 from pnyx.security.checks import FAULTS, quarantine_reason, summary
 from pnyx.train.listing import Shared, WindowListings
 from pnyx.train.rescore import ScoredGroup, disagreements
+from pnyx.train.version_listing import GROUPS, SKIPS
 
 log = logging.getLogger("pnyx.train.ingest")
 
@@ -70,6 +74,9 @@ class KeyLedger:
         self._standing = 0  # keys with standing at the last eviction (they never count against the cap)
         self.evicted = 0
         """Keys evicted by this process."""
+        self.suspects: set[tuple[str, int, str]] = set()
+        """(key fingerprint, version, kind) whose listed seqs passed the flood limit: the flood audit's work
+        (`pnyx.train.flood_audit.FloodAudits`)."""
 
     @contextmanager
     def holding_quarantine(self) -> Iterator[None]:
@@ -181,15 +188,21 @@ class KeyLedger:
                 self.purge_name(name)
 
     def purge_name(self, worker: str) -> None:
-        """Reject every listed, unfetched key of a name bound to a quarantined key (caller holds the lock)."""
+        """Reject every listed, unfetched key of a name bound to a quarantined key, skip records not yet
+        audited included (caller holds the lock)."""
         for lst in self.listing.versions.values():
             for key in list(lst.pending.get(worker, [])):
                 if key not in self._in_flight:  # one being fetched is judged when it lands
                     self.listing.reject(key, "quarantined")
+            for key in [k for k in lst.skips if (layout.parse_rollout_key(k) or (0, ""))[1] == worker]:
+                if key not in self.shared.cursor.rejected:
+                    self.listing.reject(key, "quarantined")
 
-    def check_flood(self, fp: str, version: int, n: int) -> None:
-        """Quarantine `fp` once it has more groups listed at `version` than the flood limit (caller holds
-        the lock). Honest workers stop at half the limit (`pnyx.protocol.rules.worker_version_cap`)."""
+    def check_flood(self, fp: str, version: int, n: int, kind: str) -> None:
+        """Note `fp` for a flood audit once it has more seqs of `kind` listed at `version` than the flood
+        limit (caller holds the lock). Listed keys prove nothing about who wrote them: the audit reads
+        them and quarantines `fp` only on records it signed (`pnyx.train.flood_audit`). Honest workers stop
+        at half the limit (`pnyx.protocol.rules.worker_version_cap`)."""
         limit = self.shared.settings.flood_limit
         if (
             limit is None
@@ -200,9 +213,17 @@ class KeyLedger:
             return
         if fp in self.shared.settings.trusted_keys:
             return  # the user's own worker: its version cap keeps it under the limit anyway
+        self.suspects.add((fp, version, kind))
+
+    def flooded(self, fp: str, version: int, kind: str, listed: int, signed: int) -> None:
+        """The flood audit proved `signed` of the `listed` seqs of `kind` at `version` to be records `fp`
+        signed, more than the flood limit: quarantine it (caller holds the lock)."""
+        limit = self.shared.settings.flood_limit
         self.count_key(fp, "flood")
         self.quarantine(
-            fp, f"flooding: {n} groups at version {version}, over the limit of {limit} per key and version"
+            fp,
+            f"flooding: {listed} {kind} at version {version} ({signed} of them signed by this key), "
+            f"over the limit of {limit} per key and version",
         )
 
     def count_gaps(self, worker: str, n: int) -> None:
@@ -216,10 +237,11 @@ class KeyLedger:
         """`worker` was just bound to key `fp`: its groups listed so far count against the key's flood limit
         (caller holds the lock)."""
         for lst in list(self.listing.versions.values()):
-            c = lst.counts.get(worker, 0)
-            if c:
-                n = lst.by_key[fp] = lst.by_key.get(fp, 0) + c
-                self.check_flood(fp, lst.version, n)
+            for kind in (GROUPS, SKIPS):
+                c = lst.counts.get((worker, kind), 0)
+                if c:
+                    n = lst.by_key[fp, kind] = lst.by_key.get((fp, kind), 0) + c
+                    self.check_flood(fp, lst.version, n, kind)
 
     def quarantined_name(self, worker: str) -> bool:
         """The name is bound to a quarantined key (caller holds the lock)."""

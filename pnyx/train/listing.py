@@ -29,7 +29,7 @@ from pnyx.train import seq_books, settlement
 from pnyx.train.ingest_state import Cursor, IngestSettings
 from pnyx.train.rescore import ScoredGroup
 from pnyx.train.settlement import ReadSigner
-from pnyx.train.version_listing import VersionListing, list_keys, list_range
+from pnyx.train.version_listing import VersionListing, kind_of, list_keys, list_range
 
 log = logging.getLogger("pnyx.train.ingest")
 
@@ -51,8 +51,9 @@ class KeyGate(Protocol):
         """`worker` is bound to a quarantined key (its listed keys are rejected, never downloaded)."""
         ...
 
-    def check_flood(self, fp: str, version: int, n: int) -> None:
-        """Key `fp` now has `n` groups listed at `version` (quarantined past the flood limit)."""
+    def check_flood(self, fp: str, version: int, n: int, kind: str) -> None:
+        """Key `fp` now has `n` seqs of `kind` listed at `version` (past the flood limit, a flood audit
+        reads them: `pnyx.train.flood_audit`)."""
         ...
 
     def count_gaps(self, worker: str, n: int) -> None:
@@ -66,7 +67,7 @@ class OpenGate:
     def quarantined_name(self, worker: str) -> bool:
         return False
 
-    def check_flood(self, fp: str, version: int, n: int) -> None:
+    def check_flood(self, fp: str, version: int, n: int, kind: str) -> None:
         return None
 
     def count_gaps(self, worker: str, n: int) -> None:
@@ -85,9 +86,10 @@ class Shared:
     """Fetched, valid groups by key, until consumed or dropped."""
 
 
-NOT_THE_NAMES = frozenset({"unsigned", "bad_signature", "bad_magic", "id_theft"})
+NOT_THE_NAMES = frozenset({"unsigned", "bad_signature", "bad_magic", "id_theft", "key_mismatch"})
 """Rejections that say a key holds no record of the name it is listed under (not signed, not decodable,
-signed by another key): such a key does not keep a (name, seq) from the name's own record."""
+signed by another key, a record of another name, seq or version: a copy): such a key does not keep a
+(name, seq) from the name's own record, and does not count against the name's key (the flood limit)."""
 
 
 class WindowListings:
@@ -210,8 +212,9 @@ class WindowListings:
                 lst.dups.setdefault(ident, []).append(key)
             if keep is other:
                 return
-        elif not layout.is_skip_key(key):  # a skip record is no group: the flood limit counts groups
-            self._count_listed(lst, parsed[1])
+            self._recount(lst, parsed[1], other, key)
+        else:
+            self._count_listed(lst, parsed[1], kind_of(key))
         lst.ids[ident] = key
         if (
             key in self.shared.cursor.rejected
@@ -226,13 +229,21 @@ class WindowListings:
             return
         lst.add_pending(key, parsed[1])
 
-    def _count_listed(self, lst: VersionListing, worker: str) -> None:
-        """One more distinct group of `worker` listed at `lst.version`, and of the key its name is bound to."""
-        lst.counts[worker] = lst.counts.get(worker, 0) + 1
+    def _count_listed(self, lst: VersionListing, worker: str, kind: str, d: int = 1) -> None:
+        """`d` more distinct seqs of `kind` of `worker` listed at `lst.version`, and of the key its name is
+        bound to (one more may start a flood audit: `KeyGate.check_flood`)."""
+        lst.counts[worker, kind] = lst.counts.get((worker, kind), 0) + d
         fp = self.shared.cursor.keys.get(worker)
         if fp:
-            n = lst.by_key[fp] = lst.by_key.get(fp, 0) + 1
-            self.gate.check_flood(fp, lst.version, n)
+            n = lst.by_key[fp, kind] = lst.by_key.get((fp, kind), 0) + d
+            if d > 0:
+                self.gate.check_flood(fp, lst.version, n, kind)
+
+    def _recount(self, lst: VersionListing, worker: str, old: str, new: str) -> None:
+        """Key `new` holds the seq `old` held: if one is a skip record and the other not, the seq moves kind."""
+        if kind_of(old) != kind_of(new):
+            self._count_listed(lst, worker, kind_of(old), -1)
+            self._count_listed(lst, worker, kind_of(new))
 
     def refresh(
         self, version: int, full: bool = False, min_waiting: int | None = None, depth: int | None = None
@@ -266,11 +277,12 @@ class WindowListings:
         return lst is None or lst.full_at is None or now - lst.full_at >= RESCAN_S
 
     def take_skips(self) -> list[str]:
-        """The skip records listed since the last call, of versions not swept (their audit is the caller's)."""
+        """The skip records listed since the last call and not rejected meanwhile (a flood audit's
+        quarantine), of versions not swept (their audit is the caller's)."""
         with self.shared.lock:
             out = []
             for lst in self.versions.values():
-                out += lst.skips
+                out += [k for k in lst.skips if k not in self.shared.cursor.rejected]
                 lst.skips = []
             return out
 
@@ -356,24 +368,47 @@ class WindowListings:
         self.drop(reason)
         parsed = layout.parse_rollout_key(key)
         if parsed is not None and parsed[0] in self.versions:
-            lst = self.versions[parsed[0]]
-            lst.remove_pending(key)
-            ident = (parsed[1], parsed[2])
-            if reason in NOT_THE_NAMES and lst.ids.get(ident) == key:
-                self._restore_duplicate(lst, ident)
+            self.versions[parsed[0]].remove_pending(key)
+            self._release(key, reason)
         self.shared.ready.pop(key, None)
         log.debug("rejected %s: %s %s", key, reason, detail)
 
-    def _restore_duplicate(self, lst: VersionListing, ident: tuple[str, int]) -> None:
+    def disown(self, key: str, reason: str) -> None:
+        """`key` was found to hold no record of its name (`reason` in `NOT_THE_NAMES`, by the flood audit):
+        rejected with that reason even if it was rejected for another before, and off its name's count
+        (caller holds the lock)."""
+        before = self.shared.cursor.rejected.get(key)
+        if before is None:
+            self.reject(key, reason)
+        elif before not in NOT_THE_NAMES:
+            self.shared.cursor.rejected[key] = reason
+            self._release(key, reason)
+
+    def _release(self, key: str, reason: str) -> None:
+        """A key rejected for `reason`: one in `NOT_THE_NAMES` that held its (name, seq) hands it to its first
+        duplicate, or frees it and takes it off the name's count (caller holds the lock)."""
+        parsed = layout.parse_rollout_key(key)
+        if reason not in NOT_THE_NAMES or parsed is None or parsed[0] not in self.versions:
+            return
+        lst = self.versions[parsed[0]]
+        ident = (parsed[1], parsed[2])
+        if lst.ids.get(ident) == key and not self._restore_duplicate(lst, ident, key):
+            del lst.ids[ident]  # the seq is free again: the next key listed for it counts
+            self._count_listed(lst, parsed[1], kind_of(key), -1)
+
+    def _restore_duplicate(self, lst: VersionListing, ident: tuple[str, int], junk: str) -> bool:
+        """Hand the seq `junk` held to its first duplicate still filed as one; False if there is none."""
         for dup in lst.dups.pop(ident, []):
             if self.shared.cursor.rejected.get(dup) != "duplicate":
                 continue
             del self.shared.cursor.rejected[dup]
             lst.ids[ident] = dup
+            self._recount(lst, ident[0], junk, dup)
             if layout.is_skip_key(dup):
                 lst.skips.append(dup)
             else:
                 lst.add_pending(dup, ident[0])
             log.info("ingest: %s holds seq %d of %s again (the key listed first was no record of it)",
                      dup, ident[1], ident[0])  # fmt: skip
-            return
+            return True
+        return False

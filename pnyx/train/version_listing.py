@@ -20,6 +20,17 @@ from dataclasses import dataclass, field
 from pnyx.protocol import layout
 from pnyx.store import Store
 
+GROUPS = "groups"
+"""The kind of a listed rollout key that offers a group for training."""
+SKIPS = "skip records"
+"""The kind of a listed skip record (`layout.is_skip_key`): a group its worker announces and does not offer."""
+
+
+def kind_of(key: str) -> str:
+    """`SKIPS` for a skip record, else `GROUPS`."""
+    return SKIPS if layout.is_skip_key(key) else GROUPS
+
+
 STAMP_SLACK_MS = 2_000
 """An incremental listing re-reads keys stamped this long before the highest stamp seen (uploads in flight)."""
 PAGE = 1000
@@ -40,11 +51,18 @@ class VersionListing:
     dups: dict[tuple[str, int], list[str]] = field(default_factory=dict)
     """(worker, seq) -> keys filed as its duplicates, in listing order (one takes the seq back if the key
     holding it proves to be no record of that worker: `listing.NOT_THE_NAMES`)."""
-    counts: dict[str, int] = field(default_factory=dict)
-    """Worker id -> distinct groups listed under it at this version (used, rejected or waiting)."""
-    by_key: dict[str, int] = field(default_factory=dict)
-    """Key fingerprint -> distinct groups listed at this version under the names bound to it (the flood
-    limit, `IngestSettings.flood_limit`)."""
+    counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(worker id, kind) -> distinct seqs listed under it at this version (used, rejected or waiting), of
+    `kind` `GROUPS` or `SKIPS`; a key found to hold no record of the name (`listing.NOT_THE_NAMES`) is
+    taken off again."""
+    by_key: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(key fingerprint, kind) -> distinct seqs listed at this version under the names bound to it (the
+    flood limit, `IngestSettings.flood_limit`, applies to each kind)."""
+    verified: set[str] = field(default_factory=set)
+    """Keys read by a flood audit and found to hold a record of their own name, signed by its key
+    (`pnyx.train.flood_audit`)."""
+    audited: set[str] = field(default_factory=set)
+    """Keys read by a flood audit (whatever they held): never read by one again."""
     skips: list[str] = field(default_factory=list)
     """Skip records (`layout.is_skip_key`) listed and not yet handed to the audit (`take_skips`)."""
     high_ms: int = -1
