@@ -34,6 +34,8 @@ cursor: rejected with a reason, trained on, stale, or still waiting at the end.
 - episode forgers (the red-team review of 2026-12-04): `episode_tool` appends answers as tool tokens,
   `episode_cut` cuts its right samples short, `episode_skip` announces kept-back groups as skip records
   without seeded draws (its groups are honest: detection counts them, its skip records are `hostile_skips`);
+- the junk writer (no key) puts `--flood` objects per step under honest-1's name: one-byte junk and copies
+  of honest-1's signed records under other seqs (detection counts its objects; honest-1 must keep its key);
 - the flooder uploads `--flood` groups per step (over the run's flood limit), the `eager` control 8 x
   `--hostile` (under it: not an attack, it shows the fair share); the Sybil is a copier, a reward liar and
   a poisoner in turn with a fresh key per group, the Sybil temperature liar apart (the statistical attack
@@ -68,6 +70,7 @@ ARMS = [
     "weight_forger", "fork_squatter", "sybil", "sybil_temperature_liar", "poisoner",
     "cherry_within", "sybil_cherry", "cherry_whole", "cherry_whole_skip", "cherry_whole_forged",
     "cherry_whole_reuse", "cherry_whole_reuse_even", "sybil_whole", "episode_tool", "episode_cut", "episode_skip",
+    "junk_writer",
 ]  # fmt: skip
 HARM_ARMS = ("poisoner", "cherry_within", "cherry_whole")
 """Arms run for `--poison-steps` beside an undefended twin (`<arm>_undefended`: the checks off), so the
@@ -155,6 +158,7 @@ def attacker(name: str, arena: Any) -> Any:
         "flooder": lambda: A.Flooder("flood", source=name, names=8),
         "eager": lambda: A.Flooder("eager", source=name, names=8, fresh=16),
         "id_thief": lambda: A.IdThief("thief", source=name, victim="honest-1"),
+        "junk_writer": lambda: A.JunkWriter("junk", source=name, victim="honest-1"),
         "weight_forger": lambda: W.WeightForger(),
         "fork_squatter": lambda: W.ForkSquatter(ahead=2),
         "sybil": lambda: [
@@ -202,7 +206,7 @@ def hostile_round(name: str, atk: Any, arena: Any, step: int, n: int, log: dict[
     if name == "replayer":
         atk.foreign = A.foreign_groups(arena, n)
         atk.verbatim = step % 2 == 0  # verbatim bytes one step, re-labelled and re-signed the next
-    if name in ("flooder", "eager"):  # one producer, many groups at once (mostly copies)
+    if name in ("flooder", "eager", "junk_writer"):  # one producer, many objects at once (mostly copies)
         arena.upload(atk.uploads(arena, n))
         return
     producers = atk if isinstance(atk, list) else [atk]
@@ -231,7 +235,7 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
             steps, hostile_n = args.steps, args.hostile
             if name.removesuffix("_undefended") in HARM_ARMS:
                 steps, hostile_n = args.poison_steps or args.steps, args.poison or args.hostile
-            elif name == "flooder":
+            elif name in ("flooder", "junk_writer"):
                 hostile_n = args.flood
             elif name == "eager":
                 hostile_n = 8 * args.hostile
@@ -281,6 +285,7 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 "after": after,
                 "served_only_trainer": served_trainer,
                 "drops": dict(ing.cursor.drops),
+                "quarantined": dict(ing.cursor.quarantined),
                 "log": log,
             }
         finally:

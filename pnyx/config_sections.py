@@ -231,6 +231,15 @@ class SecurityConfig(_Section):
     draw_tolerance: Annotated[float, Field(ge=0, lt=0.5)] = 1e-3
     """The largest distance of a token's uniform from its CDF interval that still passes: room for engines'
     rounding at an interval's edge (honest tokens measured at exactly 0 on torch and MLX workers)."""
+    stale_draw_audit: Annotated[float, Field(ge=0, le=1)] = 0.1
+    """Share of stale rows (samples of groups drawn at an older version) that pass the check under the
+    step's own forward and are measured again under exactly their version's published weights, chosen at
+    random where no worker can predict it. The step's forward is the current version's: a row stamped with
+    an older version but drawn (with that version's uniforms) under the current weights passes there, and
+    drawing both ways is a choice between two samples; only the exact weights tell. Each audited row is a
+    forward of its completion (the exact re-check's), so every row is checked exactly only at 1.0 (over the
+    5% budget on the SmolLM2 recipe). 0: stale rows are measured exactly only when the step's forward flags
+    them (drift)."""
     skip_draw_audit: Annotated[float, Field(ge=0, le=1)] = 0.1
     """Share of skip records (zero-variance groups a worker uploads without offering them for training:
     docs/security.md, "Seeded draws") whose tokens the trainer checks against their seeded draws, chosen at

@@ -224,7 +224,7 @@ class Flooder(Producer):
 @dataclass
 class JunkWriter(Producer):
     """Writes under an honest worker's name (`victim`) at the run's version without its key: one-byte
-    objects and copies of the victim's own signed records put under other seqs (`produce(arena, n)`: n
+    objects and copies of the victim's own signed records (its honest uploads) put under other seqs (`produce(arena, n)`: n
     objects, half of each, seqs from `seq` up). What a store that lets every worker write under
     `rollouts/` allows anyone: it aims at the victim's key (a flood quarantine once counted these) and
     at its seqs (a copy listed first squats the seq)."""
@@ -235,7 +235,11 @@ class JunkWriter(Producer):
     def produce(self, arena: Arena, n: int) -> list[Upload]:
         from pnyx.protocol import layout
 
-        own = [u for u in arena.uploads if (layout.parse_rollout_key(u.key) or (0, "", 0))[1] == self.victim]
+        own = [
+            u
+            for u in arena.uploads
+            if u.source == "honest" and (layout.parse_rollout_key(u.key) or (0, "", 0))[1] == self.victim
+        ]
         if not own:
             raise ValueError(f"no upload of {self.victim!r} to copy yet")
         out = []

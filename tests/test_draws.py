@@ -351,6 +351,54 @@ def test_the_step_measures_every_token_in_its_own_forward_and_rechecks_only_rows
     assert max(exact.rejudge.draws(build_rows([_scored(g, "k1") for g in stale]))) <= 1e-5
 
 
+@pytest.mark.parametrize("audit", [0.0, 1.0])
+def test_a_stale_stamp_on_samples_drawn_under_the_newer_weights_is_caught_only_by_the_stale_audit(run, audit):
+    """A worker holding v0 and v1 draws with v0's uniforms under v1's weights and stamps v0 (the red-team
+    review of 2026-12-04): the trainer at v1 measures those rows under v1's published weights, where each
+    token is its uniform's draw, so without the audit of passing stale rows they pass, and drawing both
+    ways would let the worker choose between two samples per uniform stream. With
+    `security.stale_draw_audit` at 1.0 every passing stale row is measured again under v0's exact weights:
+    every group whose tokens differ from the honest v0 draw is dropped, honest stale groups are kept."""
+    import copy
+
+    import torch
+
+    from pnyx.security.checks import CheckSettings
+    from pnyx.train.losses import LossSettings
+    from pnyx.train.step import make_optimizer, train_step
+
+    exact = _Exact(run)
+    with exact.rejudge.published.lock:
+        master = copy.deepcopy(exact.rejudge.published.at(1)).train()
+    for p in master.parameters():
+        p.requires_grad_(True)
+    v0_engine, v0_digest = _engine(run, "torch", 0)
+    v1_engine, _ = _engine(run, "torch", 1)
+    honest = _groups(run, v0_engine, v0_digest, 0, key="k1", n=4)
+    forged = _groups(run, v1_engine, v0_digest, 0, key="k1", n=4, seq0=100)  # v0's stamp and uniforms
+    truth = _groups(run, v0_engine, v0_digest, 0, key="k1", n=4, seq0=100)  # what v0 draws with them
+    differ = {
+        _scored(f, "k1").key
+        for f, t in zip(forged, truth, strict=True)
+        if any(a.tokens != b.tokens for a, b in zip(f.samples, t.samples, strict=True))
+    }
+    assert differ  # v1 moved every weight: most of its draws are not v0's
+    adv = [1.0, -1.0] * 4
+    checks = CheckSettings(lp_gap_base=None, plausibility_z=None, draw_tolerance=1e-3, stale_draw_audit=audit)
+    stats = train_step(
+        master, make_optimizer(master, 1e-4, (0.9, 0.99), 0.0), [_scored(g, "k1", adv) for g in honest + forged],
+        LossSettings(), micro_batch_tokens=4096, grad_clip=1.0, policy_version=1, checks=checks,
+        exact_draws=exact.rejudge.draws, forward_dtype=torch.bfloat16,
+    )  # fmt: skip
+    tally = stats.draws
+    assert tally is not None
+    if audit == 0.0:
+        assert not any(k in stats.rejected for k in differ) and tally.audited == 0  # the hole, measured
+    else:
+        assert stats.rejected == dict.fromkeys(sorted(differ), "draw_mismatch")
+        assert tally.audited + tally.flagged == tally.rows  # every stale row measured exactly
+
+
 def test_the_exact_recheck_shares_prefixes_with_the_same_distances_as_whole_rows(run):
     """`Rejudge.draws` forwards the rows' prefix tree (each distinct prefix once, one call), or each distinct
     prompt once and every completion on its prompt's KV cache (rows of several groups, prompts of different

@@ -244,6 +244,10 @@ class Allowances:
     def draw_tolerance(self) -> float | None:
         return self.floors.draw_tolerance
 
+    @property
+    def stale_draw_audit(self) -> float:
+        return self.floors.stale_draw_audit
+
     def _cum(self, staleness: int) -> float:
         xs = self.drift_a
         if staleness <= 0 or not xs:

@@ -182,6 +182,9 @@ class Limits(Protocol):
     @property
     def draw_tolerance(self) -> float | None: ...
 
+    @property
+    def stale_draw_audit(self) -> float: ...
+
     def gap_bound(self, staleness: int, engine: str = "") -> float: ...
 
     def z_range(self, ev: GroupEvidence) -> tuple[float, float]: ...
@@ -197,6 +200,9 @@ class CheckSettings:
     draw_tolerance: float | None = None
     """The largest distance of a model token from the draw of its seeded uniform (`security.draw_tolerance`;
     None: seeded draws are not checked)."""
+    stale_draw_audit: float = 0.0
+    """Share of the stale rows that pass under the step's own forward measured again under their version's
+    exact weights (`security.stale_draw_audit`, `pnyx.train.drawcheck.row_draws`)."""
 
     def gap_bound(self, staleness: int, engine: str = "") -> float:
         """`lp_gap_base + lp_gap_per_version · staleness` (inf when the check is off), for any engine."""

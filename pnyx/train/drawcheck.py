@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import random
 import time
 from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING
@@ -54,6 +55,8 @@ UNSEEDED = "unseeded"
 """Reason of a group without seeded draws in a run that requires them (a fault of its key)."""
 MAX_LOGITS = 32 * 1024 * 1024
 """Rows x positions x vocabulary of one exact re-check call's logits (float32: 128 MB)."""
+_AUDIT_RNG = random.SystemRandom()
+"""Which passing stale rows are measured exactly: randomness no worker can predict."""
 CHUNK_TOKENS = 1024
 """Rows x padded width per forward call of the exact re-check. Rows are sorted by length, so a call pads
 little (on SmolLM2-135M, 256 to 4096 timed alike within noise)."""
@@ -78,26 +81,39 @@ def row_draws(
     staleness: list[int],
     exact: Callable[[list[Row]], list[float]] | None,
     tally: DrawTally,
+    audit: float = 0.0,
+    rng: random.Random = _AUDIT_RNG,
 ) -> list[float | None]:
     """Per row, its largest distance from its seeded draws (None: a row without uniforms): from the step's
     forward (`draw` [rows, T]), or, for a row with a token over `tolerance` there, from `exact`
     (`Rejudge.draws`: its version's published weights), which measures every token of the row cut after
-    its last token over (`prefix`). So a row passes when all its tokens are their uniforms' draws under one
-    set of weights: the trainer's, which the worker never saw, or exactly those it was sampled from.
-    Counted in `tally` by `staleness` (per row). Without `exact`, the step's distances stand."""
+    its last token over (`prefix`). A share `audit` of the stale rows that pass under the step's forward,
+    chosen with `rng`, is measured by `exact` too, whole: only there does the distance stand. So a fresh
+    row passes when all its tokens are their uniforms' draws under the weights it was sampled from (the
+    step's forward runs on the published ones), and a stale one when they are under the trainer's newer
+    weights, which a worker drawing honestly never saw, or under its own version's; the audit is what
+    binds a worker that stamps an older version and draws under the newer weights, to choose between two
+    samples (docs/security.md). Counted in `tally` by `staleness` (per row). Without `exact`, the step's
+    distances stand."""
     worst: list[float] = draw.amax(1).tolist()
     seeded = [r.uniforms is not None for r in rows]
     flagged = [j for j, (d, s) in enumerate(zip(worst, seeded, strict=True)) if s and not d <= tolerance]
     for j in range(len(rows)):
         if seeded[j]:
             tally.count(staleness[j], worst[j], j in flagged)
-    if flagged and exact is not None:
+    audited = [
+        j
+        for j in range(len(rows))
+        if audit > 0 and seeded[j] and staleness[j] > 0 and j not in flagged and rng.random() < audit
+    ]
+    if (flagged or audited) and exact is not None:
         t0 = time.perf_counter()
         over = (~(draw <= tolerance)).float()  # NaN counts as over
         ends = (over.shape[1] - over.flip(1).argmax(1)).tolist()  # one past each row's last token over
-        measured = exact([prefix(rows[j], ends[j]) for j in flagged])
+        measured = exact([prefix(rows[j], ends[j]) for j in flagged] + [rows[j] for j in audited])
         tally.seconds += time.perf_counter() - t0
-        for j, d in zip(flagged, measured, strict=True):
+        tally.audited += len(audited)
+        for j, d in zip(flagged + audited, measured, strict=True):
             worst[j] = d
             tally.exact(d, d <= tolerance, staleness[j])
     return [d if s else None for d, s in zip(worst, seeded, strict=True)]

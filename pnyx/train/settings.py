@@ -67,4 +67,5 @@ def check_settings(cfg: PnyxConfig) -> CheckSettings:
         lp_gap_per_version=sec.lp_gap_per_version,
         plausibility_z=sec.plausibility_z,
         draw_tolerance=sec.draw_tolerance if sec.seeded_draws else None,
+        stale_draw_audit=sec.stale_draw_audit,
     )

@@ -280,7 +280,9 @@ def _row_draws(st: _Step, mb: MicroBatch, part: PartialStats) -> list[float | No
         return None
     part.draws.forward_s += mb.draw_s
     stale = [st.policy_version - r.version if st.policy_version is not None else 0 for r in mb.rows]
-    return row_draws(mb.draw.detach(), mb.rows, tol, stale, st.exact_draws, part.draws)
+    return row_draws(
+        mb.draw.detach(), mb.rows, tol, stale, st.exact_draws, part.draws, audit=st.checks.stale_draw_audit
+    )
 
 
 def _accumulate(part: PartialStats, terms: LossTerms, mb: MicroBatch, policy_version: int | None) -> None:

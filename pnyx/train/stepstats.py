@@ -25,7 +25,10 @@ class DrawTally:
     flagged: int = 0
     """Rows with a token over the tolerance under the step's forward (each re-measured exactly)."""
     failed: int = 0
-    """Flagged rows over the tolerance under the exact weights too (their groups are dropped)."""
+    """Flagged or audited rows over the tolerance under the exact weights (their groups are dropped)."""
+    audited: int = 0
+    """Stale rows that passed under the step's forward and were measured exactly at random
+    (`security.stale_draw_audit`)."""
     seconds: float = 0.0
     """Seconds of the exact re-checks (loading a version's weights into the exact model included)."""
     forward_s: float = 0.0
@@ -56,6 +59,7 @@ class DrawTally:
         self.rows += o.rows
         self.flagged += o.flagged
         self.failed += o.failed
+        self.audited += o.audited
         self.seconds += o.seconds
         self.forward_s += o.forward_s
         self.max_step = max(self.max_step, o.max_step)
@@ -67,7 +71,8 @@ class DrawTally:
 
     def to_metrics(self) -> dict:
         return {
-            "rows": self.rows, "flagged": self.flagged, "failed": self.failed, "exact_s": round(self.seconds, 4),
+            "rows": self.rows, "flagged": self.flagged, "failed": self.failed, "audited": self.audited,
+            "exact_s": round(self.seconds, 4),
             "forward_s": round(self.forward_s, 4), "max_step": self.max_step, "max_exact_kept": self.max_exact_kept,
             "by_staleness": {k: list(v) for k, v in sorted(self.by_staleness.items())},
         }  # fmt: skip
