@@ -1,5 +1,6 @@
 """The check of seeded draws over a finished run, from the trainer's per-step metrics (`draws`): rows
-measured, rows flagged by the step's forward (per staleness), rows failed, the check's seconds (the exact
+measured, rows flagged by the step's forward (per staleness), passing stale rows audited at random
+(`security.stale_draw_audit`), rows failed, the check's seconds (the exact
 re-checks, the distances computed inside the step's own forward, and the exact check of skip records' draws,
 `skip_audit`) against the steps' own seconds, the drift probe's seconds beside them (`probe_s`: the
 statistical checks' calibration, not a draw check), the groups the steps rejected by reason and the last
@@ -34,6 +35,7 @@ def main() -> None:
         d = m["draws"]
         for k in ("rows", "flagged", "failed", "dropped"):
             total[k] += d[k]
+        total["audited"] += d.get("audited", 0)  # recorded since the stale draw audit (2026-12-05)
         total["exact_s"] += d["exact_s"]
         total["forward_s"] += d.get("forward_s", 0.0)  # recorded since the exact re-check shares prompts
         total["step_s"] += m["step_s"]
@@ -50,7 +52,7 @@ def main() -> None:
     skip, probe = total["skip_s"], total["probe_s"]
     print(
         f"{len(checked)} of {len(metrics)} steps checked draws: rows {total['rows']}, flagged {total['flagged']}, "
-        f"failed {total['failed']}, groups dropped {total['dropped']}; of {step:.2f} s of step time, exact "
+        f"stale rows audited {total['audited']}, failed {total['failed']}, groups dropped {total['dropped']}; of {step:.2f} s of step time, exact "
         f"re-checks {exact:.2f} s ({100 * exact / step:.1f}%) + distances in the step's forward {fwd:.2f} s "
         f"({100 * fwd / step:.1f}%) + skip records' draws {skip:.2f} s ({100 * skip / step:.1f}%) = "
         f"{100 * (exact + fwd + skip) / step:.1f}%; beside them the drift probe {probe:.2f} s "

@@ -54,10 +54,16 @@ class FloodAudits:
         self._verdict, self._pool, self._closed, self._in_flight = verdict, pool, closed, in_flight
         self.reads = 0
         """Records read by flood audits in this process."""
+        self._one_at_a_time = threading.Lock()  # the prefetch thread and `select` both audit: no read twice
 
     def audit(self) -> None:
         """Settle every suspect the listings have named (see the module docstring). A read the store cannot
-        serve now leaves its key for the next call (StoreUnavailableError is logged, not raised)."""
+        serve now leaves its key for the next call (StoreUnavailableError is logged, not raised). A call
+        while another runs waits for it, then finds what is left."""
+        with self._one_at_a_time:
+            self._audit()
+
+    def _audit(self) -> None:
         while True:
             with self.shared.lock:
                 reads = [r for suspect in sorted(self.ledger.suspects) for r in self._plan(*suspect)]
