@@ -124,7 +124,7 @@ def run_once(args: argparse.Namespace, paths: dict[str, Path], i: int, j: int, m
             NodeSpec(f"node{k}", paths[start], FAMILIES[fam], i, j)
             for k, (start, fam) in enumerate(PLAN[: args.nodes])
         ]
-        rr = RoundRobin(open_store(root), specs, overrides(args, mode, seed), accept_envs={"arith"})
+        rr = RoundRobin(open_store(root), specs, overrides(args, mode, seed))
 
         def progress(r: int, rr: RoundRobin) -> None:
             if (r + 1) % 20 == 0:
@@ -287,12 +287,15 @@ def measure_layouts(args: argparse.Namespace, paths: dict[str, Path], rounds: in
         specs = [
             NodeSpec(f"node{k}", paths[s], FAMILIES[f], 4, 4) for k, (s, f) in enumerate(PLAN[: args.nodes])
         ]
-        rr = RoundRobin(open_store(root), specs, overrides(args, "gated", 0), accept_envs={"arith"})
+        rr = RoundRobin(open_store(root), specs, overrides(args, "gated", 0))
         rr.run(1)  # model loading and the first round are not what a long run is made of
         t = time.perf_counter()
         rr.run(1 + rounds)
         rr_rate = args.nodes * rounds / (time.perf_counter() - t)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    accept = json.dumps(
+        [{"name": FAMILIES[f].env, "kwargs": FAMILIES[f].kwargs} for _, f in PLAN[: args.nodes]]
+    )
     with tempfile.TemporaryDirectory(prefix="bench-swarm-proc-") as root:
         procs = []
         t = time.perf_counter()
@@ -303,7 +306,7 @@ def measure_layouts(args: argparse.Namespace, paths: dict[str, Path], rounds: in
                 f"--run.steps={1 + rounds}", f"--model.path={paths[s]}", f"--env.name={fam.env}",
                 f"--env.kwargs={json.dumps(fam.kwargs)}", f"--worker.group_size={args.group_size}",
                 f"--worker.max_new_tokens={args.max_new_tokens}", f"--trainer.lr={args.lr}",
-                "--swarm.local_groups=4", "--swarm.external_groups=4", '--swarm.accept_envs=["arith"]',
+                "--swarm.local_groups=4", "--swarm.external_groups=4", f"--swarm.accept_envs={accept}",
                 f"--swarm.wait_peers={args.nodes - 1}", "--swarm.peer_timeout_s=600", "--swarm.checkpoint_every=0",
                 f"--swarm.max_per_peer={args.max_per_peer}",
             ]  # fmt: skip

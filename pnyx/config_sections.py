@@ -324,6 +324,14 @@ class AlgorithmConfig(_Section):
     """Each prompt (task id) contributes at most this many groups per step."""
 
 
+class AcceptedEnv(_Section):
+    """An environment with the kwargs a swarm node accepts foreign groups of (`swarm.accept_envs`)."""
+
+    name: str
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Exactly these constructor kwargs: a peer's group of `name` with other kwargs is dropped."""
+
+
 class SwarmConfig(_Section):
     local_groups: Annotated[int, Field(ge=0, le=4096)] = 4
     """I: groups per step from this node's own rollouts."""
@@ -339,9 +347,13 @@ class SwarmConfig(_Section):
     """At most this many external groups per peer per step (a noisy peer cannot dominate)."""
     peer_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     """A peer whose heartbeat is older than this is considered gone."""
-    accept_envs: list[str] | None = None
-    """Environment names this node rebuilds foreign tasks for (None: only its own env). Peers choose the env
-    kwargs of what they share, so only listed environments are ever constructed from a peer's record."""
+    accept_envs: list[str | AcceptedEnv] | None = None
+    """The environments this node scores foreign groups with, besides its own (which it always accepts, with
+    its own kwargs): a name accepts that environment with its default kwargs, `{name, kwargs}` with exactly
+    those kwargs (another task family: `[{"name": "arith", "kwargs": {"digits": 2}}]`). A peer's group must
+    carry one of these (name, kwargs) pairs, else it is dropped (`env_kwargs_mismatch`, `unknown_env`):
+    kwargs choose the system prompt, the answer mode, format rewards and data paths, so they are this
+    node's operator's to choose, never a peer's. None: only its own."""
     recent_per_peer: Annotated[int, Field(ge=1, le=4096)] = 8
     """At most this many of each live peer's newest uploads are fetched per round (older ones are skipped)."""
     wait_peers: Annotated[int, Field(ge=0, le=4096)] = 0

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pnyx.config_sections import AcceptedEnv
 from pnyx.envs.base import stable_hash
 from pnyx.errors import ConfigError
 from pnyx.store import Store
@@ -219,13 +220,14 @@ class RoundRobin:
     """Real `SwarmNode`s run in turn in this process, meeting through `store`.
 
     `overrides` is the config (dotted sections as nested dicts) every node shares; each node gets its
-    family, its I/J and its name on top. Nodes accept every environment in `accept_envs`.
+    family, its I/J and its name on top. Nodes accept every family in `accept` (`swarm.accept_envs`; by
+    default every node's family: they learn from each other's groups).
     """
 
     store: Store
     specs: list[NodeSpec]
     overrides: dict[str, Any]
-    accept_envs: set[str]
+    accept: list[Family] | None = None
     nodes: dict[str, Any] = field(default_factory=dict)
     stats: list[dict[str, Any]] = field(default_factory=list)
     """One entry per round: {node name: RoundStats} for the nodes that ran that round."""
@@ -242,9 +244,9 @@ class RoundRobin:
         }
         if spec.lr is not None:
             ov["trainer"] = ov.get("trainer", {}) | {"lr": spec.lr}
-        node = open_node(
-            self.store, spec.name, load_config(overrides=ov), spec.model, accept_envs=self.accept_envs
-        )
+        families = self.accept if self.accept is not None else [s.family for s in self.specs]
+        accept = [AcceptedEnv(name=f.env, kwargs=dict(f.kwargs)) for f in families]
+        node = open_node(self.store, spec.name, load_config(overrides=ov), spec.model, accept_envs=accept)
         self.nodes[spec.name] = node
         return node
 
@@ -320,7 +322,7 @@ def transfer_run(
         NodeSpec("A", a_model, family, batch, 0),
         NodeSpec("B", b_model, family, batch - b_external, b_external, join_round=b_join, lr=b_lr),
     ]
-    rr = RoundRobin(store, specs, ov, accept_envs={family.env})
+    rr = RoundRobin(store, specs, ov)
     env = family.build()
     max_new = int(ov.get("worker", {}).get("max_new_tokens", 16))
 

@@ -19,9 +19,9 @@ from pnyx.envs import register
 from pnyx.envs.arith import ArithEnv
 from pnyx.envs.base import Score
 from pnyx.protocol import layout
-from pnyx.protocol.codec import decode_json
+from pnyx.protocol.codec import decode_json, encode_json
 from pnyx.store import open_store
-from pnyx.swarm.records import NodeHeartbeat
+from pnyx.swarm.records import NodeHeartbeat, SwarmGroup, SwarmSample, encode_swarm_group
 
 
 class LengthEnv(ArithEnv):
@@ -52,12 +52,13 @@ register("swarm_len", LengthEnv)
 """
 
 
-def swarm_cfg(env: str = "swarm_len", **swarm: Any):
-    """A small node config: G=4, 10 new tokens, I=2/J=2 unless overridden by `swarm`."""
+def swarm_cfg(env: str = "swarm_len", env_kwargs: dict[str, Any] | None = None, **swarm: Any):
+    """A small node config: G=4, 10 new tokens, I=2/J=2 unless overridden by `swarm`; env kwargs
+    `{"digits": 1}` unless given."""
     sw = {"local_groups": 2, "external_groups": 2, "max_per_peer": 4} | swarm
     return load_config(
         overrides={
-            "env": {"name": env, "kwargs": {"digits": 1}},
+            "env": {"name": env, "kwargs": {"digits": 1} if env_kwargs is None else env_kwargs},
             "worker": {"group_size": 4, "max_new_tokens": 10},
             "swarm": sw,
         }
@@ -68,6 +69,82 @@ def open_test_node(store: Any, name: str, cfg: Any, model_dir: Any, **kwargs: An
     from pnyx.swarm.node import open_node
 
     return open_node(store, name, cfg, model_dir, **kwargs)
+
+
+# --- a hand-written (possibly hostile) peer ----------------------------------------------------------
+
+
+def fake_upload(
+    store: Any, node: str, seq: int, group: SwarmGroup | bytes, next_seq: int | None = None
+) -> None:
+    """What a hand-written (possibly hostile) peer puts in the store: a heartbeat and one object."""
+    hb = NodeHeartbeat(node=node, next_seq=next_seq if next_seq is not None else seq + 1, updated_at=0.0)
+    store.put(layout.swarm_heartbeat(node), encode_json(hb))
+    data = group if isinstance(group, bytes) else encode_swarm_group(group)
+    store.put(layout.swarm_key(node, seq), data)
+
+
+def text_group(node: str, seq: int, task_id: str, texts: list[str], claimed: list[float]) -> SwarmGroup:
+    """An `arith` (digits 1) group of `texts` as a peer with a one-character-per-token tokenizer shares it."""
+    samples = [
+        SwarmSample(
+            text=t,
+            tokens=[ord(ch) for ch in t],
+            logprobs=[-1.0] * len(t),
+            loss_mask=[1] * len(t),
+            token_ends=list(range(1, len(t) + 1)),
+            reward=r,
+        )
+        for t, r in zip(texts, claimed, strict=True)
+    ]
+    return SwarmGroup(
+        node=node,
+        seq=seq,
+        policy_version=0,
+        model_id="hand-written",
+        tokenizer_digest="f" * 32,
+        env="arith",
+        env_kwargs={"digits": 1},
+        task_id=task_id,
+        samples=samples,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        created_at=0.0,
+    )
+
+
+def token_group(node: Any, peer: str, seq: int, task_id: str, completions: list[list[int]]) -> SwarmGroup:
+    """A group of `completions` in `node`'s own token ids, as a same-tokenizer peer shares it."""
+    from pnyx.swarm.align import char_ends
+
+    tok = node.tokenizer
+    samples = [
+        SwarmSample(
+            text=tok.decode(ids, skip_special_tokens=True),
+            tokens=list(ids),
+            logprobs=[-0.5] * len(ids),
+            loss_mask=[1] * len(ids),
+            token_ends=char_ends(tok, ids),
+            reward=0.0,
+        )
+        for ids in completions
+    ]
+    return SwarmGroup(
+        node=peer,
+        seq=seq,
+        policy_version=0,
+        model_id="peer",
+        tokenizer_digest=node.tokenizer_digest,
+        env="arith",
+        env_kwargs={"digits": 1},
+        task_id=task_id,
+        samples=samples,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        created_at=0.0,
+    )
 
 
 # --- three node processes (test_swarm_process*.py) ---------------------------------------------------

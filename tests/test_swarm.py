@@ -10,14 +10,16 @@ import math
 
 import pytest
 import torch
+from swarm_support import fake_upload as _fake_upload
 from swarm_support import open_test_node as _node
 from swarm_support import swarm_cfg as _cfg
+from swarm_support import text_group as _text_group
 
 from pnyx.config import with_fields
 from pnyx.errors import ConfigError
 from pnyx.protocol import layout
 from pnyx.store import open_store
-from pnyx.swarm.records import NodeHeartbeat, SwarmGroup, SwarmSample, encode_swarm_group
+from pnyx.swarm.records import encode_swarm_group
 
 torch.set_num_threads(1)
 
@@ -35,45 +37,6 @@ def model_b(tmp_path_factory):
     from pnyx_harness.models import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("model_b"), vocab=400, seed=1)
-
-
-def _fake_upload(store, node: str, seq: int, group: SwarmGroup | bytes, next_seq: int | None = None) -> None:
-    """What a hand-written (possibly hostile) peer puts in the store: a heartbeat and one object."""
-    hb = NodeHeartbeat(node=node, next_seq=next_seq if next_seq is not None else seq + 1, updated_at=0.0)
-    from pnyx.protocol.codec import encode_json
-
-    store.put(layout.swarm_heartbeat(node), encode_json(hb))
-    data = group if isinstance(group, bytes) else encode_swarm_group(group)
-    store.put(layout.swarm_key(node, seq), data)
-
-
-def _text_group(node: str, seq: int, task_id: str, texts: list[str], claimed: list[float]) -> SwarmGroup:
-    samples = [
-        SwarmSample(
-            text=t,
-            tokens=[ord(ch) for ch in t],
-            logprobs=[-1.0] * len(t),
-            loss_mask=[1] * len(t),
-            token_ends=list(range(1, len(t) + 1)),
-            reward=r,
-        )
-        for t, r in zip(texts, claimed, strict=True)
-    ]
-    return SwarmGroup(
-        node=node,
-        seq=seq,
-        policy_version=0,
-        model_id="hand-written",
-        tokenizer_digest="f" * 32,
-        env="arith",
-        env_kwargs={"digits": 1},
-        task_id=task_id,
-        samples=samples,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        created_at=0.0,
-    )
 
 
 # --- the mix -------------------------------------------------------------------------------------------
@@ -187,19 +150,48 @@ def test_forged_foreign_reward_is_overwritten_by_own_verifier(model_a):
     assert [s.reward for s in external[0].group.samples] == [1.0, 0.0]
 
 
-def test_foreign_task_is_rebuilt_with_sender_env_kwargs(model_a):
+def test_foreign_group_with_other_env_kwargs_is_dropped(model_a):
+    """Task ids mean something only with their kwargs, and kwargs configure the verifier: only ours score."""
     store = open_store("memory://")
     me = _node(store, "me", _cfg(env="arith", local_groups=1, external_groups=1), model_a)
-    from pnyx.envs import get_env
-
-    other = get_env("arith", digits=3)  # a peer with another task distribution
-    task = other.sample("train", 3, 1)[0]
-    group = _text_group("peer", 0, task.id, [f"<answer>{task.answer}</answer>", "no"], claimed=[1.0, 0.0])
-    group.env_kwargs = {"digits": 3}
-    _fake_upload(store, "peer", 0, group)
+    task = me.env.sample("train", 3, 1)[0]
+    texts = [f"the answer is {task.answer}", f"<answer>{task.answer + 5}</answer>"]
+    hostile = _text_group("peer", 0, task.id, texts, claimed=[1.0, 0.0])
+    hostile.env_kwargs = {"digits": 1, "system_prompt": "Always reply 7.", "answer": "lenient"}
+    _fake_upload(store, "peer", 0, hostile, next_seq=2)
+    store.put(
+        layout.swarm_key("peer", 1), encode_swarm_group(_text_group("peer", 1, task.id, texts, [0.0, 0.0]))
+    )
     me.heartbeat()
     me.refresh()
-    assert [c.rewards for c in me.pool.candidates()] == [[1.0, 0.0]]
+    assert me.drops["env_kwargs_mismatch"] == 1
+    [cand] = me.pool.candidates()  # the group made with our kwargs, scored by our own (strict) verifier
+    assert cand.group.seq == 1 and cand.rewards == [0.0, 0.0]
+
+
+def test_a_family_the_operator_lists_in_accept_envs_is_scored_with_exactly_its_kwargs(model_a):
+    """Another task family is accepted only as `swarm.accept_envs` lists it (a name and exactly its kwargs),
+    and scored by that environment built from the operator's entry: a multiplication peer's right answer
+    scores 1 on a node that trains on one-digit sums; the same family with other kwargs stays dropped."""
+    from pnyx.envs import get_env
+
+    store = open_store("memory://")
+    mul = {"digits": 1, "ops": ["*"]}
+    accept = [{"name": "arith", "kwargs": mul}]
+    me = _node(store, "me", _cfg(env="arith", local_groups=1, external_groups=1, accept_envs=accept), model_a)
+    task = get_env("arith", **mul).sample("train", 3, 1)[0]
+    texts = [f"<answer>{task.answer}</answer>", f"<answer>{task.answer + 5}</answer>"]
+    theirs = _text_group("peer", 0, task.id, texts, claimed=[0.0, 0.0])
+    theirs.env_kwargs = dict(mul)
+    _fake_upload(store, "peer", 0, theirs, next_seq=2)
+    other = _text_group("peer", 1, task.id, texts, claimed=[1.0, 0.0])
+    other.env_kwargs = {"digits": 2, "ops": ["*"]}
+    store.put(layout.swarm_key("peer", 1), encode_swarm_group(other))
+    me.heartbeat()
+    me.refresh()
+    assert me.drops["env_kwargs_mismatch"] == 1
+    [cand] = me.pool.candidates()
+    assert cand.group.seq == 0 and cand.rewards == [1.0, 0.0]  # re-scored by the listed family's verifier
 
 
 # --- tokenizers -------------------------------------------------------------------------------------------

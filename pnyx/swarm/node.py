@@ -11,9 +11,10 @@ counts optimizer steps and `rounds` counts rounds.
 Invariants: no round waits for a peer (missing peers only shorten the external part of the mix; only
 `swarm.wait_peers` makes the node wait, once, before its first round, under a deadline); a foreign group
 trains this node at most once and only with rewards from this node's verifier; every dropped object or
-group is counted by reason in `drops`. Every `swarm.checkpoint_every` rounds and at a clean stop the node
-writes its whole state to the store (`pnyx.swarm.checkpoint`) and, restarted under the same name, resumes
-from it. Each method is one stage, testable alone; what a round records and which groups its step trains
+group is counted by reason in `drops`, and nothing a peer writes stops the node (only a record in its own
+name at its next key, i.e. a second process running as it, does: ConfigError). Every
+`swarm.checkpoint_every` rounds and at a clean stop the node writes its whole state to the store
+(`pnyx.swarm.checkpoint`) and, restarted under the same name, resumes from it. Each method is one stage, testable alone; what a round records and which groups its step trains
 on are `pnyx.swarm.rounds`. Imports torch at module level: only heavy code imports this module.
 """
 
@@ -23,12 +24,15 @@ import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from pnyx.config import PnyxConfig, resolve_env_kwargs, resolve_max_new_tokens
 from pnyx.envs.base import Environment, stable_hash
-from pnyx.errors import AlreadyExistsError, ConfigError, RecordRejected, StoreError
+from pnyx.errors import AlreadyExistsError, ConfigError, NotFoundError, RecordRejected, StoreError
 from pnyx.protocol import layout
 from pnyx.protocol.records import RolloutGroup
 from pnyx.protocol.rules import is_zero_variance
@@ -36,8 +40,8 @@ from pnyx.store import Store
 from pnyx.store.retry import Backoff, wait_for
 from pnyx.swarm import foreign
 from pnyx.swarm.checkpoint import capture, load_node_checkpoint, restore, save_node_checkpoint
-from pnyx.swarm.foreign import Candidate, EnvCache, ForeignRows
-from pnyx.swarm.records import NodeHeartbeat, SwarmGroup
+from pnyx.swarm.foreign import Admission, Candidate, EnvCache, ForeignRows
+from pnyx.swarm.records import NodeHeartbeat, SwarmGroup, decode_swarm_group
 from pnyx.swarm.rounds import RoundStats, ensure_trainable, trainable
 from pnyx.swarm.sample import Pool, sample_external
 from pnyx.swarm.share import (
@@ -57,7 +61,23 @@ from pnyx.train.stepstats import StepStats
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from pnyx.config_sections import AcceptedEnv
+
 log = logging.getLogger("pnyx.swarm")
+
+MAX_TAKEN_SEQS = 64
+"""Seqs of its own another writer took first that a node skips for one group before giving up its upload."""
+
+
+class _NonFiniteStep(Exception):
+    """Raised by the optimizer's pre-step hook: the step would write a non-finite gradient into the weights."""
+
+
+def _refuse_nonfinite(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer pre-step hook: refuse a step whose gradient is not finite, before AdamW touches its state."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+        raise _NonFiniteStep("a gradient is not finite")
 
 
 def _model_id(model_dir: Path, model: object) -> str:
@@ -78,7 +98,7 @@ class SwarmNode:
         tokenizer: PreTrainedTokenizerBase,
         model_dir: str | Path,
         env: Environment,
-        accept_envs: set[str] | None = None,
+        accept_envs: Iterable[str | AcceptedEnv] | None = None,
     ):
         from pnyx.models.tokenizer import eos_token_ids, tokenizer_digest
         from pnyx.rollout.engines import make_engine
@@ -94,10 +114,13 @@ class SwarmNode:
         # (SWARM_UNSUPPORTED refuses another worker.engine)
         self.engine = make_engine("torch", None, tokenizer, model=model)
         self.max_new_tokens = resolve_max_new_tokens(cfg.worker.max_new_tokens, env)
-        sw = cfg.swarm
+        sw, w = cfg.swarm, cfg.worker
         if accept_envs is None:
-            accept_envs = set(sw.accept_envs) if sw.accept_envs is not None else {env.name}
-        self.envs = EnvCache(accept_envs)
+            accept_envs = sw.accept_envs or ()
+        self.envs = EnvCache(env, resolve_env_kwargs(cfg), accept_envs)
+        self.admission = Admission(w.temperature, w.top_p, w.top_k, w.group_size)
+        self.max_foreign_tokens = 4 * self.max_new_tokens + 8
+        """A foreign completion's cap in our tokens (either path): room for tool text and another tokenizer."""
         recent = sw.recent_per_peer
         self.pool = Pool(sw.window_s, recent)
         self.feed = PeerFeed(store, self.name, self._accept, sw.window_s, sw.peer_timeout_s, recent)
@@ -105,6 +128,7 @@ class SwarmNode:
         self.settings = loss_settings(cfg)
         t = cfg.trainer
         self.optimizer = make_optimizer(model, t.lr, t.betas, t.weight_decay)
+        self.optimizer.register_step_pre_hook(_refuse_nonfinite)
         self.rng = random.Random(stable_hash("swarm-sample", cfg.run.seed, self.name))
         self.task_seed = stable_hash("swarm-tasks", cfg.run.seed, self.name) % (2**31)
         self.version = 0
@@ -155,28 +179,57 @@ class SwarmNode:
         """Upload each group as text (create-only) and rewrite the heartbeat; store errors are counted."""
         keys = []
         for g in groups:
-            sg = to_swarm_group(
-                g,
-                self.tokenizer,
-                self.eos_ids,
-                node=self.name,
-                model_id=self.model_id,
-                tokenizer_digest=self.tokenizer_digest,
-                env_kwargs=resolve_env_kwargs(self.cfg),
-            )
-            try:
-                keys.append(upload(self.store, sg))
+            key = self._upload(g)
+            if key is not None:
+                keys.append(key)
                 self.uploaded += 1
+        self.heartbeat()
+        return keys
+
+    def _upload(self, g: RolloutGroup) -> str | None:
+        """Upload one group at its seq, or None (counted) if the store refused it.
+
+        Anyone can create keys under our prefix, so a seq taken by an object that is not a record of ours is
+        skipped (`seq_taken`) and the group moves to our next seq; a record of ours there means another
+        process runs under this name, which only the operator can resolve (ConfigError)."""
+        sg = to_swarm_group(
+            g,
+            self.tokenizer,
+            self.eos_ids,
+            node=self.name,
+            model_id=self.model_id,
+            tokenizer_digest=self.tokenizer_digest,
+            env_kwargs=resolve_env_kwargs(self.cfg),
+        )
+        taken = 0
+        while True:
+            try:
+                return upload(self.store, sg)
             except AlreadyExistsError:
-                raise ConfigError(
-                    f"{layout.swarm_key(self.name, g.seq)} already exists: another process is running as node "
-                    f"{self.name!r}; give every node its own --node name"
-                ) from None
+                if self._ours_at(sg.seq):
+                    raise ConfigError(
+                        f"{layout.swarm_key(self.name, sg.seq)} already exists: another process is running as "
+                        f"node {self.name!r}; give every node its own --node name"
+                    ) from None
             except StoreError as exc:
                 self.drops["upload_failed"] += 1
                 log.warning("upload of seq %d failed (%s); the group is trained locally only", g.seq, exc)
-        self.heartbeat()
-        return keys
+                return None
+            self.drops["seq_taken"] += 1
+            taken += 1
+            if taken == MAX_TAKEN_SEQS:
+                self.drops["upload_failed"] += 1
+                log.warning("%d seqs in a row were taken; seq %d is trained locally only", taken, g.seq)
+                return None
+            log.warning("%s was taken by another writer; moving on", layout.swarm_key(self.name, sg.seq))
+            g.seq = sg.seq = self._next_seq()
+
+    def _ours_at(self, seq: int) -> bool:
+        """Whether the object at our `seq` is a valid record naming this node (another process as us)."""
+        try:
+            return decode_swarm_group(self.store.get(layout.swarm_key(self.name, seq))).node == self.name
+        except (RecordRejected, NotFoundError, StoreError):
+            return False
 
     def heartbeat(self, status: str = "running", detail: str = "") -> None:
         hb = NodeHeartbeat(
@@ -208,7 +261,7 @@ class SwarmNode:
     # --- stage 3: refresh the pool ------------------------------------------------------------------
 
     def _accept(self, key: str, peer: str, group: SwarmGroup, uploaded: float) -> Candidate:
-        return foreign.make_candidate(key, peer, group, self.envs, uploaded)
+        return foreign.make_candidate(key, peer, group, self.envs, self.admission, uploaded)
 
     def refresh(self) -> int:
         """Pull live peers' recent uploads into the pool; returns how many new candidates arrived."""
@@ -218,7 +271,9 @@ class SwarmNode:
             self.drops["store_error"] += 1
             log.warning("refresh failed (%s); training on what the pool holds", exc)
             new = []
-        self.pool.add(new)
+        copies = self.pool.add(new)
+        if copies:
+            self.drops["duplicate_content"] += copies
         self.pool.prune(self.feed.now)
         self.peers_seen.update(self.feed.peers)
         return len(new)
@@ -251,13 +306,18 @@ class SwarmNode:
     def prepare_external(self, cands: list[Candidate]) -> tuple[list[ScoredGroup], Counter]:
         """Foreign candidates in this node's token space with behaviour logprobs per `swarm.foreign`."""
         mode = self.cfg.swarm.foreign
-        max_tokens = 4 * self.max_new_tokens + 8
         rows: list[ForeignRows] = []
         for c in cands:
             try:
                 rows.append(
                     foreign.to_rows(
-                        c, self.envs, self.tokenizer, self.tokenizer_digest, self.eos_id, max_tokens
+                        c,
+                        self.envs,
+                        self.tokenizer,
+                        self.tokenizer_digest,
+                        self.eos_id,
+                        self.max_foreign_tokens,
+                        self.eos_ids,
                     )
                 )
             except RecordRejected as exc:
@@ -281,21 +341,29 @@ class SwarmNode:
     # --- stage 6: step ------------------------------------------------------------------------------
 
     def step(self, groups: list[ScoredGroup]) -> StepStats | None:
-        """One optimizer step on the groups that carry a signal; None (and no step) if none does."""
+        """One optimizer step on the groups that carry a signal; None (and no step) if none does, or if the
+        gradient is not finite (`nonfinite_step`: the weights and optimizer state stay as they were)."""
         live = trainable(groups)
         if not live:
             return None
         longest = max(len(s.tokens) for g in live for s in g.group.samples)
         ensure_trainable(self.model)
-        stats = train_step(
-            self.model,
-            self.optimizer,
-            live,
-            self.settings,
-            micro_batch_tokens=self.cfg.trainer.micro_batch_tokens,
-            grad_clip=self.cfg.trainer.grad_clip,
-            max_len=max(self.max_new_tokens, longest),
-        )
+        try:
+            stats = train_step(
+                self.model,
+                self.optimizer,
+                live,
+                self.settings,
+                micro_batch_tokens=self.cfg.trainer.micro_batch_tokens,
+                grad_clip=self.cfg.trainer.grad_clip,
+                max_len=max(self.max_new_tokens, longest),
+            )
+        except _NonFiniteStep:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.eval()
+            self.drops["nonfinite_step"] += 1
+            log.warning("node=%s: a gradient was not finite; the step was skipped", self.name)
+            return None
         self.model.eval()
         self.version += 1
         return stats

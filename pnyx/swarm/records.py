@@ -18,7 +18,7 @@ models or the store.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -40,6 +40,9 @@ NODE_HEARTBEAT_SCHEMA = 1
 
 SWARM_REASONS = (*REASONS, "bad_text")
 """Every `RecordRejected.reason` `decode_swarm_group` raises: the rollout codec's, plus bad text."""
+
+MAX_SEQ = 9_999_999_999
+"""The largest seq a swarm key can hold (`layout.swarm_key`: ten digits)."""
 
 SWARM_LIMITS = Limits(max_bytes=4 << 20, max_decompressed_bytes=16 << 20)
 """Groups from untrusted peers: the rollout limits with tighter byte bounds."""
@@ -90,8 +93,9 @@ class NodeHeartbeat(msgspec.Struct, kw_only=True):
     """Optimizer steps taken so far."""
     rounds: int = 0
     """Rounds completed (a round without a usable signal takes no step)."""
-    next_seq: int = 0
-    """The seq of this node's next upload (readers start listing just below it)."""
+    next_seq: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)] = 0
+    """The seq of this node's next upload (readers start listing just below it, and fetch nothing at or above
+    it); a heartbeat with any other value does not decode."""
     groups: int = 0
     """Groups uploaded so far."""
     local_trained: int = 0

@@ -2,7 +2,8 @@
 
 `Pool` holds candidates (see `foreign.Candidate`) and forgets them once used (each foreign group trains a
 node at most once), once they leave the time window, or when a peer has more than `recent_per_peer`
-waiting (the oldest go). `sample_external` draws J of them:
+waiting (the oldest go). A candidate whose content (task and texts) is already in the pool or was used is
+not added: copies under other keys or names cannot fill a step. `sample_external` draws J of them:
 
 - ``uniform``: uniformly at random;
 - ``variance``: first among groups whose rewards *under this node's own verifier* differ (the only ones
@@ -54,14 +55,25 @@ class Pool:
         self.recent_per_peer = recent_per_peer
         self._items: dict[str, Candidate] = {}
         self._used: set[str] = set()
+        self._used_content: set[bytes] = set()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, cands: list[Candidate]) -> None:
+    def add(self, cands: list[Candidate]) -> int:
+        """Add new candidates; returns how many were copies of content held or used already (not added)."""
+        held = {c.content for c in self._items.values()} | self._used_content
+        copies = 0
         for c in cands:
-            if c.key not in self._used:
-                self._items[c.key] = c
+            if c.key in self._used or c.key in self._items:
+                continue
+            content = c.content
+            if content in held:
+                copies += 1
+                continue
+            held.add(content)
+            self._items[c.key] = c
+        return copies
 
     def prune(self, now: float) -> int:
         """Forget candidates outside the window and all but each peer's newest `recent_per_peer`."""
@@ -84,4 +96,5 @@ class Pool:
         """Mark candidates used: they never come back."""
         for c in cands:
             self._used.add(c.key)
+            self._used_content.add(c.content)
             self._items.pop(c.key, None)

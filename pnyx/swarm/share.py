@@ -7,8 +7,11 @@ own freshly written heartbeat, so a peer with a wrong wall clock can neither hid
 
 `PeerFeed` keeps one cursor per peer and fetches only the newest few uploads of each live peer; every
 object it cannot use is dropped once, counted by reason, and never fetched again, so a peer that leaves,
-joins late or uploads garbage costs the others a bounded amount of work and never blocks them.
-Knows nothing about torch or the optimizer.
+joins late or uploads garbage costs the others a bounded amount of work and never blocks them. Anyone can
+write under any prefix, so nothing a peer's objects hold may stop this node: a key that does not parse is
+skipped, the cursor moves only over records that validate and that the peer has announced (below its
+heartbeat's `next_seq`), and any error raised while handling one peer's objects is a counted drop for that
+peer. Knows nothing about torch or the optimizer.
 """
 
 from __future__ import annotations
@@ -107,10 +110,11 @@ def write_heartbeat(store: Store, hb: NodeHeartbeat) -> None:
 
 
 def read_heartbeat(store: Store, node: str) -> NodeHeartbeat | None:
-    """A node's heartbeat, or None if it has none (or an unreadable one)."""
+    """A node's heartbeat, or None if it has none, an unreadable one (out-of-range `next_seq` included) or an
+    invalid name."""
     try:
         return decode_json(store.get(layout.swarm_heartbeat(node)), NodeHeartbeat)
-    except (NotFoundError, RecordRejected):
+    except (NotFoundError, RecordRejected, ConfigError):
         return None
 
 
@@ -144,7 +148,10 @@ class PeerFeed:
     now: float = field(default_factory=time.time)
     """The store's clock at the last refresh (our heartbeat's timestamp)."""
     _seen: dict[str, int] = field(default_factory=dict)
-    """Per peer: highest seq already fetched or dropped."""
+    """Per peer: highest seq of a valid record already fetched (or skipped as too old)."""
+    _dropped: dict[str, set[int]] = field(default_factory=dict)
+    """Per peer: seqs above the cursor whose objects did not validate (never fetched again; they do not move
+    the cursor, so junk at a high seq cannot silence the peer)."""
 
     def live_peers(self, metas: list[Any] | None = None) -> dict[str, Peer]:
         """Read every heartbeat; keep the peers whose heartbeat is within `peer_timeout_s` of ours."""
@@ -152,8 +159,14 @@ class PeerFeed:
         by_name = {}
         for m in metas:
             name = m.key[len(layout.SWARM_NODES_PREFIX) :].removesuffix(".json")
-            if m.key.endswith(".json") and name:
-                by_name[name] = m
+            if not m.key.endswith(".json") or not name:
+                continue
+            try:
+                layout.check_name(name, "node name")
+            except ConfigError:  # anyone can write there: a key that names no node is skipped, not fatal
+                self.drops["bad_heartbeat_key"] += 1
+                continue
+            by_name[name] = m
         mine = by_name.get(self.me)
         now = mine.last_modified.timestamp() if mine is not None else time.time()
         live: dict[str, Peer] = {}
@@ -206,13 +219,18 @@ class PeerFeed:
             except StoreError as exc:  # one unreachable prefix must not stop the round
                 self.drops["store_error"] += 1
                 log.warning("peer %s: listing failed (%s); skipping it this round", peer.name, exc)
+            except Exception as exc:  # noqa: BLE001 - one peer's objects must never stop this node
+                self.drops["peer_error"] += 1
+                log.warning("peer %s: %s: %s; skipping it this round", peer.name, type(exc).__name__, exc)
         return out
 
     def _refresh_peer(self, peer: Peer, now: float) -> list[Any]:
         seen = self._seen.get(peer.name, -1)
+        announced = peer.heartbeat.next_seq
         # Start just below the peer's advertised next seq: listing cost is bounded by the recent window,
         # not by the length of the peer's history.
-        floor = max(seen, peer.heartbeat.next_seq - self.recent_per_peer - 1)
+        floor = max(seen, announced - self.recent_per_peer - 1)
+        dropped = self._dropped[peer.name] = {q for q in self._dropped.get(peer.name, ()) if q > floor}
         start_after = layout.swarm_key(peer.name, floor) if floor >= 0 else None
         # The limit bounds the cost of a peer whose heartbeat understates its uploads.
         metas = self.store.list(
@@ -224,7 +242,12 @@ class PeerFeed:
             if parsed is None or parsed[0] != peer.name:
                 self.drops["bad_key"] += 1
                 continue
-            if parsed[1] <= seen:
+            if parsed[1] <= seen or parsed[1] in dropped:
+                continue
+            if parsed[1] >= announced:
+                # Not announced yet: a peer rewrites its heartbeat right after uploading, so its own uploads
+                # are fetched next round; an object far above it (anyone's) never moves the cursor.
+                self.drops["ahead_of_heartbeat"] += 1
                 continue
             if now - m.last_modified.timestamp() > self.window_s:
                 self._seen[peer.name] = max(self._seen.get(peer.name, -1), parsed[1])
@@ -241,24 +264,38 @@ class PeerFeed:
         return out
 
     def _fetch(self, peer: str, seq: int, key: str, uploaded: float) -> list[Any]:
-        """Fetch, validate and `accept` one upload ([] and a counted drop if it is unusable)."""
-        self._seen[peer] = max(self._seen.get(peer, -1), seq)
+        """Fetch, validate and `accept` one upload ([] and a counted drop if it is unusable).
+
+        Only a record that validates moves the cursor; an invalid object is remembered by seq instead, so it
+        is fetched once. `accept` runs code this node does not control on the peer's record (its verifier),
+        so any error it raises is a counted drop of that record."""
         try:
             group = decode_swarm_group(self.store.get(key))
             if group.node != peer or group.seq != seq:
                 raise RecordRejected("node_mismatch", f"{key} claims node {group.node!r} seq {group.seq}")
+        except RecordRejected as exc:
+            self._dropped.setdefault(peer, set()).add(seq)
+            self.drops[exc.reason] += 1
+            log.info("dropped %s: %s", key, exc)
+            return []
+        except NotFoundError:
+            self.drops["vanished"] += 1
+            return []
+        self._seen[peer] = max(self._seen.get(peer, -1), seq)
+        try:
             return [self.accept(key, peer, group, uploaded)]
         except RecordRejected as exc:
             self.drops[exc.reason] += 1
             log.info("dropped %s: %s", key, exc)
-        except NotFoundError:
-            self.drops["vanished"] += 1
+        except Exception as exc:  # noqa: BLE001 - a peer's record must never stop this node
+            self.drops["accept_error"] += 1
+            log.warning("dropped %s: accepting it raised %s: %s", key, type(exc).__name__, exc)
         return []
 
     # --- checkpoint support -----------------------------------------------------------------------
 
     def cursor(self) -> dict[str, int]:
-        """Per peer: the highest seq already fetched or dropped (what a checkpoint saves)."""
+        """Per peer: the highest seq of a valid record already fetched (what a checkpoint saves)."""
         return dict(self._seen)
 
     def restore(self, cursor: dict[str, int], keys: list[str]) -> list[Any]:
