@@ -97,21 +97,18 @@ def text_group(node: str, seq: int, task_id: str, texts: list[str], claimed: lis
         )
         for t, r in zip(texts, claimed, strict=True)
     ]
+    return _arith_group(node, seq, "hand-written", "f" * 32, task_id, samples)
+
+
+def _arith_group(
+    node: str, seq: int, model_id: str, digest: str, task_id: str, samples: list[SwarmSample]
+) -> SwarmGroup:
+    """An `arith` (digits 1) group at version 0, sampled at temperature 1 without truncation."""
     return SwarmGroup(
-        node=node,
-        seq=seq,
-        policy_version=0,
-        model_id="hand-written",
-        tokenizer_digest="f" * 32,
-        env="arith",
-        env_kwargs={"digits": 1},
-        task_id=task_id,
-        samples=samples,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
+        node=node, seq=seq, policy_version=0, model_id=model_id, tokenizer_digest=digest, env="arith",
+        env_kwargs={"digits": 1}, task_id=task_id, samples=samples, temperature=1.0, top_p=1.0, top_k=0,
         created_at=0.0,
-    )
+    )  # fmt: skip
 
 
 def token_group(node: Any, peer: str, seq: int, task_id: str, completions: list[list[int]]) -> SwarmGroup:
@@ -130,21 +127,7 @@ def token_group(node: Any, peer: str, seq: int, task_id: str, completions: list[
         )
         for ids in completions
     ]
-    return SwarmGroup(
-        node=peer,
-        seq=seq,
-        policy_version=0,
-        model_id="peer",
-        tokenizer_digest=node.tokenizer_digest,
-        env="arith",
-        env_kwargs={"digits": 1},
-        task_id=task_id,
-        samples=samples,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        created_at=0.0,
-    )
+    return _arith_group(peer, seq, "peer", node.tokenizer_digest, task_id, samples)
 
 
 # --- three node processes (test_swarm_process*.py) ---------------------------------------------------
