@@ -196,6 +196,17 @@ def admit(group: SwarmGroup, admission: Admission) -> None:
         raise RecordRejected("not_train_split", f"task {group.task_id!r} is not a train-split task")
 
 
+RUN_ON_CHARS = 16
+"""Characters a single-turn sample may hold after the first stop string in it: the rest of the token that
+completed the stop (an engine stops there; tokenizers differ in where a token ends)."""
+
+
+def _past_stop(text: str, stops: list[str]) -> int:
+    """Characters of `text` after the end of the first stop string in it (0 if none)."""
+    ends = [i + len(stop) for stop in stops if (i := text.find(stop)) >= 0]
+    return len(text) - min(ends) if ends else 0
+
+
 def rescore(group: SwarmGroup, envs: EnvCache) -> tuple[list[float], int]:
     """Our own rewards for a foreign group's texts, and how many claimed rewards we overwrote."""
     env = envs.get(group.env, group.env_kwargs)
@@ -207,6 +218,12 @@ def rescore(group: SwarmGroup, envs: EnvCache) -> tuple[list[float], int]:
         # Scoring reads the whole text but only mask-1 tokens are trained: "tool" text in an environment
         # without tools could carry the answer that earns a reward the trained tokens do not.
         raise RecordRejected("tool_text", "a sample marks tool text in an environment without tools")
+    if env.max_turns <= 1:
+        for i, s in enumerate(group.samples):
+            if (past := _past_stop(s.text, env.stop_strings)) > RUN_ON_CHARS:
+                raise RecordRejected(
+                    "run_on", f"sample {i} goes on {past} characters after its first stop string"
+                )
     rewards = [float(env.score(task, s.text).reward) for s in group.samples]
     forged = sum(abs(r - s.reward) > 1e-6 for r, s in zip(rewards, group.samples, strict=True))
     return rewards, forged

@@ -45,6 +45,7 @@ from pnyx.swarm.records import NodeHeartbeat, SwarmGroup, decode_swarm_group
 from pnyx.swarm.rounds import RoundStats, ensure_trainable, trainable
 from pnyx.swarm.sample import Pool, sample_external
 from pnyx.swarm.share import (
+    MAX_PEERS,
     PeerFeed,
     check_node_name,
     read_heartbeat,
@@ -123,7 +124,10 @@ class SwarmNode:
         """A foreign completion's cap in our tokens (either path): room for tool text and another tokenizer."""
         recent = sw.recent_per_peer
         self.pool = Pool(sw.window_s, recent)
-        self.feed = PeerFeed(store, self.name, self._accept, sw.window_s, sw.peer_timeout_s, recent)
+        self.feed = PeerFeed(
+            store, self.name, self._accept, sw.window_s, sw.peer_timeout_s, recent,
+            max_peers=max(MAX_PEERS, sw.wait_peers),
+        )  # fmt: skip
         self.drops = self.feed.drops  # one counter for every reason, fetch-time and mix-time
         self.settings = loss_settings(cfg)
         t = cfg.trainer

@@ -1,8 +1,8 @@
 """Choosing the J external groups of a step from the pool of recent, validated, re-scored foreign groups.
 
 `Pool` holds candidates (see `foreign.Candidate`) and forgets them once used (each foreign group trains a
-node at most once), once they leave the time window, or when a peer has more than `recent_per_peer`
-waiting (the oldest go). A candidate whose content (task and texts) is already in the pool or was used is
+node at most once), once they leave the time window, when a peer has more than `recent_per_peer`
+waiting (the oldest go), or when it holds more than `max_items` across peers (the oldest uploads go). A candidate whose content (task and texts) is already in the pool or was used is
 not added: copies under other keys or names cannot fill a step. `sample_external` draws J of them:
 
 - ``uniform``: uniformly at random;
@@ -47,12 +47,17 @@ def sample_external(
     return picked
 
 
-class Pool:
-    """Recent foreign candidates, keyed by store key."""
+MAX_POOL = 1024
+"""Candidates a pool holds at most, whatever number of peers (names are free): past it the oldest uploads go."""
 
-    def __init__(self, window_s: float, recent_per_peer: int):
+
+class Pool:
+    """Recent foreign candidates, keyed by store key (at most `max_items`, the newest uploads)."""
+
+    def __init__(self, window_s: float, recent_per_peer: int, max_items: int = MAX_POOL):
         self.window_s = window_s
         self.recent_per_peer = recent_per_peer
+        self.max_items = max_items
         self._items: dict[str, Candidate] = {}
         self._used: set[str] = set()
         self._used_content: set[bytes] = set()
@@ -73,6 +78,9 @@ class Pool:
                 continue
             held.add(content)
             self._items[c.key] = c
+        if len(self._items) > self.max_items:
+            newest = sorted(self._items.values(), key=lambda c: c.uploaded)[-self.max_items :]
+            self._items = {c.key: c for c in newest}
         return copies
 
     def prune(self, now: float) -> int:

@@ -17,6 +17,7 @@ peer. Knows nothing about torch or the optimizer.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,6 +37,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("pnyx.swarm")
+
+MAX_PEERS = 64
+"""Peers whose heartbeats a node reads per look (`PeerFeed.max_peers`, at least `swarm.wait_peers`). Names are
+free, so a store holding more fresh heartbeats than this is read as: the peers that have delivered a valid
+record, up to three quarters of it (a random draw of them if more), then a random draw of the other names.
+A flood of invented names costs a bounded number of reads per round, cannot push out the peers a node
+learns from, and cannot keep a new peer out for long (the last quarter is drawn anew every look)."""
+
+_DRAW = random.SystemRandom()  # which unknown names are read: no writer can predict it
 
 RESERVED_NODE_NAMES = frozenset({"nodes", "ckpt"})
 """`swarm/nodes/` holds heartbeats and `swarm/ckpt/` checkpoints: a node with either name would collide."""
@@ -134,7 +144,8 @@ class PeerFeed:
 
     `accept(key, peer, group, uploaded)` turns a decoded group into whatever the caller keeps (it may
     raise RecordRejected, which is counted like any other drop). Per refresh and peer, at most
-    `recent_per_peer` of the newest not-yet-seen uploads inside `window_s` are fetched.
+    `recent_per_peer` of the newest not-yet-seen uploads inside `window_s` are fetched, from at most
+    `max_peers` peers (`MAX_PEERS`).
     """
 
     store: Store
@@ -144,11 +155,14 @@ class PeerFeed:
     peer_timeout_s: float = 60.0
     recent_per_peer: int = 8
     drops: Counter = field(default_factory=Counter)
+    max_peers: int = MAX_PEERS
     peers: dict[str, Peer] = field(default_factory=dict)
     now: float = field(default_factory=time.time)
     """The store's clock at the last refresh (our heartbeat's timestamp)."""
     _seen: dict[str, int] = field(default_factory=dict)
     """Per peer: highest seq of a valid record already fetched (or skipped as too old)."""
+    _delivered: set[str] = field(default_factory=set)
+    """Peers that have delivered a record `accept` took (read first when there are more than `max_peers`)."""
     _dropped: dict[str, set[int]] = field(default_factory=dict)
     """Per peer: seqs above the cursor whose objects did not validate (never fetched again; they do not move
     the cursor, so junk at a high seq cannot silence the peer)."""
@@ -169,12 +183,22 @@ class PeerFeed:
             by_name[name] = m
         mine = by_name.get(self.me)
         now = mine.last_modified.timestamp() if mine is not None else time.time()
+        self._delivered &= set(by_name)  # a name whose heartbeat is gone is forgotten
+        fresh = [
+            name
+            for name, meta in by_name.items()
+            if name != self.me and now - meta.last_modified.timestamp() <= self.peer_timeout_s
+        ]
+        if len(fresh) > self.max_peers:  # peers that delivered first, then a random draw (see `MAX_PEERS`)
+            proven = [n for n in fresh if n in self._delivered]
+            proven = _DRAW.sample(proven, min(len(proven), self.max_peers - max(1, self.max_peers // 4)))
+            others = [n for n in fresh if n not in proven]
+            drawn = proven + _DRAW.sample(others, min(len(others), self.max_peers - len(proven)))
+            self.drops["peers_not_read"] += len(fresh) - len(drawn)
+            fresh = drawn
         live: dict[str, Peer] = {}
-        for name, meta in by_name.items():
-            if name == self.me:
-                continue
-            if now - meta.last_modified.timestamp() > self.peer_timeout_s:
-                continue
+        for name in fresh:
+            meta = by_name[name]
             hb = read_heartbeat(self.store, name)
             if hb is None or hb.node != name:
                 self.drops["bad_heartbeat"] += 1
@@ -283,7 +307,9 @@ class PeerFeed:
             return []
         self._seen[peer] = max(self._seen.get(peer, -1), seq)
         try:
-            return [self.accept(key, peer, group, uploaded)]
+            accepted = self.accept(key, peer, group, uploaded)
+            self._delivered.add(peer)
+            return [accepted]
         except RecordRejected as exc:
             self.drops[exc.reason] += 1
             log.info("dropped %s: %s", key, exc)
