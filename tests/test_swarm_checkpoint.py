@@ -98,6 +98,43 @@ def test_checkpoint_of_another_model_is_refused_with_a_way_out(model_a, tmp_path
     assert fresh.rounds == 0 and fresh.resumed_from == -1 and fresh.seq == 1  # its sequence still continues
 
 
+@pytest.mark.parametrize("forgery", ["unsigned", "another_key", "tampered"])
+def test_a_checkpoint_this_machines_node_key_did_not_sign_is_never_resumed(
+    model_a, forgery, monkeypatch, tmp_path
+):
+    """Anyone who can write to the store can put an object at `swarm/ckpt/{node}.pt` (the red-team review of
+    2026-12-05 resumed a node from such an object: every weight 0.0123, a million rounds done). A node
+    resumes only from a checkpoint its own key (on its machine) signed; anything else is refused with the
+    way out, and `--swarm.resume=false` starts from the model."""
+    from pnyx.swarm import checkpoint as ck
+
+    monkeypatch.setenv("PNYX_KEYS_DIR", str(tmp_path / "keys"))
+    store = open_store("memory://")
+    node = _node(store, "n", _cfg(local_groups=1, external_groups=0), model_a)
+    node.round()
+    node.checkpoint()
+    key = layout.swarm_checkpoint("n")
+    signed = store.get(key)
+    blob = signed[len(ck.SIGNED_MAGIC) + 96 :]
+    if forgery == "unsigned":
+        forged = blob
+    elif forgery == "another_key":
+        monkeypatch.setenv("PNYX_KEYS_DIR", str(tmp_path / "attacker"))
+        ck.save_node_checkpoint(store, ck.capture(node), node.model, node.optimizer)
+        monkeypatch.setenv("PNYX_KEYS_DIR", str(tmp_path / "keys"))
+        forged = store.get(key)
+    else:
+        forged = signed[:-1] + bytes([signed[-1] ^ 1])
+    store.put(key, forged, mode="overwrite")
+    with pytest.raises(ConfigError, match="refusing to resume|does not verify") as err:
+        _node(store, "n", _cfg(local_groups=1, external_groups=0), model_a)
+    assert "--swarm.resume=false" in str(err.value) and str(ck.node_key_path("n")) in str(err.value)
+    fresh = _node(store, "n", _cfg(local_groups=1, external_groups=0, resume=False), model_a)
+    assert fresh.rounds == 0 and fresh.resumed_from == -1
+    store.put(key, signed, mode="overwrite")  # its own checkpoint again: resumed
+    assert _node(store, "n", _cfg(local_groups=1, external_groups=0), model_a).resumed_from == 1
+
+
 def test_run_counts_restored_rounds_and_checkpoints_at_a_clean_stop(model_a):
     store = open_store("memory://")
     cfg = _cfg(local_groups=1, external_groups=0, checkpoint_every=0)

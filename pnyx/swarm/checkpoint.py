@@ -11,6 +11,14 @@ everything the node did up to that round. After a kill the node loses the rounds
 are fetched again); its uploads of those rounds stay in the store, and its sequence continues after them
 (`SwarmNode._resume_seq`), so no key is ever reused.
 
+Signed (anyone who can write to the store can put an object at `swarm/ckpt/{node}.pt`): the object is
+`SIGNED_MAGIC`, the node key's 32-byte public key, its 64-byte Ed25519 signature of (node name, the blob),
+then the torch blob. The key lives on the node's own machine (`node_key_path`: created at the first
+checkpoint), and a node resumes only from a checkpoint its own key signed: one signed by another key, or
+unsigned, is refused with the way out (copy the key file from the machine that wrote it, or start with
+`--swarm.resume=false`). What it binds: whoever overwrites the object can make the node refuse to resume,
+never resume from their weights, counters or cursor.
+
 Knows nothing about peers' weights or the node loop's stages; imports torch inside functions.
 """
 
@@ -26,9 +34,33 @@ from pnyx.protocol import layout
 from pnyx.store import Store
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 NODE_CKPT_FORMAT = 1
+SIGNED_MAGIC = b"PNYXNCK1"
+"""The first bytes of a signed node checkpoint (then the public key, the signature, the torch blob)."""
+_DOMAIN = b"pnyx:swarm-checkpoint\0"
+
+
+def node_key_path(node: str) -> Path:
+    """The file of the key that signs node `node`'s checkpoints on this machine (`default_keys_dir()`)."""
+    from pnyx.security.keys import default_keys_dir
+
+    return default_keys_dir() / f"swarm-node-{node}.key"
+
+
+def node_key(node: str) -> Ed25519PrivateKey:
+    """This machine's key for node `node` (created on first use)."""
+    from pnyx.security.keys import load_or_create_key
+
+    return load_or_create_key(node_key_path(node))[0]
+
+
+def _signed_message(node: str, blob: bytes) -> bytes:
+    return _DOMAIN + node.encode() + b"\0" + blob
 
 
 COUNTERS = ("rounds", "version", "task_pos", "seq", "uploaded", "local_trained", "external_trained")
@@ -99,20 +131,27 @@ def save_node_checkpoint(
     }
     buf = io.BytesIO()
     torch.save(blob, buf)
+    data = buf.getvalue()
+    from pnyx.security.keys import public_raw
+
+    signer = node_key(state.node)
+    signature = signer.sign(_signed_message(state.node, data))
     key = layout.swarm_checkpoint(state.node)
-    store.put(key, buf.getvalue(), mode="overwrite")
+    store.put(key, SIGNED_MAGIC + public_raw(signer) + signature + data, mode="overwrite")
     return key
 
 
 def load_node_checkpoint(store: Store, node: str) -> dict[str, Any] | None:
-    """The node's checkpoint (tensors on CPU), or None if it has none. Raises IntegrityError if unreadable."""
+    """The node's checkpoint (tensors on CPU), or None if it has none. Raises IntegrityError if unreadable,
+    ConfigError if this machine's key for the node did not sign it (see the module docstring)."""
     import torch
 
     key = layout.swarm_checkpoint(node)
     try:
-        data = store.get(key)
+        signed = store.get(key)
     except NotFoundError:
         return None
+    data = _verified(key, node, signed)
     try:
         blob = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, ValueError) as exc:
@@ -126,6 +165,34 @@ def load_node_checkpoint(store: Store, node: str) -> dict[str, Any] | None:
         )
     blob["state"] = NodeState(**blob["state"])
     return blob
+
+
+def _verified(key: str, node: str, signed: bytes) -> bytes:
+    """The torch blob of `signed` if this machine's key for `node` signed it; else ConfigError."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    from pnyx.security.keys import fingerprint, public_raw
+
+    mine = node_key(node)
+    way_out = (
+        f"copy this node's key from the machine that wrote it to {node_key_path(node)}, or start from the "
+        "model with --swarm.resume=false (its sequence continues)"
+    )
+    head = len(SIGNED_MAGIC)
+    if not signed.startswith(SIGNED_MAGIC) or len(signed) < head + 96:
+        raise ConfigError(f"{key} is not a signed node checkpoint: refusing to resume from it; {way_out}")
+    public, signature, data = signed[head : head + 32], signed[head + 32 : head + 96], signed[head + 96 :]
+    if public != public_raw(mine):
+        raise ConfigError(
+            f"{key} is signed by key {fingerprint(public)}, not this machine's key for node {node!r} "
+            f"({fingerprint(mine)}): refusing to resume from it; {way_out}"
+        )
+    try:
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, _signed_message(node, data))
+    except InvalidSignature:
+        raise ConfigError(f"{key}: its signature does not verify (tampered); {way_out}") from None
+    return data
 
 
 def restore_into(
