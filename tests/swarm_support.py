@@ -20,8 +20,25 @@ from pnyx.envs.arith import ArithEnv
 from pnyx.envs.base import Score
 from pnyx.protocol import layout
 from pnyx.protocol.codec import decode_json, encode_json
+from pnyx.security.signing import Signer
 from pnyx.store import open_store
 from pnyx.swarm.records import NodeHeartbeat, SwarmGroup, SwarmSample, encode_swarm_group
+
+_PEER_KEYS: dict[str, Signer] = {}
+
+
+def peer_signer(name: str) -> Signer:
+    """The key a hand-written peer `name` signs its records with (one per name, per test process)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    if name not in _PEER_KEYS:
+        _PEER_KEYS[name] = Signer(Ed25519PrivateKey.generate())
+    return _PEER_KEYS[name]
+
+
+def signed(group: SwarmGroup, by: str | None = None) -> bytes:
+    """`group`'s wire bytes signed by peer `by`'s key (default: the node the group names)."""
+    return encode_swarm_group(group, peer_signer(by or group.node))
 
 
 class LengthEnv(ArithEnv):
@@ -77,10 +94,11 @@ def open_test_node(store: Any, name: str, cfg: Any, model_dir: Any, **kwargs: An
 def fake_upload(
     store: Any, node: str, seq: int, group: SwarmGroup | bytes, next_seq: int | None = None
 ) -> None:
-    """What a hand-written (possibly hostile) peer puts in the store: a heartbeat and one object."""
+    """What a hand-written (possibly hostile) peer puts in the store: a heartbeat and one object (a group is
+    signed by the peer's own key, `peer_signer(node)`)."""
     hb = NodeHeartbeat(node=node, next_seq=next_seq if next_seq is not None else seq + 1, updated_at=0.0)
     store.put(layout.swarm_heartbeat(node), encode_json(hb))
-    data = group if isinstance(group, bytes) else encode_swarm_group(group)
+    data = group if isinstance(group, bytes) else signed(group, node)
     store.put(layout.swarm_key(node, seq), data)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from swarm_support import fake_upload as _fake_upload
 from swarm_support import open_test_node as _node
+from swarm_support import signed
 from swarm_support import swarm_cfg as _cfg
 from swarm_support import text_group as _text_group
 
@@ -19,7 +20,6 @@ from pnyx.config import with_fields
 from pnyx.errors import ConfigError
 from pnyx.protocol import layout
 from pnyx.store import open_store
-from pnyx.swarm.records import encode_swarm_group
 
 torch.set_num_threads(1)
 
@@ -159,9 +159,7 @@ def test_foreign_group_with_other_env_kwargs_is_dropped(model_a):
     hostile = _text_group("peer", 0, task.id, texts, claimed=[1.0, 0.0])
     hostile.env_kwargs = {"digits": 1, "system_prompt": "Always reply 7.", "answer": "lenient"}
     _fake_upload(store, "peer", 0, hostile, next_seq=2)
-    store.put(
-        layout.swarm_key("peer", 1), encode_swarm_group(_text_group("peer", 1, task.id, texts, [0.0, 0.0]))
-    )
+    store.put(layout.swarm_key("peer", 1), signed(_text_group("peer", 1, task.id, texts, [0.0, 0.0])))
     me.heartbeat()
     me.refresh()
     assert me.drops["env_kwargs_mismatch"] == 1
@@ -186,7 +184,7 @@ def test_a_family_the_operator_lists_in_accept_envs_is_scored_with_exactly_its_k
     _fake_upload(store, "peer", 0, theirs, next_seq=2)
     other = _text_group("peer", 1, task.id, texts, claimed=[1.0, 0.0])
     other.env_kwargs = {"digits": 2, "ops": ["*"]}
-    store.put(layout.swarm_key("peer", 1), encode_swarm_group(other))
+    store.put(layout.swarm_key("peer", 1), signed(other))
     me.heartbeat()
     me.refresh()
     assert me.drops["env_kwargs_mismatch"] == 1
@@ -282,18 +280,18 @@ def test_garbage_uploads_are_rejected_and_counted(model_a):
     )
     _fake_upload(store, "mallory", 0, b"\x00garbage" * 10, next_seq=4)
     impostor = _text_group("eve", 1, good.task_id, ["a", "b"], [0.0, 0.0])  # stored under mallory's prefix
-    store.put(layout.swarm_key("mallory", 1), encode_swarm_group(impostor))
-    flipped = bytearray(encode_swarm_group(good))
+    store.put(layout.swarm_key("mallory", 1), signed(impostor, "mallory"))
+    flipped = bytearray(signed(good))
     flipped[-1] ^= 0xFF
     store.put(layout.swarm_key("mallory", 2), bytes(flipped))
     bad_reward = _text_group("mallory", 3, good.task_id, ["a", "b"], [0.0, 7.0])
-    store.put(layout.swarm_key("mallory", 3), encode_swarm_group(bad_reward))
+    store.put(layout.swarm_key("mallory", 3), signed(bad_reward))
     store.put(layout.swarm_dir("mallory") + "not-a-seq", b"junk")
 
     stats = me.round()
     assert me.drops["bad_magic"] == 1
     assert me.drops["node_mismatch"] == 1
-    assert me.drops["digest_mismatch"] == 1
+    assert me.drops["bad_signature"] == 1  # a flipped byte: the signature is checked before the digest
     assert me.drops["bad_reward"] == 1
     assert me.drops["bad_key"] == 1
     assert stats.external_groups == 0 and stats.version == me.version  # the round completed anyway

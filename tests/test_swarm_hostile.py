@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from swarm_support import fake_upload, open_test_node, swarm_cfg, text_group, token_group
+from swarm_support import fake_upload, open_test_node, signed, swarm_cfg, text_group, token_group
 
 from pnyx.errors import ConfigError
 from pnyx.protocol import layout
@@ -92,7 +92,7 @@ def test_junk_at_a_high_seq_does_not_silence_the_peer(model_a, tmp_path):
     store.put(layout.swarm_key("alice", 9_999_999_999), b"junk")
     impostor = decode_swarm_group(store.get(layout.swarm_key("alice", 0)))
     impostor.seq = 9_999_999_998  # a valid record in alice's name, far above what alice announced
-    store.put(layout.swarm_key("alice", impostor.seq), encode_swarm_group(impostor))
+    store.put(layout.swarm_key("alice", impostor.seq), signed(impostor, "mallory"))
     alice.round()
     me.heartbeat()
     assert me.refresh() == 2  # alice's new uploads still arrive
@@ -119,7 +119,7 @@ def test_a_record_of_ours_at_our_next_seq_still_stops_the_node(model_a, tmp_path
     alice.round()
     twin = decode_swarm_group(store.get(layout.swarm_key("alice", 0)))
     twin.seq = alice.seq
-    store.put(layout.swarm_key("alice", twin.seq), encode_swarm_group(twin), mode="create")
+    store.put(layout.swarm_key("alice", twin.seq), encode_swarm_group(twin, alice.signer), mode="create")
     with pytest.raises(ConfigError, match="another process is running as node"):
         alice.share(alice.generate())
 
@@ -318,3 +318,30 @@ def test_the_pool_keeps_at_most_its_cap_of_the_newest_uploads():
         cands.append(foreign.Candidate(f"swarm/p{k}/0", f"p{k}", g, [0.0, 0.0], float(k), 0))
     pool.add(cands)
     assert [c.peer for c in pool.candidates()] == ["p2", "p3", "p4"]
+
+
+def test_a_record_under_a_bound_name_signed_by_another_key_is_id_theft(model_a, tmp_path):
+    """A node's records are signed by its key and a peer's name is bound to the key of the first record
+    taken from it (kept across a resume): a valid record under alice's name signed by another key is
+    `id_theft`, an unsigned one `unsigned`, and neither reaches the pool; at alice's own next seq, such a
+    record is skipped by alice (`seq_taken`), not taken for a twin of hers."""
+    store = open_store(str(tmp_path))
+    alice = open_test_node(store, "alice", swarm_cfg(local_groups=2, external_groups=0), model_a)
+    me = open_test_node(store, "me", swarm_cfg(local_groups=1, external_groups=4), model_a)
+    alice.round()
+    me.heartbeat()
+    assert me.refresh() == 2 and me.feed.keys == {"alice": alice.signer.fingerprint}
+    forged = decode_swarm_group(store.get(layout.swarm_key("alice", 0)))
+    forged.seq = alice.seq
+    store.put(layout.swarm_key("alice", alice.seq), signed(forged, "mallory"), mode="create")
+    forged.seq = alice.seq + 1
+    store.put(layout.swarm_key("alice", alice.seq + 1), encode_swarm_group(forged), mode="create")
+    alice.round()  # skips both taken seqs, uploads its two groups after them
+    assert alice.drops["seq_taken"] == 2 and alice.uploaded == 4
+    me.heartbeat()
+    assert me.refresh() == 2  # alice's own new groups
+    assert me.drops["id_theft"] == 1 and me.drops["unsigned"] == 1
+    assert {c.group.node for c in me.pool.candidates()} == {"alice"}
+    me.checkpoint()
+    again = open_test_node(store, "me", swarm_cfg(local_groups=1, external_groups=4), model_a)
+    assert again.feed.keys == {"alice": alice.signer.fingerprint}

@@ -79,6 +79,8 @@ class NodeState:
     peers_seen: list[str] = field(default_factory=list)
     feed_seen: dict[str, int] = field(default_factory=dict)
     """Per peer: the highest seq already fetched or dropped."""
+    feed_keys: dict[str, str] = field(default_factory=dict)
+    """Per peer: the fingerprint its name is bound to (`PeerFeed.keys`)."""
     pending: list[str] = field(default_factory=list)
     """Keys of fetched foreign groups not yet trained on."""
     sample_rng: str = ""
@@ -94,6 +96,7 @@ def capture(node: Any) -> NodeState:  # a SwarmNode (node.py imports this module
         drops=dict(node.drops),
         peers_seen=sorted(node.peers_seen),
         feed_seen=node.feed.cursor(),
+        feed_keys=dict(node.feed.keys),
         pending=[c.key for c in node.pool.candidates()],
         sample_rng=repr(node.rng.getstate()),
     )
@@ -111,6 +114,7 @@ def restore(node: Any, blob: dict[str, Any]) -> NodeState:  # a SwarmNode, as ab
     node.drops.update(st.drops)
     node.peers_seen = set(st.peers_seen)
     node.rng.setstate(ast.literal_eval(st.sample_rng))
+    node.feed.keys = dict(st.feed_keys)
     node.pool.add(node.feed.restore(st.feed_seen, st.pending))
     node.model.eval()
     return st

@@ -34,12 +34,14 @@ from pnyx.config import PnyxConfig, resolve_env_kwargs, resolve_max_new_tokens
 from pnyx.envs.base import Environment, stable_hash
 from pnyx.errors import AlreadyExistsError, ConfigError, NotFoundError, RecordRejected, StoreError
 from pnyx.protocol import layout
+from pnyx.protocol.codec import frame_signer
 from pnyx.protocol.records import RolloutGroup
 from pnyx.protocol.rules import is_zero_variance
+from pnyx.security.signing import Signer
 from pnyx.store import Store
 from pnyx.store.retry import Backoff, wait_for
 from pnyx.swarm import foreign
-from pnyx.swarm.checkpoint import capture, load_node_checkpoint, restore, save_node_checkpoint
+from pnyx.swarm.checkpoint import capture, load_node_checkpoint, node_key, restore, save_node_checkpoint
 from pnyx.swarm.foreign import Admission, Candidate, EnvCache, ForeignRows
 from pnyx.swarm.records import NodeHeartbeat, SwarmGroup, decode_swarm_group
 from pnyx.swarm.rounds import RoundStats, ensure_trainable, trainable
@@ -146,6 +148,8 @@ class SwarmNode:
         self.resumed_from = -1
         self.checkpoint_round = -1
         self.task_pos = 0
+        self.signer = Signer(node_key(self.name))
+        """This node's key (on its machine): signs its records and checkpoints; peers bind its name to it."""
         self.seq = self._resume_seq()
         if sw.resume:
             self._restore()
@@ -194,8 +198,9 @@ class SwarmNode:
         """Upload one group at its seq, or None (counted) if the store refused it.
 
         Anyone can create keys under our prefix, so a seq taken by an object that is not a record of ours is
-        skipped (`seq_taken`) and the group moves to our next seq; a record of ours there means another
-        process runs under this name, which only the operator can resolve (ConfigError)."""
+        skipped (`seq_taken`) and the group moves to our next seq; a record of ours there (signed by this
+        node's key) means another process runs under this name with our key, which only the operator can
+        resolve (ConfigError)."""
         sg = to_swarm_group(
             g,
             self.tokenizer,
@@ -208,7 +213,7 @@ class SwarmNode:
         taken = 0
         while True:
             try:
-                return upload(self.store, sg)
+                return upload(self.store, sg, self.signer)
             except AlreadyExistsError:
                 if self._ours_at(sg.seq):
                     raise ConfigError(
@@ -229,9 +234,11 @@ class SwarmNode:
             g.seq = sg.seq = self._next_seq()
 
     def _ours_at(self, seq: int) -> bool:
-        """Whether the object at our `seq` is a valid record naming this node (another process as us)."""
+        """Whether the object at our `seq` is a valid record of this node signed by its key (another process
+        running as us)."""
         try:
-            return decode_swarm_group(self.store.get(layout.swarm_key(self.name, seq))).node == self.name
+            data = self.store.get(layout.swarm_key(self.name, seq))
+            return frame_signer(data) == self.signer.public_raw and decode_swarm_group(data).node == self.name
         except (RecordRejected, NotFoundError, StoreError):
             return False
 

@@ -18,7 +18,7 @@ models or the store.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -34,6 +34,9 @@ from pnyx.protocol.codec import (
 )
 from pnyx.protocol.layout import check_name
 from pnyx.protocol.records import GroupHeader, TokenView
+
+if TYPE_CHECKING:
+    from pnyx.security.signing import Signer
 
 SWARM_GROUP_SCHEMA = 1
 NODE_HEARTBEAT_SCHEMA = 1
@@ -121,9 +124,10 @@ class NodeHeartbeat(msgspec.Struct, kw_only=True):
 _decoder = msgspec.msgpack.Decoder(SwarmGroup)
 
 
-def encode_swarm_group(group: SwarmGroup) -> bytes:
-    """The framed wire bytes of `group` (the rollout frame; does not validate)."""
-    return encode_frame(group)
+def encode_swarm_group(group: SwarmGroup, signer: Signer | None = None) -> bytes:
+    """The framed wire bytes of `group` (the rollout frame; does not validate), signed by `signer` (the
+    node's key: peers bind its name to it) when given."""
+    return encode_frame(group, signer=signer)
 
 
 def decode_swarm_group(data: bytes, limits: Limits | None = None) -> SwarmGroup:

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pnyx.errors import ConfigError, NotFoundError, RecordRejected, StoreError
 from pnyx.protocol import layout
-from pnyx.protocol.codec import decode_json, encode_json
+from pnyx.protocol.codec import decode_json, encode_json, frame_signer
 from pnyx.protocol.records import RolloutGroup
+from pnyx.security.keys import fingerprint
 from pnyx.store import Store
 from pnyx.store.retry import Backoff, wait_for
 from pnyx.swarm.align import char_ends
@@ -35,6 +36,8 @@ from pnyx.swarm.records import NodeHeartbeat, SwarmGroup, SwarmSample, decode_sw
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from pnyx.security.signing import Signer
 
 log = logging.getLogger("pnyx.swarm")
 
@@ -108,10 +111,11 @@ def to_swarm_group(
     )
 
 
-def upload(store: Store, group: SwarmGroup) -> str:
-    """Write `group` create-only at its key and return the key (AlreadyExistsError if the seq is taken)."""
+def upload(store: Store, group: SwarmGroup, signer: Signer | None = None) -> str:
+    """Write `group` create-only at its key, signed by `signer` (the node's key), and return the key
+    (AlreadyExistsError if the seq is taken)."""
     key = layout.swarm_key(group.node, group.seq)
-    store.put(key, encode_swarm_group(group), mode="create")
+    store.put(key, encode_swarm_group(group, signer), mode="create")
     return key
 
 
@@ -161,6 +165,9 @@ class PeerFeed:
     """The store's clock at the last refresh (our heartbeat's timestamp)."""
     _seen: dict[str, int] = field(default_factory=dict)
     """Per peer: highest seq of a valid record already fetched (or skipped as too old)."""
+    keys: dict[str, str] = field(default_factory=dict)
+    """Per peer: the fingerprint of the key that signed the first record of it this node took; a record
+    under its name signed by another key is `id_theft` (names are first come, first bound, as in a fleet)."""
     _delivered: set[str] = field(default_factory=set)
     """Peers that have delivered a record `accept` took (read first when there are more than `max_peers`)."""
     _dropped: dict[str, set[int]] = field(default_factory=dict)
@@ -294,7 +301,12 @@ class PeerFeed:
         is fetched once. `accept` runs code this node does not control on the peer's record (its verifier),
         so any error it raises is a counted drop of that record."""
         try:
-            group = decode_swarm_group(self.store.get(key))
+            data = self.store.get(key)
+            signer = fingerprint(frame_signer(data))  # before anything is inflated or decoded
+            bound = self.keys.get(peer)
+            if bound is not None and bound != signer:
+                raise RecordRejected("id_theft", f"{key} is signed by {signer}, {peer!r} is bound to {bound}")
+            group = decode_swarm_group(data)
             if group.node != peer or group.seq != seq:
                 raise RecordRejected("node_mismatch", f"{key} claims node {group.node!r} seq {group.seq}")
         except RecordRejected as exc:
@@ -308,6 +320,7 @@ class PeerFeed:
         self._seen[peer] = max(self._seen.get(peer, -1), seq)
         try:
             accepted = self.accept(key, peer, group, uploaded)
+            self.keys.setdefault(peer, signer)  # a record we took binds the name to its key
             self._delivered.add(peer)
             return [accepted]
         except RecordRejected as exc:
