@@ -282,8 +282,8 @@ class SecurityConfig(_Section):
     still fills every batch and a batch never waits for a slow or dead key. "fair": share = 1 / (keys with
     groups waiting), so k keys get ceil(groups_per_step / k) places each. None: no share cap."""
     flood_limit: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["auto"] | None = "auto"
-    """A worker key with more than this many groups (or, counted apart, skip records) at one policy version
-    is flooding: once the listing counts more, the trainer reads them until more than this many prove to be
+    """A worker key with more than this many groups at one policy version (skip records do not count) is
+    flooding: once the listing counts more, the trainer reads them until more than this many prove to be
     records the key signed, then quarantines it from the listing (the rest are never downloaded; objects
     others wrote under its names are rejected one by one and never count: `pnyx.train.flood_audit`).
     "auto": 2 · (max_staleness + 1) · groups_per_step, twice what could ever be trained from one version.

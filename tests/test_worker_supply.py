@@ -134,10 +134,14 @@ def test_spooled_groups_past_the_trainers_window_are_counted_expired_and_uploade
     assert hb.groups_expired == 2 and hb.groups == 2
 
 
-def test_skip_records_stop_at_half_the_flood_limit_apart_from_groups(tmp_path, tiny_model_dir):
-    """The trainer quarantines a key with more skip records at one version than the flood limit (counted
-    apart from groups), so a worker whose every group has zero variance (the random model scores 0 on
-    every task) announces at most half the limit per version, then waits for the next one."""
+def test_a_worker_whose_groups_all_have_zero_variance_keeps_drawing_past_its_version_cap(
+    tmp_path, tiny_model_dir
+):
+    """The version cap (half the flood limit) counts groups offered for training, not skip records: a
+    trainer short of a batch publishes no new version, so a worker whose draws all come out zero-variance
+    (the random model scores 0 on every task) must go on drawing at that version. A cap on its skip records
+    once stopped the worker and the run with it (1 group and 8 skip records, the trainer waiting 224 s
+    for its second group). Its cohorts are cut to the group places left."""
     run = make_run(
         str(tmp_path / "run"), tiny_model_dir, security={"flood_limit": 4}, skip_zero_variance=True,
         supply_control=False, prompts_per_cohort=4,
@@ -145,10 +149,11 @@ def test_skip_records_stop_at_half_the_flood_limit_apart_from_groups(tmp_path, t
     worker = Worker(run.store, WorkerOptions(worker_id="w1", spool_dir=str(tmp_path / "spool")))
     worker.join()
     try:
-        worker.step()  # a cohort clamped to the 2 places left: both skipped
-        worker.step()  # must wait, not generate
-        assert worker.progress.status == "waiting" and worker.progress.skipped_zero_variance == 2
-        wait_for(lambda: len(rollout_groups(run.store, skips=True)) == 2, 60, "the courier's uploads")
+        for _ in range(3):  # cohorts cut to the cap's 2 places, all skipped: still no group made
+            worker.step()
+            assert worker.progress.status != "waiting"
+        assert worker.progress.skipped_zero_variance == 6
+        wait_for(lambda: len(rollout_groups(run.store, skips=True)) == 6, 60, "the courier's uploads")
     finally:
         worker.close()
-    assert rollout_groups(run.store) == [] and worker.progress.rollouts == 2 * worker.cfg.worker.group_size
+    assert rollout_groups(run.store) == [] and worker.progress.rollouts == 6 * worker.cfg.worker.group_size

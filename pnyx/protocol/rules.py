@@ -2,9 +2,9 @@
 
 - A **zero-variance group** (every reward equal) carries no learning signal: a worker does not upload it,
   the trainer drops it (`is_zero_variance`, on the population std of the rewards).
-- The **flood limit**: the trainer quarantines a key with more than `flood_limit` records it signed at one
-  policy version, groups and skip records counted apart (`pnyx.train.flood_audit`); an honest worker stays
-  at half of it for each (`worker_version_cap`).
+- The **flood limit**: the trainer quarantines a key with more than `flood_limit` groups it signed at one
+  policy version (`pnyx.train.flood_audit`; skip records do not count); an honest worker stays at half of
+  it (`worker_version_cap`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def is_zero_variance(rewards: Sequence[float], tol: float = 1e-9) -> bool:
 
 
 def flood_limit(cfg: PnyxConfig) -> int | None:
-    """Groups (and, apart, skip records) one key may have at one policy version before it is quarantined as
-    a flooder (`security.flood_limit`; "auto": twice the most that could ever be trained from one version)."""
+    """Groups one key may have at one policy version before it is quarantined as a flooder
+    (`security.flood_limit`; "auto": twice the most that could ever be trained from one version)."""
     limit = cfg.security.flood_limit
     if limit == "auto":
         return 2 * (cfg.algorithm.max_staleness + 1) * cfg.trainer.groups_per_step
@@ -38,10 +38,10 @@ def flood_limit(cfg: PnyxConfig) -> int | None:
 
 
 def worker_version_cap(cfg: PnyxConfig) -> int | None:
-    """Groups an honest worker makes at one policy version before it waits for the next (and, apart, skip
-    records it announces): half the run's flood limit, or `worker.max_groups_per_version` if lower (None:
-    no cap). Half, so a worker restarted at the same version (its count starts over) still stays under the
-    limit."""
+    """Groups an honest worker makes at one policy version before it waits for the next: half the run's
+    flood limit, or `worker.max_groups_per_version` if lower (None: no cap). Half, so a worker restarted at
+    the same version (its count starts over) still stays under the limit. Skip records are not capped (see
+    `pnyx.train.version_listing.SKIPS`)."""
     limit = flood_limit(cfg)
     caps = [
         c for c in (cfg.worker.max_groups_per_version, None if limit is None else max(1, limit // 2)) if c

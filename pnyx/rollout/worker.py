@@ -105,7 +105,6 @@ class Worker:
         self.supply: Supply | None = None  # made at join
         self.version_cap: int | None = None  # groups made per policy version before waiting for the next
         self._made: dict[int, int] = {}  # groups spooled per policy version (for version_cap)
-        self._skips: dict[int, int] = {}  # skip records spooled per policy version (version_cap too)
         self._cohorts = 0  # cohorts generated (for the curriculum's periodic log line)
         self._kept_frac = 1.0  # recent share of groups not skipped as zero-variance (sizes throttled cohorts)
         self._joined = False
@@ -245,14 +244,12 @@ class Worker:
         w = cfg.worker
         cap = self.version_cap
         n = w.prompts_per_cohort
-        if (
-            cap is not None
-        ):  # groups and skip records each stay under it (the trainer's flood limit: twice it)
-            n = min(n, cap - self._made.get(version, 0), cap - self._skips.get(version, 0))
+        if cap is not None:  # groups stay under it (the trainer's flood limit is twice it)
+            # Skip records do not count: a trainer short of a batch publishes no new version, so they go on
+            # until it has one (`pnyx.train.version_listing.SKIPS`).
+            n = min(n, cap - self._made.get(version, 0))
             if n <= 0:
-                progress.set(
-                    "waiting", f"v={version}: {cap} groups or skips made, waiting for the next version"
-                )
+                progress.set("waiting", f"v={version}: {cap} groups made, waiting for the next version")
                 link.pause(w.poll_interval_s)
                 return
         if len(spool) + n > spool.max_groups:
@@ -341,8 +338,6 @@ class Worker:
         if kept:
             self._made[version] = self._made.get(version, 0) + len(kept)
             supply.note_made(len(kept))
-        if skips:
-            self._skips[version] = self._skips.get(version, 0) + len(skips)
         if kept or skips:
             self.link.send(kept, skips)
         return len(kept)

@@ -206,6 +206,7 @@ class KeyLedger:
         limit = self.shared.settings.flood_limit
         if (
             limit is None
+            or kind != GROUPS  # skip records never flood (`version_listing.SKIPS`)
             or n <= limit
             or fp in self.shared.cursor.quarantined
             or self.shared.settings.quarantine is None

@@ -29,7 +29,7 @@ from pnyx.train import seq_books, settlement
 from pnyx.train.ingest_state import Cursor, IngestSettings
 from pnyx.train.rescore import ScoredGroup
 from pnyx.train.settlement import ReadSigner
-from pnyx.train.version_listing import VersionListing, kind_of, list_keys, list_range
+from pnyx.train.version_listing import GROUPS, VersionListing, kind_of, list_keys, list_range
 
 log = logging.getLogger("pnyx.train.ingest")
 
@@ -231,12 +231,13 @@ class WindowListings:
 
     def _count_listed(self, lst: VersionListing, worker: str, kind: str, d: int = 1) -> None:
         """`d` more distinct seqs of `kind` of `worker` listed at `lst.version`, and of the key its name is
-        bound to (one more may start a flood audit: `KeyGate.check_flood`)."""
+        bound to (one more group may start a flood audit: `KeyGate.check_flood`; skip records are counted
+        but never a flood: see `version_listing.SKIPS`)."""
         lst.counts[worker, kind] = lst.counts.get((worker, kind), 0) + d
         fp = self.shared.cursor.keys.get(worker)
         if fp:
             n = lst.by_key[fp, kind] = lst.by_key.get((fp, kind), 0) + d
-            if d > 0:
+            if d > 0 and kind == GROUPS:
                 self.gate.check_flood(fp, lst.version, n, kind)
 
     def _recount(self, lst: VersionListing, worker: str, old: str, new: str) -> None:

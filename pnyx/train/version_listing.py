@@ -23,7 +23,11 @@ from pnyx.store import Store
 GROUPS = "groups"
 """The kind of a listed rollout key that offers a group for training."""
 SKIPS = "skip records"
-"""The kind of a listed skip record (`layout.is_skip_key`): a group its worker announces and does not offer."""
+"""The kind of a listed skip record (`layout.is_skip_key`): a group its worker announces and does not offer.
+Counted, never a flood: a trainer short of a batch publishes no new version, so an honest worker whose
+draws at that version keep coming out zero-variance announces them without bound; a per-version cap on
+skip records stopped such a worker and the run with it (measured 2026-12-05: 8 skip records, 1 group,
+the trainer waiting 224 s for its second)."""
 
 
 def kind_of(key: str) -> str:
