@@ -234,7 +234,7 @@ class RoundRobin:
 
     def open(self, spec: NodeSpec) -> Any:
         from pnyx.config import load_config
-        from pnyx.swarm.node import open_node
+        from pnyx.swarm.opening import open_node
 
         ov = {k: dict(v) for k, v in self.overrides.items()}
         ov["env"] = {"name": spec.family.env, "kwargs": dict(spec.family.kwargs)}

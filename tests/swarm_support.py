@@ -83,7 +83,7 @@ def swarm_cfg(env: str = "swarm_len", env_kwargs: dict[str, Any] | None = None, 
 
 
 def open_test_node(store: Any, name: str, cfg: Any, model_dir: Any, **kwargs: Any):
-    from pnyx.swarm.node import open_node
+    from pnyx.swarm.opening import open_node
 
     return open_node(store, name, cfg, model_dir, **kwargs)
 

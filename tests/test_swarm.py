@@ -365,7 +365,7 @@ def test_cli_refuses_reserved_node_name_before_loading_a_model(tmp_path):
     ],
 )
 def test_a_swarm_node_refuses_trainer_settings_it_would_ignore(tmp_path, section, field, value):
-    from pnyx.swarm.node import check_swarm_config
+    from pnyx.swarm.opening import check_swarm_config
 
     cfg = _cfg()
     check_swarm_config(cfg)  # the defaults pass

@@ -23,7 +23,7 @@ def swarm_main(cfg: PnyxConfig, node: str) -> None:
         raise fail(str(e)) from None
     log = setup_logging(f"node:{node}")
     from pnyx.store import open_store, redact_url
-    from pnyx.swarm.node import open_node
+    from pnyx.swarm.opening import open_node
 
     if not cfg.store.url:
         raise fail("swarm needs --store URL (the shared swarm root)")

@@ -14,7 +14,8 @@ from __future__ import annotations
 from pnyx.lazy import export_names, lazy_exports
 
 _EXPORTS = {
-    "pnyx.swarm.node": ("SwarmNode", "open_node"),
+    "pnyx.swarm.node": ("SwarmNode",),
+    "pnyx.swarm.opening": ("open_node",),
     "pnyx.swarm.rounds": ("RoundStats",),
     "pnyx.swarm.records": (
         "SwarmGroup",

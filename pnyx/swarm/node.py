@@ -26,9 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from pnyx.config import PnyxConfig, resolve_env_kwargs, resolve_max_new_tokens
 from pnyx.envs.base import Environment, stable_hash
@@ -44,7 +42,7 @@ from pnyx.swarm import foreign
 from pnyx.swarm.checkpoint import capture, load_node_checkpoint, node_key, restore, save_node_checkpoint
 from pnyx.swarm.foreign import Admission, Candidate, EnvCache, ForeignRows
 from pnyx.swarm.records import NodeHeartbeat, SwarmGroup, decode_swarm_group
-from pnyx.swarm.rounds import RoundStats, ensure_trainable, trainable
+from pnyx.swarm.rounds import NonFiniteStep, RoundStats, ensure_trainable, refuse_nonfinite, trainable
 from pnyx.swarm.sample import Pool, sample_external
 from pnyx.swarm.share import (
     MAX_PEERS,
@@ -70,17 +68,6 @@ log = logging.getLogger("pnyx.swarm")
 
 MAX_TAKEN_SEQS = 64
 """Seqs of its own another writer took first that a node skips for one group before giving up its upload."""
-
-
-class _NonFiniteStep(Exception):
-    """Raised by the optimizer's pre-step hook: the step would write a non-finite gradient into the weights."""
-
-
-def _refuse_nonfinite(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Optimizer pre-step hook: refuse a step whose gradient is not finite, before AdamW touches its state."""
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
-        raise _NonFiniteStep("a gradient is not finite")
 
 
 def _model_id(model_dir: Path, model: object) -> str:
@@ -134,7 +121,7 @@ class SwarmNode:
         self.settings = loss_settings(cfg)
         t = cfg.trainer
         self.optimizer = make_optimizer(model, t.lr, t.betas, t.weight_decay)
-        self.optimizer.register_step_pre_hook(_refuse_nonfinite)
+        self.optimizer.register_step_pre_hook(refuse_nonfinite)
         self.rng = random.Random(stable_hash("swarm-sample", cfg.run.seed, self.name))
         self.task_seed = stable_hash("swarm-tasks", cfg.run.seed, self.name) % (2**31)
         self.version = 0
@@ -369,7 +356,7 @@ class SwarmNode:
                 grad_clip=self.cfg.trainer.grad_clip,
                 max_len=max(self.max_new_tokens, longest),
             )
-        except _NonFiniteStep:
+        except NonFiniteStep:
             self.optimizer.zero_grad(set_to_none=True)
             self.model.eval()
             self.drops["nonfinite_step"] += 1
@@ -511,55 +498,3 @@ class SwarmNode:
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
-
-
-SWARM_UNSUPPORTED = {
-    "algorithm.kl_coef": (lambda c: c.algorithm.kl_coef > 0, "a swarm node keeps no reference model"),
-    "trainer.lr_schedule": (lambda c: c.trainer.lr_schedule != "constant", "a node's rate is constant"),
-    "trainer.warmup_steps": (lambda c: c.trainer.warmup_steps > 0, "a node's rate is constant"),
-    "trainer.compute_dtype": (lambda c: c.trainer.compute_dtype != "auto", "a node steps in fp32"),
-    "trainer.activation_checkpointing": (
-        lambda c: c.trainer.activation_checkpointing,
-        "a node runs one process without FSDP",
-    ),
-    "worker.engine": (
-        lambda c: c.worker.engine != "torch",
-        "swarm nodes generate with torch: a node samples from the torch model it trains in place every "
-        "round, which another engine would have to reload each round",
-    ),
-}
-"""Settings of the central trainer and its workers a swarm node would silently ignore (or fail on): refused
-up front."""
-
-
-def check_swarm_config(cfg: PnyxConfig) -> None:
-    """ConfigError naming every setting the swarm mode does not honour (`SWARM_UNSUPPORTED`)."""
-    bad = [f"{name} ({why})" for name, (used, why) in SWARM_UNSUPPORTED.items() if used(cfg)]
-    if bad:
-        raise ConfigError(
-            "swarm mode does not support "
-            + "; ".join(bad)
-            + ": leave these at their defaults for `pnyx swarm`"
-        )
-
-
-def open_node(
-    store: Store, name: str, cfg: PnyxConfig, model_dir: str | Path | None = None, **kwargs: Any
-) -> SwarmNode:
-    """Load this node's model (fp32, for training), tokenizer and environment, and build the node."""
-    from pnyx.envs import get_env
-    from pnyx.models import load_model, load_tokenizer, model_folder
-    from pnyx.models.source import resolve_model_path
-
-    check_node_name(name)
-    check_swarm_config(cfg)
-    path = model_folder(model_dir) if model_dir is not None else resolve_model_path(cfg)
-    model = load_model(path, dtype="float32", device=cfg.trainer.device)
-    if cfg.trainer.lora.enabled:  # the node trains an adapter; it samples through peft's layers (unmerged)
-        from pnyx.models.lora import attach, describe
-
-        attach(model, cfg.trainer.lora)
-        log.info("swarm node %s: %s", name, describe(cfg.trainer.lora))
-    tokenizer = load_tokenizer(path)
-    env = get_env(cfg.env.name, **resolve_env_kwargs(cfg))
-    return SwarmNode(store, name, cfg, model, tokenizer, path, env, **kwargs)

@@ -1,6 +1,6 @@
 """What one node round did and what its step trains on: `RoundStats` (one log line per round),
 `trainable` (the groups of the mix that carry a GRPO signal), `ensure_trainable` (parameters autograd can
-use after generation).
+use after generation), `refuse_nonfinite` (the optimizer hook that skips a step with a non-finite gradient).
 
 No torch at import (`ensure_trainable` imports it when called). Knows nothing about the store, the peers
 or how the mix was drawn (`pnyx.swarm.node` runs the round).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pnyx.protocol.rules import is_zero_variance
 from pnyx.train.stepstats import StepStats
@@ -87,3 +87,16 @@ def ensure_trainable(model: torch.nn.Module) -> None:
         log.warning(
             "%d parameters were inference-mode tensors after generation (engine regression?); copied", fixed
         )
+
+
+class NonFiniteStep(Exception):
+    """Raised by the optimizer's pre-step hook: the step would write a non-finite gradient into the weights."""
+
+
+def refuse_nonfinite(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer pre-step hook: refuse a step whose gradient is not finite, before AdamW touches its state."""
+    import torch
+
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+        raise NonFiniteStep("a gradient is not finite")
