@@ -137,16 +137,14 @@ def test_the_smollm2_recipe_trains_with_every_check_on_and_quarantines_no_one(tm
     )
     assert checked >= 4 * SMOLLM2_VERSIONS - 4
     assert rejected <= 1, [m["calibration"]["groups"] for m in metrics]
-    # The run must be one the old fixed allowances fail (they reject honest groups, or the worker's raw
-    # running z is past their quarantine limit), or this test would not test the calibration. On the MLX
-    # engine it was in every run so far (2026-12-04: 6 rejects by the floors alone, raw z x sqrt(n) -8.5); on torch it
-    # varies between runs: it held in every CI run from 2026-12-02 until one on 2026-12-04 (0 rejects,
-    # -3.7), so there it is printed; tests/test_calibration.py tests the derived allowances on their own.
+    # Whether the old fixed allowances would have failed this run (rejected honest groups, or put the
+    # worker's raw running z past their quarantine limit) varies between runs on both engines, so it is
+    # printed, not asserted: on MLX it held in every run until CI on 2026-12-05 (1 reject by the floors
+    # alone, raw z x sqrt(n) -4.4; 2026-12-04: 6 rejects, -8.5); on torch it held until 2026-12-04 (0, -3.7).
+    # tests/test_calibration.py tests the derived allowances against the fixed floors on their own.
     (key,) = keys.values()
     raw_z = key["mean_z"] * key["checked"] ** 0.5
     print(f"fixed floors alone ({engine}): {old} rejects; raw running z x sqrt(n) = {raw_z:.2f}")
-    if engine == "mlx":
-        assert old >= 2 or raw_z < -5.0, (old, key)
     assert sum(v for k, v in drops.items() if k in ("logprob_gap", "implausible")) <= 1, drops
     # It learned: on held-out draws (v0 against the last version, the same draws) the Wilson 95% intervals
     # are apart. The training reward is only a trend check: it is the mean over 4 prompts per
