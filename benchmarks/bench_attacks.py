@@ -28,7 +28,9 @@ cursor: rejected with a reason, trained on, stale, or still waiting at the end.
   `cherry_whole_skip` announces the groups it keeps back as skip records (honest tokens), `cherry_whole_forged`
   forges them to zero variance, `cherry_whole_reuse` never uploads a group it does not want and draws its
   next group under the same seq (with another task: no gap, no skip record; `_even` keeps a property
-  unrelated to how likely its tokens are: an even count of right-sample tokens), `sybil_whole` is the
+  unrelated to how likely its tokens are: an even count of right-sample tokens); an arm name ending in
+  `_committed` runs that attack under committed draws (`security.committed_draws`), where a second
+  commitment to a seq is refused, so the reusing picker's groups are `uncommitted`; `sybil_whole` is the
   whole-group picker with a fresh key per group (detection counts groups; the skip records' verdicts are
   `hostile_skips`);
 - episode forgers (the red-team review of 2026-12-04): `episode_tool` appends answers as tool tokens,
@@ -75,6 +77,9 @@ ARMS = [
 HARM_ARMS = ("poisoner", "cherry_within", "cherry_whole")
 """Arms run for `--poison-steps` beside an undefended twin (`<arm>_undefended`: the checks off), so the
 attack's harm shows: the payload rate (poisoner), the held-out answers' length (cherry-pickers)."""
+COMMITTED = "_committed"
+"""Suffix of an arm run under committed draws (`security.committed_draws`: every producer commits to its
+seqs and tasks before the trainer's tick reveals its draws' randomness): `cherry_whole_reuse_committed`..."""
 NOT_ATTACKS = {"eager": "not an attack: honest content under the flood limit, held to a fair share"}
 """Arms that show a limit, not a detection: their groups are not expected to be rejected."""
 CHECK_SWITCHES = (
@@ -223,25 +228,32 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     overrides: dict[str, Any] = {"trainer": {"groups_per_step": 8}}
     if name.endswith("_undefended"):
         overrides = {**overrides, **defences_off()}
+    base = name.removesuffix(COMMITTED)  # the attack; `name` labels the arm and its uploads
+    if base != name:
+        overrides = {**overrides, "security": {**overrides.get("security", {}), "committed_draws": True}}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"bench-attacks-{name}-") as root:
         arena = Arena(Path(root), overrides)
         try:
             honest = [HonestWorker("honest-1"), HonestWorker("honest-2")]
-            atk = attacker(name, arena) if name != "none" else None
+            atk = attacker(base, arena) if base != "none" else None
+            if atk is not None:  # its uploads carry the arm's name
+                for p in atk if isinstance(atk, list) else [atk]:
+                    if hasattr(p, "source"):
+                        p.source = name
             log: dict[str, Any] = {}
             before = evaluation(arena, args.eval_tasks)
             served_trainer = True
             steps, hostile_n = args.steps, args.hostile
-            if name.removesuffix("_undefended") in HARM_ARMS:
+            if base.removesuffix("_undefended") in HARM_ARMS:
                 steps, hostile_n = args.poison_steps or args.steps, args.poison or args.hostile
-            elif name in ("flooder", "junk_writer"):
+            elif base in ("flooder", "junk_writer"):
                 hostile_n = args.flood
-            elif name == "eager":
+            elif base == "eager":
                 hostile_n = 8 * args.hostile
             for step in range(steps):
                 arena.upload([u for h in honest for u in h.uploads(arena, args.honest)])
-                hostile_round(name, atk, arena, step, hostile_n, log)
+                hostile_round(base, atk, arena, step, hostile_n, log)
                 r = arena.step()
                 if r is None:
                     log.setdefault("short_steps", []).append(step)
@@ -286,6 +298,8 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 "served_only_trainer": served_trainer,
                 "drops": dict(ing.cursor.drops),
                 "quarantined": dict(ing.cursor.quarantined),
+                "committed": dict(arena.trainer.parts.ticker.counts) if arena.trainer.parts.ticker else None,
+                "refusals": len(arena.refusals),
                 "log": log,
             }
         finally:

@@ -263,6 +263,7 @@ def check_worker_dtype(cfg: PnyxConfig) -> None:
 
     - float16 workers under bf16 publishing: a float16 engine cannot hold bf16 values exactly (fewer
       exponent bits), so its weight proof fails and it never generates (seen on an H200).
+    - committed draws without seeded draws (nothing to commit to).
     - half precision under seeded draws (`security.seeded_draws`): the trainer checks every seeded token
       under the published weights in float32, and a bfloat16 worker draws another token often enough that
       the check drops its honest groups: on an H200 with the tiny model, 31 of 384 (8%) at
@@ -281,6 +282,11 @@ def check_worker_dtype(cfg: PnyxConfig) -> None:
             'honest groups (bfloat16 on an H200: 8% at draw_tolerance 1e-3). Keep model.dtype = "float32" '
             "(the default; the trainer's compute precision is trainer.compute_dtype), or set "
             "security.seeded_draws = false (the statistical checks alone)"
+        )
+    if cfg.security.committed_draws and not cfg.security.seeded_draws:
+        raise ConfigError(
+            "security.committed_draws needs security.seeded_draws: a commitment binds the seed of a group's "
+            "draws, and without seeded draws no token is checked against one"
         )
 
 

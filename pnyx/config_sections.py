@@ -247,6 +247,16 @@ class SecurityConfig(_Section):
     skip records to hide groups it keeps back is caught after 1/share of them on average. Every skip record
     is re-scored whatever this is. Each check is a forward of the group under its version's weights: 14.6% of
     step time on the SmolLM2 recipe at 1.0 (1.8% on the tiny model). 0: none."""
+    committed_draws: bool = False
+    """Commit, then reveal (docs/security.md, "Committed draws"; `pnyx.protocol.commits`): before each
+    cohort a worker writes a signed commitment (its seqs, their tasks, the version it will draw at) and
+    waits for the trainer's next tick, whose random bytes join every sample's seed, so the randomness of a
+    draw does not exist until its task is fixed, and each seq of a (name, key) is committed once. Binds a
+    picker that draws a seq again with another task, which no other check sees. A group without a
+    matching commitment is dropped (`uncommitted`, a fault). Costs a worker the wait for a tick per cohort.
+    Needs `seeded_draws`; off by default until proven on the SmolLM2 recipe."""
+    tick_interval_s: Annotated[float, Field(gt=0, le=60)] = 0.1
+    """Seconds between two of the trainer's ticks while commitments wait (none is written when none do)."""
     accept_unseeded: bool = False
     """Take groups without seeded draws from untrusted keys (the vLLM engine, whose sampler draws its own
     uniforms; workers older than seeded draws), judged by the statistical checks only: a temperature liar

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pnyx.protocol import layout
+from pnyx.security.signing import Signer
 
 log = logging.getLogger("pnyx_harness.arena")
 
@@ -118,6 +119,8 @@ class Arena:
         self.uploads: list[Upload] = []
         self.verdicts: dict[str, str] = {}
         self.served: list[tuple[int, str]] = []
+        self.refusals: list[tuple[str, int, str]] = []
+        """(worker, first seq, why) of every commitment the trainer's tick refused (committed draws)."""
         """(version, chain digest) of every version the follower served, in order."""
         self.follow()
 
@@ -142,11 +145,16 @@ class Arena:
         key: str = "",
         worker_id: str = "arena",
         next_seq: Callable[[], int] | None = None,
+        signer: Signer | None = None,
     ) -> list[Any]:
         """One group per task from the follower's engine at the served version, with the run's sampling
         settings (`temperature` overrides the one used to sample; the group records what was used). With
         `key` (a signer's fingerprint), the groups are drawn from the seeded draws of (`key`, `worker_id`,
-        the seqs `next_seq` gives), as a worker with that key and name draws them."""
+        the seqs `next_seq` gives), as a worker with that key and name draws them. Under committed draws
+        (`security.committed_draws`) the `signer` (key `key`) first commits to the seqs and tasks, the
+        trainer ticks, and the groups are drawn with the tick's beacon: `commit_and_tick`."""
+        from dataclasses import replace
+
         from pnyx.rollout.cohort import CohortSpec, generate_cohort
 
         w = self.cfg.worker
@@ -156,7 +164,30 @@ class Arena:
             top_p=w.top_p, top_k=w.top_k, max_new_tokens=int(w.max_new_tokens or 64), seed=seed, key=key,
         )  # fmt: skip
         numbering = next_seq or (lambda: 0)
+        if self.cfg.security.committed_draws and signer is not None and key:
+            seqs = [numbering() for _ in tasks]
+            drawn = self.commit_and_tick(signer, worker_id, seqs, [t.id for t in tasks])
+            spec = replace(spec, tick=drawn.n, beacon=drawn.beacon, commit=drawn.key)
+            numbering = iter(seqs).__next__
         return generate_cohort(self.engine, self.tokenizer, self.env, tasks, spec, numbering).groups
+
+    def commit_and_tick(self, signer: Signer, worker_id: str, seqs: list[int], task_ids: list[str]) -> Any:
+        """Commit `signer`'s `worker_id` to `seqs` and `task_ids` at the served version, then tick the
+        trainer's beacon at once (a real trainer ticks on its own thread). Returns the tick's `Drawn`; for a
+        refused commitment too (its beacon and key, as an attacker that draws anyway would use them), with
+        the refusal in `self.refusals`."""
+        from pnyx.rollout.committer import Committer, Drawn
+
+        ticker = self.trainer.parts.ticker
+        assert ticker is not None and self.trust is not None  # committed draws: the trainer attached one
+        committer = Committer(self.store, signer, self.run_id, worker_id, self.trust.fingerprint)
+        ticket = committer.commit(self.version, seqs, task_ids, n=ticker.next_n)
+        tick = ticker.tick()
+        assert tick is not None and tick.n == ticket.n, (tick, ticket)
+        got = committer.outcome(ticket, tick)
+        if not isinstance(got, Drawn):
+            self.refusals.append((worker_id, seqs[0], str(got)))
+        return Drawn(n=tick.n, beacon=tick.beacon, key=ticket.key)
 
     def own_logprobs(self, prompt: list[int], completions: list[list[int]]) -> list[list[float]]:
         """Per-token logprobs of each completion under the follower's model at the run's sampling settings:

@@ -98,7 +98,7 @@ class Producer:
         name (what a worker with them samples; `temperature` overrides the run's)."""
         return arena.sample(
             tasks, self._next_seed(), temperature,
-            key=self.signer.fingerprint, worker_id=self.worker_id, next_seq=self.reserve,
+            key=self.signer.fingerprint, worker_id=self.worker_id, next_seq=self.reserve, signer=self.signer,
         )  # fmt: skip
 
     def sampled(self, arena: Arena, n: int, temperature: float | None = None) -> list[Any]:

@@ -30,8 +30,9 @@ WHOLE_GROUP_PICKER = (
 SEQ_REUSING_PICKER = (
     "a one-key whole-group picker that draws its next group under the seq of a group it dropped (with another "
     "task: a worker chooses its tasks, and the seed names the task) leaves no gap and no skip record; every "
-    "group it uploads is an honest, contiguous, signed draw (issue #25, open: only a commitment to the task "
-    "made before the draw's randomness is known binds it, docs/verifiable-sampling.md)"
+    "group it uploads is an honest, contiguous, signed draw (issue #25: only a commitment to the task made "
+    "before the draw's randomness is known binds it, `security.committed_draws`, off by default: "
+    "test_seq_reusing_picker_is_refused_under_committed_draws)"
 )
 
 HONEST = [HonestWorker("honest-1"), HonestWorker("honest-2")]
@@ -350,6 +351,51 @@ def test_seq_reusing_picker_drops_draws_without_a_trace(arena):
 def test_seq_reusing_whole_group_picker_is_detected(arena):
     _hostile_step(arena, A.CherryPicker("picker-r", source="cherry_reuse", form="whole_reuse"), 4)
     assert_all_rejected(arena, "cherry_reuse")
+
+
+@pytest.fixture(scope="module")
+def committed_arena(tmp_path_factory):
+    """The arena under committed draws (`security.committed_draws`): every producer commits to its seqs and
+    tasks, and the trainer ticks, before each draw (`Arena.commit_and_tick`)."""
+    a = Arena(
+        tmp_path_factory.mktemp("committed-arena"),
+        {"trainer": {"groups_per_step": 8}, "security": {"committed_draws": True}},
+    )
+    honest = [HonestWorker("honest-c1"), HonestWorker("honest-c2")]
+    a.upload([u for h in honest for u in h.uploads(a, 3)])
+    a.poll()
+    a.honest = honest  # type: ignore[attr-defined]
+    yield a
+    a.close()
+
+
+def test_seq_reusing_picker_is_refused_under_committed_draws(committed_arena):
+    """The picker above, under committed draws: its second commitment to a seq is refused by the tick, so a
+    group it draws under it anyway is `uncommitted` (a fault), and its key is quarantined after
+    `security.quarantine_min` of them. The groups of seqs it liked at the first draw are honest draws, which
+    nothing can tell from any other worker's, and its key is quarantined within a few steps. Honest workers beside it commit
+    the same way and lose nothing."""
+    arena = committed_arena
+    picker = A.CherryPicker("picker-c", source="cherry_reuse_c", form="whole_reuse")
+    for _ in range(3):
+        arena.upload(picker.uploads(arena, 4))
+        arena.upload([u for h in arena.honest for u in h.uploads(arena, 3)])
+        arena.step()
+    refused = {seq for name, seq, _ in arena.refusals if name == "picker-c"}
+    assert refused, "the picker never tried to reuse a seq"
+    ups = [u for u in arena.uploads if u.source == "cherry_reuse_c"]
+    after = [u for u in ups if layout.parse_rollout_key(u.key)[2] in refused]
+    verdicts = {arena.verdict(u.key) for u in after}
+    assert after and verdicts <= {"uncommitted", "quarantined"}, verdicts
+    assert picker.signer.fingerprint in arena.trainer.parts.ingestor.cursor.quarantined
+    # what was trained are first draws of seqs it never committed twice (honest draws it happened to like),
+    # uploaded before its key was quarantined
+    trained = [layout.parse_rollout_key(u.key)[2] for u in ups if arena.verdict(u.key) == TRAINED]
+    assert not set(trained) & refused and len(trained) < len(ups) / 2, (trained, refused)
+    honest = arena.tally("honest")
+    assert not {v for v in honest if v not in BENIGN and v not in (TRAINED, "waiting")}, honest
+    assert honest.get(TRAINED, 0) >= 12, honest
+    print(f"\ncommitted seq-reusing picker: {arena.tally('cherry_reuse_c')}; honest {honest}")
 
 
 def _picker_report(arena: Arena, picker: Producer) -> dict:

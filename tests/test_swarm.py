@@ -362,6 +362,7 @@ def test_cli_refuses_reserved_node_name_before_loading_a_model(tmp_path):
         ("trainer", "compute_dtype", "bfloat16"),
         ("trainer", "activation_checkpointing", True),
         ("worker", "engine", "mlx"),
+        ("security", "committed_draws", True),
     ],
 )
 def test_a_swarm_node_refuses_trainer_settings_it_would_ignore(tmp_path, section, field, value):

@@ -4,7 +4,8 @@ Sample i of a group draws its model tokens by inverse CDF (the engines' `draw`: 
 whose cumulative mass under the sampling distribution exceeds u · total) from a stream of uniforms that
 only the group's identity decides:
 
-    seed_i = blake2b-64(SCHEME, run id, key fingerprint, worker id, task id, policy version, seq, i)
+    seed_i = blake2b-64(SCHEME, run id, key fingerprint, worker id, task id, policy version, seq, i
+                        [, the tick's beacon: committed draws, `pnyx.protocol.commits`])
     u_t    = (Philox(key=seed_i).random_raw()[t] >> 40) · 2^-24      (t: the sample's t-th model token)
 
 A worker cannot choose u; it can only use it or not. The trainer recomputes the sampling distribution
@@ -32,10 +33,23 @@ CHUNK = 64
 
 
 def sample_seed(
-    run_id: str, key: str, worker_id: str, task_id: str, version: int, seq: int, index: int
+    run_id: str,
+    key: str,
+    worker_id: str,
+    task_id: str,
+    version: int,
+    seq: int,
+    index: int,
+    beacon: str = "",
 ) -> int:
-    """The 64-bit seed of sample `index` of the group `seq` of `worker_id` (signed by `key`)."""
-    parts = (SCHEME, run_id, key, worker_id, task_id, str(int(version)), str(int(seq)), str(int(index)))
+    """The 64-bit seed of sample `index` of the group `seq` of `worker_id` (signed by `key`); with a
+    `beacon` (a committed group's tick, `pnyx.protocol.commits`) the tick's random bytes join the parts,
+    so the stream is unknown until the trainer revealed them."""
+    parts: tuple[str, ...] = (
+        SCHEME, run_id, key, worker_id, task_id, str(int(version)), str(int(seq)), str(int(index)),
+    )  # fmt: skip
+    if beacon:
+        parts += (beacon,)
     data = "\x1f".join(parts).encode("utf-8", "surrogatepass")
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
@@ -47,10 +61,10 @@ def uniforms(seed: int, n: int) -> np.ndarray:
 
 
 def group_seeds(
-    run_id: str, key: str, worker_id: str, task_id: str, version: int, seq: int, size: int
+    run_id: str, key: str, worker_id: str, task_id: str, version: int, seq: int, size: int, beacon: str = ""
 ) -> list[int]:
     """The seeds of the `size` samples of one group, in sample order."""
-    return [sample_seed(run_id, key, worker_id, task_id, version, seq, i) for i in range(size)]
+    return [sample_seed(run_id, key, worker_id, task_id, version, seq, i, beacon) for i in range(size)]
 
 
 class UniformStream:

@@ -22,6 +22,11 @@ A store URL points at one run's root; keys are relative to it (docs/architecture
     swarm/nodes/{node}.json                 swarm-mode node heartbeat
     swarm/ckpt/{node}.pt                    swarm-mode node checkpoint (overwritten)
     evals/v{V:08d}.json                     held-out evaluation of version V (written by `pnyx run`/`eval`)
+    commits/t{n:012d}/{worker}-{seq:010d}-{h}
+                                            committed draws: a worker's signed commitment to the seqs from
+                                            seq and their tasks, for tick n; h = hash of its bytes
+    ticks/{n:012d}                          committed draws: the trainer's signed tick n (its beacon)
+    ticks/LATEST                            hint: the newest tick's n
 
 Zero-padded numbers make lexicographic order equal numeric order, so `list(start_after=...)` walks
 versions and sequence numbers in order. Inside a version's rollout prefix keys sort by their stamp, so a
@@ -52,6 +57,9 @@ SWARM_PREFIX = "swarm/"
 SWARM_NODES_PREFIX = "swarm/nodes/"
 SWARM_CKPT_PREFIX = "swarm/ckpt/"
 EVALS_PREFIX = "evals/"
+COMMITS_PREFIX = "commits/"
+TICKS_PREFIX = "ticks/"
+TICKS_LATEST = "ticks/LATEST"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _VERSION_DIR = re.compile(r"^v(\d{8})/$")
@@ -66,6 +74,8 @@ SKIP_SUFFIX = ".skip"
 STAMP_SEP = "~"
 """Ends the stamp of a rollout key; never part of a worker id, so both key forms parse unambiguously."""
 _MAX_STAMP = 10**13 - 1
+_COMMIT_KEY = re.compile(r"^commits/t(\d{12})/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})-(\d{10})-([0-9a-f]{32})$")
+_TICK_KEY = re.compile(r"^ticks/(\d{12})$")
 _SWARM = re.compile(r"^swarm/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/(\d{10})$")
 
 
@@ -222,3 +232,31 @@ def swarm_checkpoint(node: str) -> str:
 def eval_key(version: int) -> str:
     """Where the held-out evaluation of `version` is published (overwritten if re-evaluated)."""
     return f"{EVALS_PREFIX}{_v(version)}.json"
+
+
+# --- committed draws (`pnyx.protocol.commits`) -----------------------------------------------------------
+
+
+def commits_dir(n: int) -> str:
+    """The prefix the trainer lists for tick `n`."""
+    return f"{COMMITS_PREFIX}t{int(n):012d}/"
+
+
+def commit_key(n: int, worker: str, first_seq: int, content_hash: str) -> str:
+    """The key of a commitment for tick `n` whose object bytes hash to `content_hash` (32 hex digits)."""
+    return f"{commits_dir(n)}{check_name(worker, 'worker id')}-{int(first_seq):010d}-{content_hash}"
+
+
+def parse_commit_key(key: str) -> tuple[int, str, int, str] | None:
+    """(tick, worker id, first seq, content hash) of a commitment key, None for any other key."""
+    m = _COMMIT_KEY.match(key)
+    return (int(m.group(1)), m.group(2), int(m.group(3)), m.group(4)) if m else None
+
+
+def tick_key(n: int) -> str:
+    return f"{TICKS_PREFIX}{int(n):012d}"
+
+
+def parse_tick_key(key: str) -> int | None:
+    m = _TICK_KEY.match(key)
+    return int(m.group(1)) if m else None

@@ -67,6 +67,13 @@ class GroupHeader(msgspec.Struct, kw_only=True):
     draws: str = ""
     """`pnyx.protocol.draws.SCHEME` when every model token was drawn from the group's seeded uniforms (the
     trainer checks each one); "": the engine's own randomness (unseeded: vLLM, older workers, swarm nodes)."""
+    tick: int = -1
+    """Committed draws (`security.committed_draws`, `pnyx.protocol.commits`): the trainer's tick that
+    included this group's commitment; -1: not committed."""
+    beacon: str = ""
+    """That tick's random bytes (hex), part of every sample's seed; the trainer checks them against its own."""
+    commit: str = ""
+    """The store key of the commitment that named this group's seq and task before the tick."""
 
 
 class RolloutGroup(GroupHeader, kw_only=True):
@@ -159,6 +166,8 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     """Seconds this process spent screening candidate tasks before generating (`pnyx.rollout.screen`)."""
     tasks_screened: int = 0
     """Candidate tasks scored by the screen."""
+    commit_wait_seconds: float = 0.0
+    """Seconds this process waited for the trainer's ticks (committed draws: `pnyx.rollout.committer`)."""
     engine: str = ""
     """The engine this worker generates with ("torch", "mlx", "vllm"; "" from an older worker)."""
 

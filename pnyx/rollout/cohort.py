@@ -47,6 +47,11 @@ class CohortSpec:
     """Fingerprint of the key that will sign the groups: with it, engines that can (`seeded_draws`) sample
     every token from the group's seeded draws (`pnyx.protocol.draws`), which the trainer checks. "": the
     engine's own randomness (groups then unseeded)."""
+    tick: int = -1
+    beacon: str = ""
+    commit: str = ""
+    """Committed draws (`pnyx.protocol.commits`): the tick that included this cohort's commitment, its
+    beacon (joins every seed) and the commitment's key; the caller passes the committed seqs as `next_seq`."""
 
 
 @dataclass
@@ -123,7 +128,9 @@ def generate_cohort(
         seeds = [
             s
             for task, seq in zip(tasks, seqs, strict=True)
-            for s in group_seeds(spec.run_id, spec.key, spec.worker_id, task.id, spec.version, seq, g)
+            for s in group_seeds(
+                spec.run_id, spec.key, spec.worker_id, task.id, spec.version, seq, g, spec.beacon
+            )
         ]
         params = replace(params, draws=streams(seeds))
     t0 = time.perf_counter()
@@ -176,6 +183,9 @@ def generate_cohort(
                 score_seconds=score_s,
                 engine=engine.name,
                 draws=SCHEME if seeded else "",
+                tick=spec.tick if seeded else -1,
+                beacon=spec.beacon if seeded else "",
+                commit=spec.commit if seeded else "",
             )
         )
     return CohortResult(groups=groups, tokens=tokens, gen_seconds=gen_s, score_seconds=score_total)

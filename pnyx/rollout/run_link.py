@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from pnyx.errors import ConfigError, PnyxError, StoreError
 from pnyx.protocol import layout
 from pnyx.protocol.records import Demand, RolloutGroup, RunManifest
+from pnyx.rollout.committer import Committer, Drawn
 from pnyx.rollout.courier import Courier
 from pnyx.rollout.joining import cold_join, read_run_manifest, resume_seq
 from pnyx.rollout.sealer import Sealer
@@ -63,6 +64,8 @@ class RunLink:
         """The run's config, from run.json (None before `read_run`)."""
         self.sealer: Sealer | None = None
         self.syncer: Syncer | None = None
+        self.trainer_fp = ""  # the pinned trainer key's fingerprint (signs weights and ticks), at read_run
+        self.committer: Committer | None = None  # committed draws (security.committed_draws), at read_run
         self.spool: Spool | None = None
         self.courier: Courier | None = None
         self._supply: Supply | None = None  # fed by the courier's demand reads, after `start`
@@ -82,6 +85,7 @@ class RunLink:
         key, created = load_or_create_key(worker_key_path(self.opts.keys_dir))
         signer = Signer(key)  # signs every group; the trainer binds this worker's name to it
         self.sealer = Sealer(self.worker_id, signer)
+        self.trainer_fp = trust.fingerprint
         log.info(
             "worker %s: signing groups with key %s%s", self.worker_id, signer.fingerprint,
             " (created)" if created else "",
@@ -92,6 +96,8 @@ class RunLink:
                 "--int8: this run's trainer does not publish the int8 actor plane. Start the run with "
                 "--worker.int8=true (the trainer then publishes it next to the bf16 weights), or drop --int8."
             )
+        if cfg.security.committed_draws:
+            self.committer = Committer(self.store, signer, manifest.run_id, self.worker_id, trust.fingerprint)
         self.syncer = Syncer(
             self.store,
             plane="int8" if (self.opts.int8 or cfg.worker.int8) else "weights",
@@ -114,6 +120,27 @@ class RunLink:
     def key(self) -> str:
         """Fingerprint of the key this worker signs with (part of its groups' seeded draws)."""
         return self._sealer().signer.fingerprint
+
+    def commit(self, version: int, task_ids: list[str]) -> tuple[Drawn | None, list[int]]:
+        """Committed draws: reserve one seq per task, commit to them, wait for the trainer's tick
+        (`Committer.draw_seqs`). Returns (how to draw, the seqs); (None, []) when the stop came first."""
+        sealer = self._sealer()
+
+        def skip_to(seq: int) -> None:
+            sealer.resume(max(seq, sealer.next_seq))
+
+        committer = self._committer()
+        try:
+            return committer.draw_seqs(version, task_ids, sealer.reserve, skip_to, self.stop_event)
+        finally:
+            self.progress.commit_wait_s = committer.wait_s
+
+    def _committer(self) -> Committer:
+        if self.committer is None:
+            raise RuntimeError(
+                "committed draws: the run link has no committer (read_run, on such a run, makes it)"
+            )
+        return self.committer
 
     def reserve_seq(self) -> int:
         """The seq of a group about to be generated with seeded draws (`Sealer.reserve`)."""
@@ -333,6 +360,7 @@ class RunLink:
             key=self.sealer.signer.fingerprint if self.sealer is not None else "",
             generate_seconds=round(p.generate_s, 3),
             screen_seconds=round(p.screen_s, 3),
+            commit_wait_seconds=round(p.commit_wait_s, 3),
             tasks_screened=p.tasks_screened,
             engine=self.cfg.worker.engine if self.cfg is not None else "",
         )

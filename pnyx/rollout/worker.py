@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from pnyx.errors import IntegrityError
@@ -288,11 +288,19 @@ class Worker:
             pool = gen.env.sample("train", seed=seed, n=pool_n)
         tasks = gen.screen.pick(pool, n, sampling_params(spec, gen.env))
         progress.screen_s, progress.tasks_screened = gen.screen.seconds, gen.screen.scored
+        next_seq = link.reserve_seq if seeded else lambda: 0
+        if seeded and link.committer is not None:  # committed draws: the seqs and tasks first, then the tick
+            progress.set(
+                "waiting", f"v={version}: committed {len(tasks)} task(s), waiting for the trainer's tick"
+            )
+            drawn, seqs = link.commit(version, [t.id for t in tasks])
+            if drawn is None:
+                return  # stopping
+            spec = replace(spec, tick=drawn.n, beacon=drawn.beacon, commit=drawn.key)
+            next_seq = iter(seqs).__next__
         progress.set("generating", f"v={version} tasks={n}")
         # a seeded group's seq is reserved now (its draws name it); an unseeded one is numbered when sealed
-        result = generate_cohort(
-            gen.engine, gen.tokenizer, gen.env, tasks, spec, link.reserve_seq if seeded else lambda: 0
-        )
+        result = generate_cohort(gen.engine, gen.tokenizer, gen.env, tasks, spec, next_seq)
         progress.generate_s += result.gen_seconds
         if gen.curriculum is not None:
             gen.curriculum.observe(tasks, result.groups, version)

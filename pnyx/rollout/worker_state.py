@@ -119,6 +119,8 @@ class Progress:
     """Seconds scoring candidate tasks (`Screen.seconds`)."""
     tasks_screened: int = 0
     """Candidate tasks scored (`Screen.scored`)."""
+    commit_wait_s: float = 0.0
+    """Seconds waiting for the trainer's ticks (committed draws, `pnyx.rollout.committer`)."""
     started_at: float = field(default_factory=time.time)
     throughput: Throughput = field(default_factory=Throughput)
 

@@ -85,6 +85,11 @@ QUARANTINE_MIN = 5
 DRAW_MISMATCH = "draw_mismatch"
 DRAW_UNVERIFIABLE = "draw_unverifiable"
 
+UNCOMMITTED = "uncommitted"
+"""A group drawn without a matching commitment (`security.committed_draws`, `pnyx.train.ticker`): a fault
+that quarantines its key at once (`quarantine_reason`), like a false skip record, since an honest worker
+only draws under commitments the trainer's tick included."""
+
 FAULTS = frozenset(
     {
         "logprob_gap",
@@ -102,6 +107,7 @@ FAULTS = frozenset(
         "unseeded",
         "false_skip",
         "gap",
+        UNCOMMITTED,
     }
 )
 """Per-key counters (`Cursor.by_key`) that count a faulty group of that key. `draw_mismatch`: a token its
@@ -110,7 +116,8 @@ them (`draw_unverifiable`, a version whose weights could not be verified, is the
 blamed); `false_skip`: a skip record (a group its worker says had zero variance) whose re-score has mixed
 rewards or whose tokens are not its seeded draws: it quarantines its key at once
 (`Ingestor.audit_skips`); `gap`: a seq its worker name never uploaded signed by its key, a group it kept
-back (`pnyx.train.seq_books`).
+back (`pnyx.train.seq_books`); `uncommitted`: a group without the commitment its tick should have included
+(`security.committed_draws`, `pnyx.train.ticker`).
 `reward_lie`: a group with at least one sample whose claimed reward differs from the re-score. Signature failures (`unsigned`,
 `bad_signature`) are not in it: the key inside a badly signed frame proves nothing, so it is never blamed
 (anyone could frame an honest key); `stale`, `zero_variance`, `unknown_version` and `duplicate` happen to
@@ -329,6 +336,8 @@ def quarantine_reason(
     the run's honest z there, None where the run has not measured it yet (`calibration.Allowances.
     calibrated_center`; without it, 0 everywhere): the key's statistic is judged against what honest drift
     explains, over the groups whose bucket is calibrated."""
+    if counts.get(UNCOMMITTED, 0):  # an honest worker draws only under commitments its tick included
+        return f"{counts[UNCOMMITTED]} uncommitted group(s): drawn without a commitment the trainer's tick included"
     bad, total = faults(counts), judged(counts)
     if q.quarantine_rate is not None and bad >= q.quarantine_min and bad >= q.quarantine_rate * total:
         which = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k in FAULTS and v)

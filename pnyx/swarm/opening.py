@@ -31,6 +31,10 @@ SWARM_UNSUPPORTED = {
         "swarm nodes generate with torch: a node samples from the torch model it trains in place every "
         "round, which another engine would have to reload each round",
     ),
+    "security.committed_draws": (
+        lambda c: c.security.committed_draws,
+        "swarm nodes share decoded text, not seeded draws, and no trainer ticks",
+    ),
 }
 """Settings of the central trainer and its workers a swarm node would silently ignore (or fail on): refused
 up front."""

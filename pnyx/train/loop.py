@@ -57,6 +57,7 @@ from pnyx.train.progress import Progress, format_line, reward_parts
 from pnyx.train.resume import restore
 from pnyx.train.settings import check_settings, loss_settings
 from pnyx.train.step import StepStats, train_step
+from pnyx.train.ticker import Ticker
 from pnyx.train.trainer_setup import TrainerParts, attach_run, load_parts, open_run
 from pnyx.weights.manifest import WeightManifest
 
@@ -120,9 +121,27 @@ class Trainer:
             self.manifest, self.trust = opened.manifest, opened.trust
             if self.resume:
                 restore(self, opened.published)
+            self._attach_ticker()
             rejudge = self.parts.rejudge
             if self.parts.dist.is_main and rejudge is not None:
                 log.info("trainer: exact checks prepared in %.2fs", rejudge.prepare())
+
+    def _attach_ticker(self) -> None:
+        """Under `security.committed_draws`, rank 0's beacon (`pnyx.train.ticker`): ticks read back from the
+        store (a resumed run), and admission's check of every group and skip record against its tick."""
+        parts, sec = self.parts, self.cfg.security
+        signer = parts.publishing.publisher.signer
+        if not sec.committed_draws or not parts.dist.is_main or signer is None:
+            return
+        ticker = Ticker(
+            self.store, signer, self.run_id, sec.tick_interval_s, lambda: self.version,
+            self.cfg.algorithm.max_staleness,
+        )  # fmt: skip
+        ticker.restore()
+        admission = parts.ingestor.admission
+        admission.check_draws = ticker.policy(admission.check_draws)
+        parts.ingestor.skips.check_draws = admission.check_draws
+        parts.ticker = ticker
 
     def load(self, run: RunManifest) -> None:
         """Load the parts for the existing `run` without joining it or restoring a checkpoint: the weights
@@ -404,6 +423,8 @@ class Trainer:
             d.update(ingestor.stats())
             d.pop("scored", None)
             d["keys"] = ingestor.key_report(limit=STATUS_KEYS)
+            if self._parts.ticker is not None:  # committed draws: ticks written, commitments judged
+                d["ticks"] = dict(self._parts.ticker.counts)
         return d
 
     # --- the loop ------------------------------------------------------------------------------------
@@ -419,6 +440,8 @@ class Trainer:
         if self.parts.dist.is_main:  # ingestion runs on rank 0 only; the others receive each batch
             self.parts.prefetcher.ahead(self.version)
             self.parts.prefetcher.start()
+            if self.parts.ticker is not None:
+                self.parts.ticker.start()
         with self.progress.running(status=self.parts.dist.is_main):
             self._loop(sinks)
         return self.version
@@ -435,6 +458,8 @@ class Trainer:
                     # counted from what the prefetcher already listed and fetched (no store I/O: a LIST and
                     # GET of the whole backlog here made every step's cost follow the backlog)
                     self.parts.supply.after_publish(r.version, waiting=self.parts.ingestor.waiting(r.version))
+                    if self.parts.ticker is not None:
+                        self.parts.ticker.poke()
                     m = self.metrics(r)
                     checkpoint.write_metrics(self.store, r.version, m)
                     for sink in sinks:
@@ -449,6 +474,8 @@ class Trainer:
         finally:
             for sink in sinks:
                 sink.close()
+            if self.parts.ticker is not None:
+                self.parts.ticker.close()
             self.parts.prefetcher.close()
             self.parts.ingestor.close()
         if self._stop:

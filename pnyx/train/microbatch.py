@@ -86,7 +86,14 @@ def row_uniforms(group: RolloutGroup, key: str, index: int) -> list[float]:
     was drawn from the t-th uniform of its stream, bound to the signing `key`."""
     s = group.samples[index]
     seed = sample_seed(
-        group.run_id, key, group.worker_id, group.task_id, group.policy_version, group.seq, index
+        group.run_id,
+        key,
+        group.worker_id,
+        group.task_id,
+        group.policy_version,
+        group.seq,
+        index,
+        group.beacon,
     )
     drawn = iter(uniforms(seed, sum(1 for m in s.loss_mask if m)).tolist())
     return [next(drawn) if m else math.nan for m in s.loss_mask]

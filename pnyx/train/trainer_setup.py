@@ -43,6 +43,7 @@ from pnyx.train.schedule import Schedule
 from pnyx.train.settings import ingest_settings
 from pnyx.train.step import make_optimizer
 from pnyx.train.supply import DemandPublisher
+from pnyx.train.ticker import Ticker
 from pnyx.weights.manifest import WeightManifest
 from pnyx.weights.publisher import Publisher
 from pnyx.weights.syncer import Plane
@@ -168,6 +169,8 @@ class TrainerParts:
     """The exact forwards under a version's published weights (`security.rejudge`: of groups the step
     would drop; `security.seeded_draws`: of rows the step's forward puts over the draw tolerance), or None."""
     rounding: torch.dtype | None = None
+    ticker: Ticker | None = None
+    """The beacon of committed draws (`security.committed_draws`; rank 0, from `TrainerLoop.start`)."""
     """The dtype the steps round their weights to in the forward (`forward_rounding`), or None."""
     published: list[PublishedModel] = field(default_factory=list)
     """The second models the exact checks compute with (one per plane), pointed at the run's key by

@@ -1,0 +1,268 @@
+"""The trainer's ticks: the beacon that reveals committed draws' randomness (`pnyx.protocol.commits`).
+
+`Ticker` runs on rank 0 when `security.committed_draws` is on. Every `tick_interval_s` (and at once after a
+publish, `poke`) it lists the commitments waiting for its next tick, reads each one, includes those that are
+valid and commit seqs their (name, key) never committed before, and writes the tick: fresh random bytes and
+what it included or refused. A tick is written only when something waits for it, so an idle run writes
+none. Admission asks `check(group, signer)` whether a committed group matches its tick.
+
+What it remembers: every tick of the window (by the version the trainer held when it ticked; a group of an
+older version is stale anyway) and, per (worker name, key), the highest seq committed (`high`, at most
+`MAX_NAMES` pairs, the oldest forgotten first). On a restart it reads back the ticks of the window and
+rebuilds both from them; a pair last seen in a tick older than the window is forgotten (docs/security.md,
+"Committed draws"). Store errors are logged and retried at the next interval: a tick that cannot be written
+delays the workers waiting for it, nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from pnyx.errors import AlreadyExistsError, NotFoundError, RecordRejected, StoreUnavailableError
+from pnyx.protocol import commits, layout
+from pnyx.protocol.commits import Included, Tick
+from pnyx.protocol.draws import SCHEME
+from pnyx.protocol.records import RolloutGroup
+from pnyx.security.checks import UNCOMMITTED
+from pnyx.security.signing import Signer
+from pnyx.store import Store
+from pnyx.train.rescore import ScoredGroup
+
+log = logging.getLogger("pnyx.train.ticker")
+
+MAX_NAMES = 200_000
+"""(worker name, key) pairs whose highest committed seq is remembered at most (oldest forgotten first)."""
+MAX_PER_TICK = 4096
+"""Commitments one tick reads at most (the rest wait for the next)."""
+MAX_TOLD = 1024
+"""Keys whose first uncommitted group is logged (one line each)."""
+KEEP_VERSIONS_EXTRA = 2
+"""Ticks are kept while their version is within max_staleness + this of the trainer's."""
+
+
+class Ticker:
+    """Writes the run's ticks and answers admission's question (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: Store,
+        signer: Signer,
+        run_id: str,
+        interval_s: float,
+        version: Callable[[], int],
+        max_staleness: int,
+    ) -> None:
+        self.store, self.signer, self.run_id = store, signer, run_id
+        self.interval_s = interval_s
+        self.version = version
+        self.max_staleness = max_staleness
+        self.next_n = 0
+        self.ticks: dict[int, Tick] = {}
+        self.high: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self.counts = {"ticks": 0, "included": 0, "refused": 0}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- the trainer's side ------------------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Read back the ticks this run wrote (a restarted trainer): the newest first, down to the first
+        whose version left the window."""
+        keys = sorted(
+            m.key for m in self.store.list(layout.TICKS_PREFIX) if layout.parse_tick_key(m.key) is not None
+        )
+        low = self.version() - self.max_staleness - KEEP_VERSIONS_EXTRA
+        loaded: list[Tick] = []
+        for key in reversed(keys):
+            try:
+                t = commits.decode_tick(self.store.get(key), self.run_id, self.signer.fingerprint)
+            except RecordRejected as e:
+                log.warning("ticker: %s is not a tick of this run (%s); ignored", key, e)
+                continue
+            loaded.append(t)
+            if t.version < low:
+                break
+        with self._lock:
+            for t in reversed(loaded):
+                self._remember(t)
+            if keys:
+                self.next_n = max(self.next_n, max(layout.parse_tick_key(k) or 0 for k in keys) + 1)
+        if loaded:
+            log.info("ticker: %d ticks read back, next tick %d", len(loaded), self.next_n)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pnyx-ticker", daemon=True)
+            self._thread.start()
+
+    def poke(self) -> None:
+        """Tick now (after a publish: workers waiting on a tick get the new version's draws sooner)."""
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except StoreUnavailableError as e:
+                log.warning("ticker: store unavailable (%s); next try in %.1fs", e, self.interval_s)
+            except Exception:  # never let the beacon die silently: log and go on
+                log.exception("ticker: tick %d failed", self.next_n)
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+
+    def tick(self) -> Tick | None:
+        """One tick: list the waiting commitments, judge them, write `ticks/{n}` and the LATEST hint.
+        Returns the tick, or None when nothing waited for it."""
+        n = self.next_n
+        keys = [m.key for m in self.store.list(layout.commits_dir(n), limit=MAX_PER_TICK)]
+        if not keys:
+            return None
+        included: dict[str, Included] = {}
+        refused: dict[str, str] = {}
+        claimed: dict[tuple[str, str], int] = {}
+        for key in keys:
+            verdict = self._read(key, n)
+            if isinstance(verdict, str):
+                refused[key] = verdict
+                continue
+            pair = (verdict.worker_id, verdict.key)
+            high = claimed.get(pair, self.high.get(pair, -1))
+            if verdict.first_seq <= high:
+                refused[key] = (
+                    f"seq {verdict.first_seq} reuses a seq this name and key committed; next free seq {high + 1}"
+                )
+                continue
+            claimed[pair] = verdict.first_seq + len(verdict.tasks) - 1
+            included[key] = verdict
+        tick = Tick(
+            run_id=self.run_id, n=n, beacon=commits.new_beacon(), version=self.version(), included=included,
+            refused=refused, created_at=time.time(),
+        )  # fmt: skip
+        with self._lock:  # known before any worker can read it (admission may meet its groups at once)
+            self.ticks[n] = tick
+        try:
+            self.store.put(layout.tick_key(n), commits.encode_tick(tick, self.signer), "create")
+        except AlreadyExistsError:
+            tick = self._adopt(n)
+            if tick is None:
+                return None
+        except BaseException:
+            with self._lock:  # not written: tick n is drawn again (no worker can have read this one)
+                self.ticks.pop(n, None)
+            raise
+        with self._lock:
+            self._remember(tick)
+            self.next_n = n + 1
+            self.counts["ticks"] += 1
+            self.counts["included"] += len(tick.included)
+            self.counts["refused"] += len(tick.refused)
+        try:
+            self.store.put(layout.TICKS_LATEST, str(n).encode())
+        except StoreUnavailableError as e:  # a hint: workers find the next tick by probing too
+            log.warning("ticker: could not write %s (%s)", layout.TICKS_LATEST, e)
+        if refused:
+            log.info(
+                "ticker: tick %d refused %d commitment(s): %s", n, len(refused), next(iter(refused.values()))
+            )
+        return tick
+
+    def _adopt(self, n: int) -> Tick | None:
+        """Tick n exists already: ours (an earlier put landed though it reported a failure) is adopted, as
+        workers may have drawn with it; anything else is skipped (ticks/ should be the trainer's alone:
+        docs/fleet.md)."""
+        try:
+            tick = commits.decode_tick(
+                self.store.get(layout.tick_key(n)), self.run_id, self.signer.fingerprint
+            )
+        except (RecordRejected, NotFoundError) as e:
+            log.error(
+                "ticker: %s exists and is not this trainer's tick (%s); skipping it", layout.tick_key(n), e
+            )
+            with self._lock:
+                self.ticks.pop(n, None)
+                self.next_n = n + 1
+            return None
+        with self._lock:
+            self.ticks[n] = tick
+        return tick
+
+    def _read(self, key: str, n: int) -> Included | str:
+        """What commitment `key` commits to, or why it is refused."""
+        parsed = layout.parse_commit_key(key)
+        if parsed is None or parsed[0] != n:
+            return "not a commitment key"
+        try:
+            data = self.store.get(key)
+        except NotFoundError:
+            return "deleted before it was read"
+        if commits.content_hash(data) != parsed[3]:
+            return "its bytes do not match the hash in its key"
+        try:
+            fp, c = commits.decode_commitment(data, self.run_id)
+        except RecordRejected as e:
+            return f"{e.reason}: {e}"
+        if c.worker_id != parsed[1] or c.first_seq != parsed[2]:
+            return "its worker or first seq differs from its key's"
+        return Included(
+            key=fp, worker_id=c.worker_id, version=c.version, first_seq=c.first_seq, tasks=c.tasks
+        )
+
+    def _remember(self, tick: Tick) -> None:
+        self.ticks[tick.n] = tick
+        for inc in tick.included.values():
+            pair = (inc.worker_id, inc.key)
+            self.high[pair] = max(self.high.get(pair, -1), inc.first_seq + len(inc.tasks) - 1)
+            self.high.move_to_end(pair)
+        while len(self.high) > MAX_NAMES:
+            self.high.popitem(last=False)
+        low = self.version() - self.max_staleness - KEEP_VERSIONS_EXTRA
+        for old in [k for k, t in self.ticks.items() if t.version < low]:
+            del self.ticks[old]
+
+    # --- admission's side -----------------------------------------------------------------------------
+
+    def get(self, n: int) -> Tick | None:
+        with self._lock:
+            return self.ticks.get(n)
+
+    def policy(self, base: Callable[[ScoredGroup], str | None] | None) -> Callable[[ScoredGroup], str | None]:
+        """Admission's check of a group (`Admission.check_draws`): `base`'s verdict first, then
+        `UNCOMMITTED` for a seeded group that does not match its tick (logged once per key, with why)."""
+        told: set[str] = set()
+
+        def check(g: ScoredGroup) -> str | None:
+            if base is not None and (reason := base(g)) is not None:
+                return reason
+            if g.group.draws != SCHEME:  # unseeded, and let in by `base` (a trusted key, accept_unseeded):
+                return None  # a commitment binds a seed, and this group has none
+            why = self.check(g.group, g.signer)
+            if why is None:
+                return None
+            if g.signer not in told and len(told) < MAX_TOLD:
+                told.add(g.signer)
+                log.warning("ticker: %s (key %s) is uncommitted: %s", g.key, g.signer, why)
+            return UNCOMMITTED
+
+        return check
+
+    def check(self, group: RolloutGroup, signer: str) -> str | None:
+        """Why a group does not stand as a committed draw (None: it does)."""
+        if group.tick < 0 or not group.commit:
+            return "not committed (the run requires committed draws: security.committed_draws)"
+        return commits.check_group(
+            self.get(group.tick), signer=signer, worker_id=group.worker_id, seq=group.seq, task_id=group.task_id,
+            version=group.policy_version, beacon=group.beacon, commit=group.commit,
+        )  # fmt: skip
