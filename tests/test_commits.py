@@ -223,3 +223,29 @@ def test_an_uncommitted_group_quarantines_its_key_at_once():
     q = QuarantineSettings(quarantine_rate=0.2, quarantine_min=5, quarantine_key_z=None)
     assert quarantine_reason({"groups": 40, UNCOMMITTED: 1}, None, q) is not None
     assert quarantine_reason({"groups": 40, "logprob_gap": 1}, None, q) is None
+
+
+def test_a_group_is_held_while_a_seq_committed_below_it_is_not_delivered(parts):
+    """The hold-back: the planner passes over a committed group while a seq its (name, key) committed
+    below it has no verified record, so a worker that leaves a committed seq empty gets nothing after it
+    trained until the seq is settled; released when the trainer has published nothing for a while."""
+    from types import SimpleNamespace
+
+    from pnyx.train.seq_books import SeqBook
+
+    store, trainer, ticker, version = parts
+    w = _committer(store, trainer)
+    w.commit(3, [0, 1, 2], ["a", "b", "c"])
+    ticker.tick()
+    fp = w.signer.fingerprint
+
+    def group(seq, signer=fp):
+        return SimpleNamespace(group=SimpleNamespace(tick=0, worker_id="w1", seq=seq), signer=signer)
+
+    assert ticker.held(group(0), None) is None  # nothing below it
+    assert ticker.held(group(2), SeqBook(low=0, verified=[0])) == (3, 1)  # seq 1 (committed at v3) missing
+    assert ticker.held(group(2), SeqBook(low=0, verified=[0, 1])) is None
+    assert ticker.held(group(2), SeqBook(low=2, verified=[])) is None  # settled below 2
+    assert ticker.held(group(2, signer="f" * 32), SeqBook(low=0)) is None  # another key's seqs are its own
+    ticker.hold_release_s = 0.0  # the trainer published nothing for longer than this: released
+    assert ticker.held(group(2), SeqBook(low=0, verified=[0])) is None

@@ -185,8 +185,15 @@ def render(snap: Snapshot, title: str = "pnyx") -> RenderableType:
     summary.add_row("gate-masked", "-" if masked is None else f"{100 * masked:.2f}%")
     summary.add_row("groups", rates_text(snap))
     summary.add_row("backlog", backlog_text(snap))
+    ticks = snap.trainer.get("ticks")
     for label, text in (
         ("quarantined", quarantine_text(snap)),
+        (
+            "committed draws",
+            f"{ticks['ticks']} ticks, {ticks['included']} commitments included, {ticks['refused']} refused"
+            if isinstance(ticks, dict) and {"ticks", "included", "refused"} <= set(ticks)
+            else "",
+        ),
         ("ignored weights", ignored_text(snap)),
         ("trainer", trainer_text(snap)),
         ("warning", zero_variance_text(snap)),

@@ -211,6 +211,8 @@ class Ingestor:
                 if stop is not None and stop():
                     return None
                 self.audit_skips(wait=True)
+                for v in self.planner.take_relists():  # committed draws: a seq a held group waits for
+                    self.listing.list_version(v, full=True)
                 plan = self.planner.plan(version, n)
                 if plan.unlisted is not None:
                     self.listing.list_version(plan.unlisted, full=True)

@@ -141,6 +141,8 @@ class Trainer:
         admission = parts.ingestor.admission
         admission.check_draws = ticker.policy(admission.check_draws)
         parts.ingestor.skips.check_draws = admission.check_draws
+        shared = parts.ingestor.shared  # its cursor is replaced whole on resume: read it at each call
+        parts.ingestor.planner.held = lambda g: ticker.held(g, shared.cursor.seqs.get(g.group.worker_id))
         parts.ticker = ticker
 
     def load(self, run: RunManifest) -> None:

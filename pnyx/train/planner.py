@@ -17,8 +17,9 @@ Thread-safe through the lock it is given (the ingestor's). Knows nothing about t
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from pnyx.protocol import layout
 from pnyx.security.calibration import Allowances, Drift, ProbeRow, choose_probe, derive
@@ -27,6 +28,9 @@ from pnyx.train.key_ledger import KeyLedger
 from pnyx.train.listing import Shared, WindowListings
 from pnyx.train.ranking import Plan, ranked
 from pnyx.train.rescore import ScoredGroup
+
+RELIST_S = 1.0
+"""Seconds between two full listings of one version asked for by held groups (`BatchPlanner.take_relists`)."""
 
 
 class BatchPlanner:
@@ -44,6 +48,25 @@ class BatchPlanner:
         """The ingestor's state: `plan` chooses from its fetched groups (`ready`); `commit` writes the
         cursor's use counts, evidence and calibration."""
         self._outcomes = outcomes  # the ingestor's recent admission outcomes ("ok" or why not)
+        self.held: Callable[[ScoredGroup], tuple[int, int] | None] | None = None
+        """Whether `plan` must pass over a fetched group for now (committed draws, `Ticker.held`): the
+        (version, seq) of a seq its name committed below it and the trainer has not read yet, whose record
+        `plan` then fetches if it is listed, or whose version `take_relists` lists again if it is not (an
+        incremental listing can miss a key until the full one a minute later); called under the shared
+        lock."""
+        self._relist: dict[int, float] = {}  # version -> when `take_relists` last handed it out
+
+    def take_relists(self) -> list[int]:
+        """Versions holding a seq a held group waits for that no listing has shown, each handed out at most
+        once per `RELIST_S` (a seq a worker really left empty is never listed)."""
+        now = time.monotonic()
+        with self.shared.lock:
+            due = [v for v, at in self._relist.items() if now - at >= RELIST_S]
+            for v in due:
+                self._relist[v] = now
+            for v in [v for v in self._relist if v < self.shared.cursor.swept_below]:
+                del self._relist[v]
+            return due
 
     def _extra(self, n: int) -> int:
         """Keys to fetch beyond the top `n`: what the recent survival rate says the top will lose."""
@@ -67,6 +90,7 @@ class BatchPlanner:
         deferred: list[str] = []  # over the share cap, in ranking order (fetched or not)
         per_prompt: Counter[str] = Counter()
         per_key: Counter[str] = Counter()  # chosen, or pending a fetch under a name bound to the key
+        fetching: set[str] = set()  # records below held groups, added to `unknown`
 
         def take(item: str, g: ScoredGroup | None, fill: bool) -> None:
             if g is None:
@@ -77,6 +101,20 @@ class BatchPlanner:
                     per_key[fp] += 1
                 return
             if per_prompt[g.task_id] >= cap or not self._within_caps(g, per_key, used):
+                return
+            if self.held is not None and (block := self.held(g)) is not None:
+                lst = self.listing.versions.get(block[0])
+                below = lst.ids.get((g.group.worker_id, block[1])) if lst is not None else None
+                if below is None and lst is not None:  # not listed (yet, or missed): list its version again
+                    self._relist.setdefault(block[0], 0.0)
+                elif (
+                    below is not None
+                    and below not in fetching
+                    and below not in self.shared.ready
+                    and below not in self.shared.cursor.rejected
+                ):
+                    fetching.add(below)  # read it: a record signed by the name's key releases `g`
+                    unknown.append(below)
                 return
             if not fill and share is not None and g.signer and per_key[g.signer] >= share:
                 deferred.append(item)

@@ -16,6 +16,7 @@ delays the workers waiting for it, nothing else.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -31,6 +32,7 @@ from pnyx.security.checks import UNCOMMITTED
 from pnyx.security.signing import Signer
 from pnyx.store import Store
 from pnyx.train.rescore import ScoredGroup
+from pnyx.train.seq_books import SeqBook
 
 log = logging.getLogger("pnyx.train.ticker")
 
@@ -40,6 +42,8 @@ MAX_PER_TICK = 4096
 """Commitments one tick reads at most (the rest wait for the next)."""
 MAX_TOLD = 1024
 """Keys whose first uncommitted group is logged (one line each)."""
+HOLD_RELEASE_S = 30.0
+"""Seconds without a publish after which held groups are released (`Ticker.held`)."""
 KEEP_VERSIONS_EXTRA = 2
 """Ticks are kept while their version is within max_staleness + this of the trainer's."""
 
@@ -64,6 +68,11 @@ class Ticker:
         self.ticks: dict[int, Tick] = {}
         self.high: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.counts = {"ticks": 0, "included": 0, "refused": 0}
+        self.ranges: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
+        """(worker name, key) -> (first seq, count, version) of each commitment the window's ticks included
+        (the hold-back: `held`)."""
+        self.hold_release_s = HOLD_RELEASE_S
+        self._seen_version = (-1, time.monotonic())  # (the trainer's version, when it was first seen)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -226,17 +235,52 @@ class Ticker:
             pair = (inc.worker_id, inc.key)
             self.high[pair] = max(self.high.get(pair, -1), inc.first_seq + len(inc.tasks) - 1)
             self.high.move_to_end(pair)
+            self.ranges.setdefault(pair, []).append((inc.first_seq, len(inc.tasks), inc.version))
         while len(self.high) > MAX_NAMES:
-            self.high.popitem(last=False)
+            self.ranges.pop(self.high.popitem(last=False)[0], None)
         low = self.version() - self.max_staleness - KEEP_VERSIONS_EXTRA
         for old in [k for k, t in self.ticks.items() if t.version < low]:
             del self.ticks[old]
+        for pair in [p for p, rs in self.ranges.items() if rs[0][2] < low]:
+            kept = [r for r in self.ranges[pair] if r[2] >= low]
+            if kept:
+                self.ranges[pair] = kept
+            else:
+                del self.ranges[pair]
 
     # --- admission's side -----------------------------------------------------------------------------
 
     def get(self, n: int) -> Tick | None:
         with self._lock:
             return self.ticks.get(n)
+
+    def held(self, g: ScoredGroup, book: SeqBook | None) -> tuple[int, int] | None:
+        """Whether the planner must pass over committed group `g` for now: a seq its (name, key) committed
+        below it, in a tick of the window, is not delivered yet (read and signed: `book.verified`, its name's
+        seq book; or settled, below `book.low`). Returns the first such (version, seq), for the planner to
+        fetch its record if it is listed; None: not held. So a worker that leaves a committed seq empty gets
+        nothing after it trained until the seq is settled as a `gap` at the sweep, when its version, and
+        usually the held group's, leave the window. Released for every group when the trainer has published
+        nothing for `hold_release_s` (a lone worker that lost a committed seq in a crash must not starve it)."""
+        grp = g.group
+        if grp.tick < 0 or not g.signer:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            ranges = self.ranges.get((grp.worker_id, g.signer))
+            version = self.version()
+            if version != self._seen_version[0]:
+                self._seen_version = (version, now)
+            if not ranges or now - self._seen_version[1] > self.hold_release_s:
+                return None
+            low = book.low if book is not None and book.low is not None else 0
+            verified = book.verified if book is not None else []
+            for first, count, committed_at in ranges:
+                for seq in range(max(first, low), min(first + count, grp.seq)):
+                    i = bisect.bisect_left(verified, seq)
+                    if i == len(verified) or verified[i] != seq:
+                        return committed_at, seq
+        return None
 
     def policy(self, base: Callable[[ScoredGroup], str | None] | None) -> Callable[[ScoredGroup], str | None]:
         """Admission's check of a group (`Admission.check_draws`): `base`'s verdict first, then
