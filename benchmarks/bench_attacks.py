@@ -30,7 +30,9 @@ cursor: rejected with a reason, trained on, stale, or still waiting at the end.
   next group under the same seq (with another task: no gap, no skip record; `_even` keeps a property
   unrelated to how likely its tokens are: an even count of right-sample tokens); an arm name ending in
   `_committed` runs that attack under committed draws (`security.committed_draws`), where a second
-  commitment to a seq is refused, so the reusing picker's groups are `uncommitted`; `sybil_whole` is the
+  commitment to a seq is refused, so the reusing picker's groups are `uncommitted` (`--standing K` sets
+  `security.standing_groups` there); `cherry_whole_abandon` keeps a key while it likes its draws and takes a
+  fresh key and name at the first group it does not want (the Sybil picker at its strongest); `sybil_whole` is the
   whole-group picker with a fresh key per group (detection counts groups; the skip records' verdicts are
   `hostile_skips`);
 - episode forgers (the red-team review of 2026-12-04): `episode_tool` appends answers as tool tokens,
@@ -127,6 +129,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=160, help="--doubling: give up after this many steps")
     p.add_argument("--eval-every", type=int, default=10, help="--doubling: evaluate every this many steps")
     p.add_argument("--out", default=None, help="results folder")
+    p.add_argument(
+        "--standing",
+        type=int,
+        default=0,
+        help="security.standing_groups in the `_committed` arms (default 0: off)",
+    )
     p.add_argument("--force", action="store_true", help="redo arms already saved")
     return p.parse_args()
 
@@ -180,6 +188,7 @@ def attacker(name: str, arena: Any) -> Any:
         "cherry_whole_skip": lambda: A.CherryPicker("picker-s", source=name, form="whole_skip"),
         "cherry_whole_forged": lambda: A.CherryPicker("picker-f", source=name, form="whole_forged"),
         "cherry_whole_reuse": lambda: A.CherryPicker("picker-r", source=name, form="whole_reuse"),
+        "cherry_whole_abandon": lambda: A.CherryPicker("picker-a", source=name, form="whole_abandon"),
         "cherry_whole_reuse_even": lambda: A.CherryPicker(
             "picker-e", source=name, form="whole_reuse", wants="even"
         ),
@@ -230,7 +239,8 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         overrides = {**overrides, **defences_off()}
     base = name.removesuffix(COMMITTED)  # the attack; `name` labels the arm and its uploads
     if base != name:
-        overrides = {**overrides, "security": {**overrides.get("security", {}), "committed_draws": True}}
+        committed = {"committed_draws": True, "standing_groups": args.standing}
+        overrides = {**overrides, "security": {**overrides.get("security", {}), **committed}}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"bench-attacks-{name}-") as root:
         arena = Arena(Path(root), overrides)
@@ -300,6 +310,7 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 "quarantined": dict(ing.cursor.quarantined),
                 "committed": dict(arena.trainer.parts.ticker.counts) if arena.trainer.parts.ticker else None,
                 "refusals": len(arena.refusals),
+                "standing_groups": args.standing if base != name else 0,
                 "log": log,
             }
         finally:

@@ -283,6 +283,11 @@ def check_worker_dtype(cfg: PnyxConfig) -> None:
             "(the default; the trainer's compute precision is trainer.compute_dtype), or set "
             "security.seeded_draws = false (the statistical checks alone)"
         )
+    if cfg.security.standing_groups and not cfg.security.committed_draws:
+        raise ConfigError(
+            "security.standing_groups needs security.committed_draws: a name's first seqs are known from the "
+            "trainer's ticks"
+        )
     if cfg.security.committed_draws and not cfg.security.seeded_draws:
         raise ConfigError(
             "security.committed_draws needs security.seeded_draws: a commitment binds the seed of a group's "

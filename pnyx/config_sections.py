@@ -255,6 +255,13 @@ class SecurityConfig(_Section):
     picker that draws a seq again with another task, which no other check sees. A group without a
     matching commitment is dropped (`uncommitted`, a fault). Costs a worker the wait for a tick per cohort.
     Needs `seeded_draws`; off by default until proven on the SmolLM2 recipe."""
+    standing_groups: Annotated[int, Field(ge=0)] = 0
+    """Under committed draws: the first this many seqs a worker name commits under an untrusted key are
+    read and checked but never trained on (they expire), so a key must deliver that many groups it did not
+    choose, in order, before one of its groups counts (docs/security.md, "Committed draws", standing).
+    Binds a Sybil that abandons a key after a group it does not want, at the price of that many groups of
+    every new worker name (and of every name again after a trainer restart: the count starts at the first
+    seq the window's ticks show). 0: off."""
     tick_interval_s: Annotated[float, Field(gt=0, le=60)] = 0.1
     """Seconds between two of the trainer's ticks while commitments wait (none is written when none do)."""
     accept_unseeded: bool = False

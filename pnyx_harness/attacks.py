@@ -50,7 +50,7 @@ import msgspec
 
 from pnyx_harness.arena import Arena, Upload
 from pnyx_harness.identity_attacks import Flooder, IdThief, JunkWriter, Replayer, foreign_groups
-from pnyx_harness.producer import Producer, new_signer
+from pnyx_harness.producer import Producer, is_zero_variance, new_signer
 
 __all__ = ["Flooder", "IdThief", "JunkWriter", "Replayer", "foreign_groups"]  # re-exported (see above)
 
@@ -236,7 +236,7 @@ def brevity(group: Any) -> float:
 
 WANTS = ("short", "even")
 """What a whole-group cherry-picker can keep (`CherryPicker.wants`)."""
-WHOLE_FORMS = ("whole", "whole_skip", "whole_forged", "whole_reuse")
+WHOLE_FORMS = ("whole", "whole_skip", "whole_forged", "whole_reuse", "whole_abandon")
 """The cherry-picker's forms that choose whole groups (`CherryPicker`)."""
 
 
@@ -256,7 +256,10 @@ class CherryPicker(Producer):
     - `form="whole_reuse"`: the same choice, and a group it does not want (zero variance included) is never
       uploaded: its seq is used again for the next draw, with another task (the worker chooses its tasks
       and the seed names the task), so its seqs stay contiguous and nothing in the store shows a draw it
-      dropped."""
+      dropped;
+    - `form="whole_abandon"`: the Sybil form that keeps a key while it likes what it draws: it uploads each
+      group it wants under its current key and name, and at the first one it does not want it abandons
+      both (that seq stays empty, at the end of the key's life) and goes on under a fresh key and name."""
 
     form: str = "within"
     pool: int = 4
@@ -276,6 +279,8 @@ class CherryPicker(Producer):
     def produce(self, arena: Arena, n: int) -> list[Upload]:
         if self.form == "whole_reuse":
             return self._reusing(arena, n)
+        if self.form == "whole_abandon":
+            return self._abandoning(arena, n)
         if self.form in WHOLE_FORMS:
             out: list[Upload] = []
             kept = 0
@@ -311,6 +316,21 @@ class CherryPicker(Producer):
                 out.append(self.pack(group))
             else:
                 self.seq = seq  # dropped unseen: the next draw takes the same seq
+        return out
+
+    def _abandoning(self, arena: Arena, n: int) -> list[Upload]:
+        out: list[Upload] = []
+        for _ in range(50 * n + 10):
+            if len(out) >= n:
+                break
+            (group,) = self.draw(arena, self.tasks(arena, 1))
+            if self.wanted(group):
+                out.append(self.pack(group))
+            elif not is_zero_variance(group):  # unwanted: a fresh identity; this seq is never seen
+                self.signer, self.seq = new_signer(), 0
+                self.worker_id = f"{self.worker_id.split('.k')[0]}.k{self.signer.fingerprint[:8]}"
+            else:  # zero variance: announced as a skip record, as an honest worker does
+                out.append(self.pack(group, skip=True))
         return out
 
 

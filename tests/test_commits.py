@@ -182,11 +182,14 @@ def test_a_restarted_trainer_reads_its_ticks_back_and_still_refuses_reused_seqs(
     assert restarted.get(0) is None and restarted.get(2) is not None
 
 
-def test_committed_draws_need_seeded_draws():
+def test_committed_draws_need_seeded_draws_and_standing_needs_committed_draws():
     from pnyx.config import check_worker_dtype, load_config
 
     cfg = load_config(None, {"security": {"committed_draws": True, "seeded_draws": False}})
     with pytest.raises(ConfigError, match="committed_draws needs security.seeded_draws"):
+        check_worker_dtype(cfg)
+    cfg = load_config(None, {"security": {"standing_groups": 4}})
+    with pytest.raises(ConfigError, match="standing_groups needs security.committed_draws"):
         check_worker_dtype(cfg)
 
 
@@ -249,3 +252,10 @@ def test_a_group_is_held_while_a_seq_committed_below_it_is_not_delivered(parts):
     assert ticker.held(group(2, signer="f" * 32), SeqBook(low=0)) is None  # another key's seqs are its own
     ticker.hold_release_s = 0.0  # the trainer published nothing for longer than this: released
     assert ticker.held(group(2), SeqBook(low=0, verified=[0])) is None
+
+    # standing: the first 2 seqs a (name, key) committed are held for good, released or not; a trusted key's not
+    ticker.standing = 2
+    assert ticker.held(group(1), SeqBook(low=0, verified=[0])) == (-1, 1)
+    assert ticker.held(group(2), SeqBook(low=0, verified=[0, 1])) is None
+    ticker.trusted = frozenset({fp})
+    assert ticker.held(group(1), SeqBook(low=0, verified=[0])) is None

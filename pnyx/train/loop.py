@@ -137,6 +137,8 @@ class Trainer:
             self.store, signer, self.run_id, sec.tick_interval_s, lambda: self.version,
             self.cfg.algorithm.max_staleness,
         )  # fmt: skip
+        ticker.standing = sec.standing_groups
+        ticker.trusted = frozenset(parts.ingestor.settings.trusted_keys)
         ticker.restore()
         admission = parts.ingestor.admission
         admission.check_draws = ticker.policy(admission.check_draws)

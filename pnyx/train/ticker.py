@@ -72,6 +72,11 @@ class Ticker:
         """(worker name, key) -> (first seq, count, version) of each commitment the window's ticks included
         (the hold-back: `held`)."""
         self.hold_release_s = HOLD_RELEASE_S
+        self.standing = 0
+        """`security.standing_groups`: the first this many seqs of an untrusted (name, key) are held for good."""
+        self.trusted: frozenset[str] = frozenset()
+        self.first: dict[tuple[str, str], int] = {}
+        """(worker name, key) -> the first seq it committed that this trainer saw (standing)."""
         self._seen_version = (-1, time.monotonic())  # (the trainer's version, when it was first seen)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -236,8 +241,11 @@ class Ticker:
             self.high[pair] = max(self.high.get(pair, -1), inc.first_seq + len(inc.tasks) - 1)
             self.high.move_to_end(pair)
             self.ranges.setdefault(pair, []).append((inc.first_seq, len(inc.tasks), inc.version))
+            self.first[pair] = min(self.first.get(pair, inc.first_seq), inc.first_seq)
         while len(self.high) > MAX_NAMES:
-            self.ranges.pop(self.high.popitem(last=False)[0], None)
+            gone = self.high.popitem(last=False)[0]
+            self.ranges.pop(gone, None)
+            self.first.pop(gone, None)
         low = self.version() - self.max_staleness - KEEP_VERSIONS_EXTRA
         for old in [k for k, t in self.ticks.items() if t.version < low]:
             del self.ticks[old]
@@ -261,13 +269,22 @@ class Ticker:
         fetch its record if it is listed; None: not held. So a worker that leaves a committed seq empty gets
         nothing after it trained until the seq is settled as a `gap` at the sweep, when its version, and
         usually the held group's, leave the window. Released for every group when the trainer has published
-        nothing for `hold_release_s` (a lone worker that lost a committed seq in a crash must not starve it)."""
+        nothing for `hold_release_s` (a lone worker that lost a committed seq in a crash must not starve it).
+        With `standing`, the first `standing` seqs of an untrusted (name, key) are held for good ((-1, seq):
+        never released, they expire)."""
         grp = g.group
         if grp.tick < 0 or not g.signer:
             return None
         now = time.monotonic()
         with self._lock:
-            ranges = self.ranges.get((grp.worker_id, g.signer))
+            pair = (grp.worker_id, g.signer)
+            if (
+                self.standing
+                and g.signer not in self.trusted
+                and grp.seq < self.first.get(pair, 0) + self.standing
+            ):
+                return -1, grp.seq  # on probation for good (standing): nothing to fetch
+            ranges = self.ranges.get(pair)
             version = self.version()
             if version != self._seen_version[0]:
                 self._seen_version = (version, now)
