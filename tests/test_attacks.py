@@ -377,18 +377,23 @@ def committed_arena(tmp_path_factory):
     a.close()
 
 
+def _committed_rounds(arena: Arena, picker: Producer, rounds: int, honest_per_worker: int) -> None:
+    """`rounds` steps of the committed arena: the picker's 4 groups, then the honest workers' round."""
+    for _ in range(rounds):
+        arena.upload(picker.uploads(arena, 4))
+        arena.upload([u for h in arena.honest for u in h.uploads(arena, honest_per_worker)])
+        arena.step()
+
+
 def test_seq_reusing_picker_is_refused_under_committed_draws(committed_arena):
     """The picker above, under committed draws: its second commitment to a seq is refused by the tick, so a
-    group it draws under it anyway is `uncommitted` (a fault), and its key is quarantined after
-    `security.quarantine_min` of them. The groups of seqs it liked at the first draw are honest draws, which
-    nothing can tell from any other worker's, and its key is quarantined within a few steps. Honest workers beside it commit
-    the same way and lose nothing."""
+    group it draws under it anyway is `uncommitted`, which quarantines its key at once (an honest worker
+    never draws one). The groups of seqs it liked at the first draw, uploaded before, are honest draws that
+    nothing can tell from any other worker's. Honest workers beside it commit the same way and lose nothing
+    but the seqs standing holds."""
     arena = committed_arena
     picker = A.CherryPicker("picker-c", source="cherry_reuse_c", form="whole_reuse")
-    for _ in range(3):
-        arena.upload(picker.uploads(arena, 4))
-        arena.upload([u for h in arena.honest for u in h.uploads(arena, 3)])
-        arena.step()
+    _committed_rounds(arena, picker, 3, 3)
     refused = {seq for name, seq, _ in arena.refusals if name == "picker-c"}
     assert refused, "the picker never tried to reuse a seq"
     ups = [u for u in arena.uploads if u.source == "cherry_reuse_c"]
@@ -415,10 +420,7 @@ def test_gap_leaving_picker_gets_nothing_trained_after_its_first_gap_under_commi
 
     arena = committed_arena
     picker = A.CherryPicker("picker-cg", source="cherry_gap_c", form="whole")
-    for _ in range(25):
-        arena.upload(picker.uploads(arena, 4))
-        arena.upload([u for h in arena.honest for u in h.uploads(arena, 4)])
-        arena.step()
+    _committed_rounds(arena, picker, 25, 4)
     fp = picker.signer.fingerprint
     assert fp in arena.trainer.parts.ingestor.cursor.quarantined
     committed = set()
@@ -445,10 +447,7 @@ def test_sybil_picker_that_keeps_a_key_while_it_likes_its_draws_needs_standing_t
     so only groups after a run of that many it chose to keep count (p^STANDING of its runs)."""
     arena = committed_arena
     picker = A.CherryPicker("picker-a", source="cherry_abandon_c", form="whole_abandon")
-    for _ in range(6):
-        arena.upload(picker.uploads(arena, 4))
-        arena.upload([u for h in arena.honest for u in h.uploads(arena, 4)])
-        arena.step()
+    _committed_rounds(arena, picker, 6, 4)
     ups = [u for u in arena.uploads if u.source == "cherry_abandon_c" and not layout.is_skip_key(u.key)]
     names = {layout.parse_rollout_key(u.key)[1] for u in ups}
     assert len(names) > 1, "the picker never abandoned a key"

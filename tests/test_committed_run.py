@@ -6,11 +6,9 @@ name a tick that included its commitment, and none may be dropped as `uncommitte
 from __future__ import annotations
 
 import json
-import signal
-import time
 
 import pytest
-from test_run_e2e import _pnyx
+from test_run_e2e import _pnyx, interrupt_at
 
 from pnyx.config import shipped_model_path
 
@@ -34,20 +32,10 @@ def test_a_committed_run_trains_through_a_restart_and_every_group_matches_its_ti
         "--run.eval_tasks=50", "--run.time_budget_s=600", "--worker.heartbeat_interval_s=0.5",
         "--security.committed_draws=true",
     ]  # fmt: skip
-    first = _pnyx(["run", *common], tmp_path, tmp_path / "phase1.log")
-    t0 = time.time()
-    try:
-        while first.poll() is None and time.time() - t0 < 240:
-            time.sleep(0.5)
-            if (store_dir / "run.json").exists():
-                v = latest_version(open_store(store_dir))
-                if v is not None and v >= INTERRUPT_AT:
-                    first.send_signal(signal.SIGINT)
-                    break
-        assert first.wait(timeout=120) == 0, (tmp_path / "phase1.log").read_text()[-3000:]
-    finally:
-        if first.poll() is None:
-            first.kill()
+    seen, rc = interrupt_at(
+        _pnyx(["run", *common], tmp_path, tmp_path / "phase1.log"), store_dir, INTERRUPT_AT, 240
+    )
+    assert seen is not None and rc == 0, (tmp_path / "phase1.log").read_text()[-3000:]
     second = _pnyx(["run", "--resume", *common], tmp_path, tmp_path / "phase2.log")
     try:
         rc = second.wait(timeout=600)

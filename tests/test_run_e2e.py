@@ -95,6 +95,31 @@ def _pnyx(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
         )
 
 
+def interrupt_at(
+    proc: subprocess.Popen, store_dir: Path, version: int, within_s: float
+) -> tuple[int | None, int]:
+    """SIGINT `proc` (a `pnyx run`) once its store holds `version` (waiting up to `within_s`); returns (the
+    version seen when it was interrupted or None, its exit code). Kills it if it has not exited 120 s later."""
+    from pnyx.store import open_store
+    from pnyx.weights import latest_version
+
+    t0 = time.time()
+    seen = None
+    try:
+        while proc.poll() is None and time.time() - t0 < within_s:
+            time.sleep(0.5)
+            if (store_dir / "run.json").exists():
+                v = latest_version(open_store(store_dir))
+                if v is not None and v >= version:
+                    seen = v
+                    proc.send_signal(signal.SIGINT)
+                    break
+        return seen, proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 class Watcher(threading.Thread):
     """Polls the run's store: records worker heartbeats, plants one corrupt rollout object once."""
 
@@ -182,22 +207,9 @@ def fleet_run(tmp_path_factory):
     ] + ([f"--model.path={model}"] if model else [])
     watcher = Watcher(store_dir)
     watcher.start()
-    t0 = time.time()
-    first = _pnyx(["run", *common], root, root / "phase1.log")
-    phase1_version = None
-    try:
-        while first.poll() is None and time.time() - t0 < 150:
-            time.sleep(0.5)
-            if (store_dir / "run.json").exists():
-                v = latest_version(open_store(store_dir))
-                if v is not None and v >= PHASE1_MIN_VERSION:
-                    phase1_version = v
-                    first.send_signal(signal.SIGINT)
-                    break
-        phase1_rc = first.wait(timeout=120)
-    finally:
-        if first.poll() is None:
-            first.kill()
+    phase1_version, phase1_rc = interrupt_at(
+        _pnyx(["run", *common], root, root / "phase1.log"), store_dir, PHASE1_MIN_VERSION, 150
+    )
     stopped_at = latest_version(open_store(store_dir))
     summary_path = store_dir / "summary.json"
     phase1_summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
