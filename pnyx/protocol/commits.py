@@ -30,7 +30,7 @@ backends or torch.
 from __future__ import annotations
 
 import hashlib
-import time
+import secrets
 from typing import ClassVar
 
 import msgspec
@@ -180,13 +180,7 @@ def decode_tick(data: bytes, run_id: str, trainer_fp: str) -> Tick:
 
 
 def new_beacon() -> str:
-    import secrets
-
     return secrets.token_hex(BEACON_BYTES)
-
-
-def now() -> float:
-    return time.time()
 
 
 # --- the trainer's check -----------------------------------------------------------------------------------

@@ -49,7 +49,6 @@ class Ticket:
     key: str
     data: bytes
     first_seq: int
-    count: int
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,7 @@ class Committer:
         data = commits.encode_commitment(c, self.signer)
         key = commits.commit_key(n, self.worker_id, seqs[0], data)
         self.store.put(key, data, "create")
-        return Ticket(n=n, key=key, data=data, first_seq=seqs[0], count=len(seqs))
+        return Ticket(n=n, key=key, data=data, first_seq=seqs[0])
 
     def read_tick(self, n: int) -> commits.Tick | None:
         """Tick `n` as the trainer signed it; None while it does not exist. RecordRejected: an object there
@@ -133,7 +132,6 @@ class Committer:
                 except RecordRejected as e:  # not the trainer's: ticks/ should be its alone (docs/fleet.md)
                     log.warning("worker %s: %s is not the trainer's tick (%s); committing for the next", self.worker_id,
                                 layout.tick_key(ticket.n), e)  # fmt: skip
-                    tick = None
                     ticket = self._recommit(ticket, ticket.n + 1)
                     continue
                 except StoreUnavailableError as e:
@@ -189,4 +187,4 @@ class Committer:
         key = commits.commit_key(n, self.worker_id, ticket.first_seq, ticket.data)
         with contextlib.suppress(AlreadyExistsError):  # the key names its bytes' hash: they are there
             self.store.put(key, ticket.data, "create")
-        return Ticket(n=n, key=key, data=ticket.data, first_seq=ticket.first_seq, count=ticket.count)
+        return Ticket(n=n, key=key, data=ticket.data, first_seq=ticket.first_seq)

@@ -64,7 +64,6 @@ class RunLink:
         """The run's config, from run.json (None before `read_run`)."""
         self.sealer: Sealer | None = None
         self.syncer: Syncer | None = None
-        self.trainer_fp = ""  # the pinned trainer key's fingerprint (signs weights and ticks), at read_run
         self.committer: Committer | None = None  # committed draws (security.committed_draws), at read_run
         self.spool: Spool | None = None
         self.courier: Courier | None = None
@@ -85,7 +84,6 @@ class RunLink:
         key, created = load_or_create_key(worker_key_path(self.opts.keys_dir))
         signer = Signer(key)  # signs every group; the trainer binds this worker's name to it
         self.sealer = Sealer(self.worker_id, signer)
-        self.trainer_fp = trust.fingerprint
         log.info(
             "worker %s: signing groups with key %s%s", self.worker_id, signer.fingerprint,
             " (created)" if created else "",

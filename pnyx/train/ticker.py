@@ -7,9 +7,9 @@ what it included or refused. A tick is written only when something waits for it,
 none. Admission asks `check(group, signer)` whether a committed group matches its tick.
 
 What it remembers: every tick of the window (by the version the trainer held when it ticked; a group of an
-older version is stale anyway) and, per (worker name, key), the highest seq committed (`high`, at most
-`MAX_NAMES` pairs, the oldest forgotten first). On a restart it reads back the ticks of the window and
-rebuilds both from them; a pair last seen in a tick older than the window is forgotten (docs/security.md,
+older version is stale anyway), per (worker name, key) the first and highest seq committed (`seqs`, at
+most `MAX_NAMES` pairs, the oldest forgotten first) and the window's committed ranges (`ranges`, for the
+hold-back). On a restart it reads back the ticks of the window and rebuilds all three from them; a pair last seen in a tick older than the window is forgotten (docs/security.md,
 "Committed draws"). Store errors are logged and retried at the next interval: a tick that cannot be written
 delays the workers waiting for it, nothing else.
 """
@@ -37,7 +37,7 @@ from pnyx.train.seq_books import SeqBook
 log = logging.getLogger("pnyx.train.ticker")
 
 MAX_NAMES = 200_000
-"""(worker name, key) pairs whose highest committed seq is remembered at most (oldest forgotten first)."""
+"""(worker name, key) pairs whose committed seqs are remembered at most (oldest forgotten first)."""
 MAX_PER_TICK = 4096
 """Commitments one tick reads at most (the rest wait for the next)."""
 MAX_TOLD = 1024
@@ -66,7 +66,9 @@ class Ticker:
         self.max_staleness = max_staleness
         self.next_n = 0
         self.ticks: dict[int, Tick] = {}
-        self.high: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self.seqs: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
+        """(worker name, key) -> (the first seq it committed that this trainer saw, the highest), least
+        recently committed first (at most `MAX_NAMES`): reuse refusals and standing."""
         self.counts = {"ticks": 0, "included": 0, "refused": 0}
         self.ranges: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
         """(worker name, key) -> (first seq, count, version) of each commitment the window's ticks included
@@ -75,8 +77,6 @@ class Ticker:
         self.standing = 0
         """`security.standing_groups`: the first this many seqs of an untrusted (name, key) are held for good."""
         self.trusted: frozenset[str] = frozenset()
-        self.first: dict[tuple[str, str], int] = {}
-        """(worker name, key) -> the first seq it committed that this trainer saw (standing)."""
         self._seen_version = (-1, time.monotonic())  # (the trainer's version, when it was first seen)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -153,7 +153,7 @@ class Ticker:
                 refused[key] = verdict
                 continue
             pair = (verdict.worker_id, verdict.key)
-            high = claimed.get(pair, self.high.get(pair, -1))
+            high = claimed.get(pair, self.seqs.get(pair, (0, -1))[1])
             if verdict.first_seq <= high:
                 refused[key] = (
                     f"seq {verdict.first_seq} reuses a seq this name and key committed; next free seq {high + 1}"
@@ -237,15 +237,13 @@ class Ticker:
     def _remember(self, tick: Tick) -> None:
         self.ticks[tick.n] = tick
         for inc in tick.included.values():
-            pair = (inc.worker_id, inc.key)
-            self.high[pair] = max(self.high.get(pair, -1), inc.first_seq + len(inc.tasks) - 1)
-            self.high.move_to_end(pair)
+            pair, last = (inc.worker_id, inc.key), inc.first_seq + len(inc.tasks) - 1
+            first, high = self.seqs.get(pair, (inc.first_seq, last))
+            self.seqs[pair] = (min(first, inc.first_seq), max(high, last))
+            self.seqs.move_to_end(pair)
             self.ranges.setdefault(pair, []).append((inc.first_seq, len(inc.tasks), inc.version))
-            self.first[pair] = min(self.first.get(pair, inc.first_seq), inc.first_seq)
-        while len(self.high) > MAX_NAMES:
-            gone = self.high.popitem(last=False)[0]
-            self.ranges.pop(gone, None)
-            self.first.pop(gone, None)
+        while len(self.seqs) > MAX_NAMES:
+            self.ranges.pop(self.seqs.popitem(last=False)[0], None)
         low = self.version() - self.max_staleness - KEEP_VERSIONS_EXTRA
         for old in [k for k, t in self.ticks.items() if t.version < low]:
             del self.ticks[old]
@@ -281,7 +279,7 @@ class Ticker:
             if (
                 self.standing
                 and g.signer not in self.trusted
-                and grp.seq < self.first.get(pair, 0) + self.standing
+                and grp.seq < self.seqs.get(pair, (0, 0))[0] + self.standing
             ):
                 return -1, grp.seq  # on probation for good (standing): nothing to fetch
             ranges = self.ranges.get(pair)
