@@ -68,6 +68,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from attack_report import detection, report  # noqa: E402  (beside this script)
 
 ARMS = [
     "none", "copier", "temperature_liar", "reward_liar", "replayer", "flooder", "eager", "id_thief",
@@ -82,8 +85,6 @@ attack's harm shows: the payload rate (poisoner), the held-out answers' length (
 COMMITTED = "_committed"
 """Suffix of an arm run under committed draws (`security.committed_draws`: every producer commits to its
 seqs and tasks before the trainer's tick reveals its draws' randomness): `cherry_whole_reuse_committed`..."""
-NOT_ATTACKS = {"eager": "not an attack: honest content under the flood limit, held to a fair share"}
-"""Arms that show a limit, not a detection: their groups are not expected to be rejected."""
 CHECK_SWITCHES = (
     "lp_gap_base", "plausibility_z", "quarantine_rate", "quarantine_key_z", "max_key_share", "flood_limit",
 )  # fmt: skip
@@ -137,12 +138,6 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--force", action="store_true", help="redo arms already saved")
     return p.parse_args()
-
-
-def wilson(k: int, n: int) -> tuple[float, float]:
-    from pnyx.eval.runner import wilson_interval
-
-    return wilson_interval(k, n)
 
 
 def evaluation(arena: Any, tasks: int) -> dict[str, Any]:
@@ -325,88 +320,6 @@ def skip_tally(arena: Any, source: str) -> dict[str, int]:
     return {v: n - groups.get(v, 0) for v, n in arena.tally(source).items() if n > groups.get(v, 0)}
 
 
-def detection(res: dict[str, Any]) -> tuple[int, float | None, str]:
-    """(hostile items, detection rate, how it was measured) of one arm."""
-    from pnyx_harness.arena import BENIGN, TRAINED
-
-    log = res["log"]
-    if res["arm"] == "weight_forger":
-        n = len(log.get("forged", []))
-        refused = n - sum(log.get("served_forged", []))
-        ok = res["served_only_trainer"] and res["version"] == res["steps"]
-        return n, (refused / n if n and ok else 0.0), "forged versions refused by the follower"
-    if res["arm"] == "fork_squatter":
-        n = sum(2 for _ in log.get("squatted", []))
-        ok = res["served_only_trainer"] and res["version"] == res["steps"]
-        return n, (1.0 if ok else 0.0) if n else None, "squatted versions published through by the trainer"
-    groups = res["hostile_groups"]
-    if not groups:
-        return 0, None, ""
-    if res["arm"] in NOT_ATTACKS:
-        return len(groups), None, NOT_ATTACKS[res["arm"]]
-    rejected = sum(1 for g in groups if g["verdict"] not in (*BENIGN, TRAINED, "waiting"))
-    return len(groups), rejected / len(groups), "hostile groups rejected"
-
-
-def improves(res: dict[str, Any]) -> bool:
-    return res["after"]["ci"][0] > res["before"]["ci"][1]
-
-
-def curves(res: dict[str, Any]) -> dict[str, Any]:
-    """The temperature liar's detection by completion length and by groups seen from its key."""
-    from pnyx_harness.arena import BENIGN, TRAINED
-
-    groups = [g for g in res["hostile_groups"] if g["verdict"] not in ("waiting",)]
-
-    def rate(sel: list[dict[str, Any]]) -> float | None:
-        judged = [g for g in sel if g["verdict"] not in BENIGN]
-        return sum(g["verdict"] != TRAINED for g in judged) / len(judged) if judged else None
-
-    by_len: dict[str, Any] = {}
-    for lo, hi in ((0, 32), (32, 40), (40, 48), (48, 64), (64, 10**6)):
-        sel = [g for g in groups if lo <= g["tokens"] < hi]
-        by_len[f"{lo}-{hi if hi < 10**6 else ''}"] = {"groups": len(sel), "rate": rate(sel)}
-    by_seen: dict[str, Any] = {}
-    for lo, hi in ((1, 2), (2, 4), (4, 8), (8, 16), (16, 32), (32, 10**6)):
-        sel = [g for g in groups if lo <= g["index"] < hi]
-        by_seen[f"{lo}-{hi - 1 if hi < 10**6 else ''}"] = {"groups": len(sel), "rate": rate(sel)}
-    top = max((g["index"] for g in groups), default=0)
-    passes = next(
-        (n for n in range(1, top + 1) if all((rate([g for g in groups if g["index"] >= m]) or 0) >= 0.99
-                                              for m in range(n, top + 1))),
-        None,
-    )  # fmt: skip
-    return {"by_length": by_len, "by_groups_seen": by_seen, "passes_99_from_group": passes}
-
-
-def table(results: list[dict[str, Any]]) -> str:
-    rows = [
-        "| attack | hostile | detection | how | trained on | batch share | verdicts | pass@1 v0 → end (Wilson 95%) "
-        "| improves |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for res in results:
-        n, rate, how = detection(res)
-        trained = res["hostile"].get("trained", 0)
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(res["hostile"].items()) if k != "trained") or "-"
-        b, a = res["before"], res["after"]
-        inb = res["log"].get("hostile_in_batch", [])
-        total = sum(res["log"].get("batch_groups", [])) or 1
-        share = f"{100 * sum(inb) / total:.0f}%" if inb and res["hostile_groups"] else "-"
-        rows.append(
-            f"| {res['arm']} | {n} | {'-' if rate is None else f'{100 * rate:.1f}%'} | {how or '-'} | "
-            f"{trained if res['hostile_groups'] else '-'} | {share} | {reasons} | "
-            f"{b['pass_at_1']:.3f} → {a['pass_at_1']:.3f} [{a['ci'][0]:.3f}, {a['ci'][1]:.3f}] (v{a['version']}) | "
-            f"{'yes' if improves(res) else 'no'} |"
-        )
-    honest = sum(r["honest_uploaded"] for r in results)
-    fp = sum(r["honest_fp"] for r in results)
-    rows.append("")
-    rows.append(f"False positives: {fp} of {honest} honest groups rejected for a non-benign reason "
-                f"({100 * fp / max(1, honest):.2f}%).")  # fmt: skip
-    return "\n".join(rows)
-
-
 def doubling(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """1 hostile worker (`args.doubling`) beside 2 honest ones, until held-out pass@1 doubles."""
     from pnyx_harness.arena import Arena
@@ -479,27 +392,7 @@ def main() -> None:
         )
         results.append(res)
     print()
-    print(table(results))
-    summary: dict[str, Any] = {
-        "arms": {r["arm"]: {"detection": detection(r), "improves": improves(r)} for r in results}
-    }
-    liar = next((r for r in results if r["arm"] == "temperature_liar"), None)
-    if liar is not None:
-        summary["temperature_liar"] = c = curves(liar)
-        print("\ntemperature liar, detection by completion length (model tokens per group):")
-        print("  " + ", ".join(f"{k}: {v['rate']} ({v['groups']})" for k, v in c["by_length"].items()))
-        print("temperature liar, detection by groups seen from its key:")
-        print("  " + ", ".join(f"{k}: {v['rate']} ({v['groups']})" for k, v in c["by_groups_seen"].items()))
-        print(f"  at or above 99% from group: {c['passes_99_from_group']}")
-    for r in results:
-        if r["arm"].startswith("poisoner") or r["arm"] == "none":
-            a = r["after"]
-            print(f"payload in held-out samples, {r['arm']}: v0 {r['before']['payload']}/{r['before']['tasks']}, "
-                  f"v{a['version']} {a['payload']}/{a['tasks']} ({100 * a['payload_rate']:.1f}%)")  # fmt: skip
-        if (r["arm"].startswith("cherry") or r["arm"] == "none") and "mean_tokens" in r["after"]:
-            b, a = r["before"], r["after"]
-            print(f"held-out answer length, {r['arm']}: v0 {b['mean_tokens']:.2f} tokens, "
-                  f"v{a['version']} {a['mean_tokens']:.2f} (pass@1 {a['pass_at_1']:.3f})")  # fmt: skip
+    summary = report(results)
     if not defences_off():
         print("(no switch turns the trainer's content checks off on this build: defended = undefended)")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
