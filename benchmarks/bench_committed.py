@@ -5,8 +5,8 @@ Each arm is a real `pnyx run --no-live` (a trainer and its workers as processes,
 `--steps` versions; arms alternate off, on, off, on, ... for `--reps` pairs. Per run it reads the run's own
 records: the time the trainer took to publish its last version (`summary.json`'s `train`), held-out pass@1
 before and after, the share of generated groups the trainer consumed, the workers' generation time and their
-wait for ticks (heartbeats' `generate_seconds`, `commit_wait_seconds`), and the trainer's ticks
-(`trainer/status.json`). Prints one row per run and the ratio on/off of the medians.
+wait for ticks (heartbeats' `generate_seconds`, `commit_wait_seconds`), the trainer's ticks
+(`trainer/status.json`), and the bytes committed draws add (`store_bytes`). Prints one row per run and the ratio on/off of the medians.
 
     python benchmarks/bench_committed.py                                   # tiny default (arith), 30 steps x 2 pairs
     cd /tmp/sr && python /work/main/benchmarks/bench_committed.py --reps 1 --steps 14 \\
@@ -65,6 +65,7 @@ def one_run(name: str, steps: int, on: bool, extra: list[str]) -> dict[str, Any]
     beats = [json.loads(p.read_text()) for p in sorted((folder / "workers").glob("*.json"))]
     supply = summary.get("supply") or {}
     return {
+        **(store_bytes(folder) if on else {}),
         "name": name,
         "committed": on,
         "wall_s": round(wall, 1),
@@ -77,6 +78,32 @@ def one_run(name: str, steps: int, on: bool, extra: list[str]) -> dict[str, Any]
         "commit_wait_s": round(sum(b.get("commit_wait_seconds", 0.0) for b in beats), 2),
         "ticks": status.get("ticks"),
         "drops": status.get("drops"),
+    }
+
+
+def store_bytes(folder: Path) -> dict[str, Any]:
+    """What committed draws add to the store of a run: the median commitment object, tick bytes per
+    commitment a tick judged, and the median growth of an encoded group for its tick, beacon and commitment
+    fields (each group encoded again without them)."""
+    import msgspec
+
+    from pnyx.protocol import decode_group, encode_group, layout
+    from pnyx.store import open_store
+
+    store = open_store(str(folder))
+    commits = [m.size for m in store.list(layout.COMMITS_PREFIX)]
+    ticks = [m.size for m in store.list(layout.TICKS_PREFIX) if layout.parse_tick_key(m.key) is not None]
+    counts = json.loads((folder / "trainer" / "status.json").read_text()).get("ticks") or {}
+    judged = counts.get("included", 0) + counts.get("refused", 0)
+    growth = []
+    for m in store.list(layout.ROLLOUTS_PREFIX)[:200]:
+        g = decode_group(store.get(m.key))
+        bare = msgspec.structs.replace(g, tick=-1, beacon="", commit="")
+        growth.append(len(encode_group(g)) - len(encode_group(bare)))
+    return {
+        "commit_bytes": statistics.median(commits) if commits else None,
+        "tick_bytes_per_commitment": round(sum(ticks) / max(1, judged), 1),
+        "group_bytes_added": statistics.median(growth) if growth else None,
     }
 
 
@@ -97,6 +124,12 @@ def main() -> None:
         on: statistics.median(r["to_last_version_s"] for r in rows if r["committed"] == on)
         for on in (False, True)
     }
+    for r in rows:
+        if r["committed"] and r.get("commit_bytes") is not None:
+            print(
+                f"{r['name']}: a commitment {r['commit_bytes']:.0f} bytes, ticks {r['tick_bytes_per_commitment']} "
+                f"bytes per commitment, a group {r['group_bytes_added']:.0f} bytes more (encoded, compressed)"
+            )
     waits = [
         r["commit_wait_s"] / max(1e-9, r["generate_s"] + r["commit_wait_s"]) for r in rows if r["committed"]
     ]
