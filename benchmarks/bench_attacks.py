@@ -26,7 +26,9 @@ cursor: rejected with a reason, trained on, stale, or still waiting at the end.
   `sybil_cherry` is the within-group picker with a fresh key per group; the harm is the held-out answers'
   length after `--poison-steps`, beside the same arm undefended (`cherry_*_undefended`) and `none`;
   `cherry_whole_skip` announces the groups it keeps back as skip records (honest tokens), `cherry_whole_forged`
-  forges them to zero variance, `cherry_whole_reuse` never uploads a group it does not want and draws its
+  forges them to zero variance, `cherry_whole_forged_patient` first delivers `security.skip_audit_first` true
+  skip records (offering every group meanwhile, tallied as `standing_phase`) and then forges only each
+  hidden group's minority samples, `cherry_whole_reuse` never uploads a group it does not want and draws its
   next group under the same seq (with another task: no gap, no skip record; `_even` keeps a property
   unrelated to how likely its tokens are: an even count of right-sample tokens); an arm name ending in
   `_committed` runs that attack under committed draws (`security.committed_draws`), where a second
@@ -63,6 +65,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +79,8 @@ ARMS = [
     "none", "copier", "temperature_liar", "reward_liar", "replayer", "flooder", "eager", "id_thief",
     "weight_forger", "fork_squatter", "sybil", "sybil_temperature_liar", "poisoner",
     "cherry_within", "sybil_cherry", "cherry_whole", "cherry_whole_skip", "cherry_whole_forged",
-    "cherry_whole_reuse", "cherry_whole_reuse_even", "sybil_whole", "episode_tool", "episode_cut", "episode_skip",
-    "junk_writer",
+    "cherry_whole_forged_patient", "cherry_whole_reuse", "cherry_whole_reuse_even", "sybil_whole",
+    "episode_tool", "episode_cut", "episode_skip", "junk_writer",
 ]  # fmt: skip
 HARM_ARMS = ("poisoner", "cherry_within", "cherry_whole")
 """Arms run for `--poison-steps` beside an undefended twin (`<arm>_undefended`: the checks off), so the
@@ -182,6 +185,9 @@ def attacker(name: str, arena: Any) -> Any:
         "sybil_cherry": lambda: A.Sybil("sybil-p", source=name, inner="cherry_picker"),
         "cherry_whole_skip": lambda: A.CherryPicker("picker-s", source=name, form="whole_skip"),
         "cherry_whole_forged": lambda: A.CherryPicker("picker-f", source=name, form="whole_forged"),
+        "cherry_whole_forged_patient": lambda: A.CherryPicker(
+            "picker-fp", source=name, form="whole_forged_patient"
+        ),
         "cherry_whole_reuse": lambda: A.CherryPicker("picker-r", source=name, form="whole_reuse"),
         "cherry_whole_abandon": lambda: A.CherryPicker("picker-a", source=name, form="whole_abandon"),
         "cherry_whole_reuse_even": lambda: A.CherryPicker(
@@ -289,6 +295,9 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 ),
                 "hostile": arena.tally(name, skips=False) if hostile else {},
                 "hostile_skips": skip_tally(arena, name),
+                "standing_phase": arena.tally(f"{name}_standing"),  # the patient forger's unchosen groups
+                "forged_samples": dict(Counter(getattr(atk, "forged_samples", []))),
+                "skip_outcomes": dict(ing.cursor.skips),
                 "hostile_groups": [
                     {
                         "index": u.index,

@@ -240,13 +240,27 @@ class SecurityConfig(_Section):
     forward of its completion (the exact re-check's), so every row is checked exactly only at 1.0 (over the
     5% budget on the SmolLM2 recipe). 0: stale rows are measured exactly only when the step's forward flags
     them (drift)."""
-    skip_draw_audit: Annotated[float, Field(ge=0, le=1)] = 0.1
+    skip_draw_audit: Annotated[float, Field(ge=0, le=1)] = 0.0
     """Share of skip records (zero-variance groups a worker uploads without offering them for training:
-    docs/security.md, "Seeded draws") whose tokens the trainer checks against their seeded draws, chosen at
-    random where no worker can predict it; a false one quarantines its key at once, so a worker that forges
-    skip records to hide groups it keeps back is caught after 1/share of them on average. Every skip record
-    is re-scored whatever this is. Each check is a forward of the group under its version's weights: 14.6% of
-    step time on the SmolLM2 recipe at 1.0 (1.8% on the tiny model). 0: none."""
+    docs/security.md, "Seeded draws") whose every sample the trainer checks against its seeded draws, chosen
+    at random where no worker can predict it; a false one quarantines its key at once. Every skip record is
+    re-scored, and has `skip_draw_samples` of its samples checked, whatever this is; a key's first
+    `skip_audit_first` are checked whole. 0 by default: per sample checked, a random whole record finds a
+    forger that changed k of G samples with chance k/G, as a random sample does, at G times the cost. Each
+    whole check is a forward of the group under its version's weights: 14.6% of step time on the SmolLM2
+    recipe at 1.0 (1.8% on the tiny model)."""
+    skip_draw_samples: Annotated[int, Field(ge=0)] = 1
+    """Samples of every other skip record whose tokens are checked against their seeded draws, chosen at
+    random where no worker can predict it. A skip record forged to zero variance holds at least one sample
+    its uniforms did not draw (the one whose reward it changed), k of its G in all, so each forged record is
+    caught with chance at least k/G per sample checked: 1/8 for the most careful forger at G = 8, 7/8 for
+    one that copies a sample across the group. A forward of that many completions (the group's prompt
+    shared). 0: only whole records are checked."""
+    skip_audit_first: Annotated[int, Field(ge=0)] = 8
+    """Every sample of an untrusted key's first this many skip records is checked against its seeded draws
+    (counted per key as `skips_checked`; a key evicted without standing starts again), so a fresh key,
+    a Sybil's included, cannot hide a group behind a forged skip record before it has delivered this many
+    true ones. A forward of each of them, once per key."""
     committed_draws: bool = False
     """Commit, then reveal (docs/security.md, "Committed draws"; `pnyx.protocol.commits`): before each
     cohort a worker writes a signed commitment (its seqs, their tasks, the version it will draw at) and

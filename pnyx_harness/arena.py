@@ -119,9 +119,10 @@ class Arena:
         self.uploads: list[Upload] = []
         self.verdicts: dict[str, str] = {}
         self.served: list[tuple[int, str]] = []
-        self.refusals: list[tuple[str, int, str]] = []
-        """(worker, first seq, why) of every commitment the trainer's tick refused (committed draws)."""
         """(version, chain digest) of every version the follower served, in order."""
+        self.refusals: list[tuple[str, int, str, int | None]] = []
+        """(worker, first seq, why, the next free seq it named) of every commitment the trainer's tick
+        refused (committed draws)."""
         self.follow()
 
     # --- the worker side ----------------------------------------------------------------------------
@@ -146,13 +147,16 @@ class Arena:
         worker_id: str = "arena",
         next_seq: Callable[[], int] | None = None,
         signer: Signer | None = None,
+        skip_to: Callable[[int], None] | None = None,
     ) -> list[Any]:
         """One group per task from the follower's engine at the served version, with the run's sampling
         settings (`temperature` overrides the one used to sample; the group records what was used). With
         `key` (a signer's fingerprint), the groups are drawn from the seeded draws of (`key`, `worker_id`,
         the seqs `next_seq` gives), as a worker with that key and name draws them. Under committed draws
         (`security.committed_draws`) the `signer` (key `key`) first commits to the seqs and tasks, the
-        trainer ticks, and the groups are drawn with the tick's beacon: `commit_and_tick`."""
+        trainer ticks, and the groups are drawn with the tick's beacon: `commit_and_tick`; a refused
+        commitment is drawn anyway (what an attacker does), unless `skip_to` is given: then, as
+        `pnyx worker` does, the numbering moves to the next free seq it names and commits again."""
         from dataclasses import replace
 
         from pnyx.rollout.cohort import CohortSpec, generate_cohort
@@ -165,8 +169,14 @@ class Arena:
         )  # fmt: skip
         numbering = next_seq or (lambda: 0)
         if self.cfg.security.committed_draws and signer is not None and key:
-            seqs = [numbering() for _ in tasks]
-            drawn = self.commit_and_tick(signer, worker_id, seqs, [t.id for t in tasks])
+            while True:
+                seqs = [numbering() for _ in tasks]
+                refused = len(self.refusals)
+                drawn = self.commit_and_tick(signer, worker_id, seqs, [t.id for t in tasks])
+                nxt = self.refusals[-1][3] if len(self.refusals) > refused else None
+                if skip_to is None or nxt is None:
+                    break
+                skip_to(nxt)
             spec = replace(spec, tick=drawn.n, beacon=drawn.beacon, commit=drawn.key)
             numbering = iter(seqs).__next__
         return generate_cohort(self.engine, self.tokenizer, self.env, tasks, spec, numbering).groups
@@ -186,7 +196,7 @@ class Arena:
         assert tick is not None and tick.n == ticket.n, (tick, ticket)
         got = committer.outcome(ticket, tick)
         if not isinstance(got, Drawn):
-            self.refusals.append((worker_id, seqs[0], str(got)))
+            self.refusals.append((worker_id, seqs[0], str(got), getattr(got, "next_seq", None)))
         return Drawn(n=tick.n, beacon=tick.beacon, key=ticket.key)
 
     def own_logprobs(self, prompt: list[int], completions: list[list[int]]) -> list[list[float]]:

@@ -43,7 +43,9 @@ Knows nothing about how the trainer checks: `arena.py` reads verdicts from the t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -236,7 +238,7 @@ def brevity(group: Any) -> float:
 
 WANTS = ("short", "even")
 """What a whole-group cherry-picker can keep (`CherryPicker.wants`)."""
-WHOLE_FORMS = ("whole", "whole_skip", "whole_forged", "whole_reuse", "whole_abandon")
+WHOLE_FORMS = ("whole", "whole_skip", "whole_forged", "whole_forged_patient", "whole_reuse", "whole_abandon")
 """The cherry-picker's forms that choose whole groups (`CherryPicker`)."""
 
 
@@ -253,6 +255,11 @@ class CherryPicker(Producer):
       if it had zero variance) with its honest tokens;
     - `form="whole_forged"`: the same, with the skip record's samples forged to zero variance (every sample
       a copy of the first);
+    - `form="whole_forged_patient"`: the forger that knows the defence (`security.skip_audit_first`,
+      `skip_draw_samples`): until that many of its true skip records have been uploaded it offers every
+      group for training (source `<source>_standing`: no choice), then it hides each group it does not want
+      behind a skip record that forges only the fewest samples (its minority reward's, each a copy of a
+      majority sample), so a check of one random sample finds it with chance k/G;
     - `form="whole_reuse"`: the same choice, and a group it does not want (zero variance included) is never
       uploaded: its seq is used again for the next draw, with another task (the worker chooses its tasks
       and the seed names the task), so its seqs stay contiguous and nothing in the store shows a draw it
@@ -263,6 +270,10 @@ class CherryPicker(Producer):
 
     form: str = "within"
     pool: int = 4
+    true_skips: int = 0
+    """Skip records of truly zero-variance groups uploaded so far (the patient forger's standing)."""
+    forged_samples: list[int] = field(default_factory=list)
+    """Per skip record the patient forger forged: how many of its samples it changed (k)."""
     wants: str = "short"
     """What a whole-group form keeps (`WANTS`): "short", groups that favour short answers (`brevity` > 0);
     "even", mixed groups whose right samples hold an even number of model tokens in all, a choice that
@@ -288,7 +299,10 @@ class CherryPicker(Producer):
                 if kept >= n:
                     break
                 for g in self.sampled(arena, 1):
-                    if self.wanted(g):
+                    if self.form == "whole_forged_patient" and self._standing(arena):
+                        kept += 1  # no choice yet: every group offered, under the `_standing` source
+                        out.append(dataclasses.replace(self.pack(g), source=f"{self.source}_standing"))
+                    elif self.wanted(g):
                         kept += 1
                         out.append(self.pack(g))
                     elif self.form == "whole_skip":
@@ -296,7 +310,11 @@ class CherryPicker(Producer):
                     elif self.form == "whole_forged":
                         forged = [g.samples[0]] * len(g.samples)
                         out.append(self.pack(msgspec.structs.replace(g, samples=forged), skip=True))
-            return out + self.skip_uploads()
+                    elif self.form == "whole_forged_patient":
+                        out.append(self._minimally_forged(g))
+            skips = self.skip_uploads()
+            self.true_skips += len(skips)
+            return out + skips
         if self.form != "within":
             raise ValueError(
                 f"cherry-picker form must be 'within' or one of {WHOLE_FORMS}, got {self.form!r}"
@@ -304,6 +322,22 @@ class CherryPicker(Producer):
         return [
             self.pack(g) for g in (picked_group(self, arena, self.pool) for _ in range(n)) if g is not None
         ]
+
+    def _standing(self, arena: Arena) -> bool:
+        """The patient forger's standing phase: fewer of its true skip records uploaded than the run checks
+        whole."""
+        return self.true_skips < arena.cfg.security.skip_audit_first
+
+    def _minimally_forged(self, group: Any) -> Upload:
+        """Unwanted mixed `group` hidden behind a skip record with only its minority samples forged."""
+        rewards = Counter(s.reward for s in group.samples)
+        keep = rewards.most_common(1)[0][0]
+        majority = [s for s in group.samples if s.reward == keep]
+        samples = [
+            s if s.reward == keep else majority[i % len(majority)] for i, s in enumerate(group.samples)
+        ]
+        self.forged_samples.append(len(group.samples) - len(majority))
+        return self.pack(msgspec.structs.replace(group, samples=samples), skip=True)
 
     def _reusing(self, arena: Arena, n: int) -> list[Upload]:
         out: list[Upload] = []

@@ -51,6 +51,9 @@ class Producer:
     _spare: dict[tuple[str, str], list[Any]] = field(default_factory=dict)  # mixed groups drawn beyond
     # what `sampled` returned, per (key, name) they were drawn under
     _made: Counter[str] = field(default_factory=Counter)
+    moves_past_refusals: bool = False
+    """Under committed draws, a refused commitment moves the numbering to the next free seq the tick names
+    and commits again (what `pnyx worker` does); False: it draws anyway (an attacker)."""
 
     def _next_seed(self) -> int:
         from pnyx.envs import stable_hash
@@ -95,11 +98,16 @@ class Producer:
 
     def draw(self, arena: Arena, tasks: list[Any], temperature: float | None = None) -> list[Any]:
         """One group per task from the follower's engine, with the seeded draws of this producer's key and
-        name (what a worker with them samples; `temperature` overrides the run's)."""
+        name (what a worker with them samples; `temperature` overrides the run's). Under committed draws a
+        refused commitment is drawn anyway, unless the producer `moves_past_refusals`."""
         return arena.sample(
             tasks, self._next_seed(), temperature,
             key=self.signer.fingerprint, worker_id=self.worker_id, next_seq=self.reserve, signer=self.signer,
+            skip_to=self._skip_to if self.moves_past_refusals else None,
         )  # fmt: skip
+
+    def _skip_to(self, seq: int) -> None:
+        self.seq = max(self.seq, seq)
 
     def sampled(self, arena: Arena, n: int, temperature: float | None = None) -> list[Any]:
         """`n` groups sampled by the follower's engine whose samples do not all share one reward (what a
@@ -141,8 +149,11 @@ class Producer:
         return self.produce(arena, n) + self.skip_uploads()
 
 
+@dataclass
 class HonestWorker(Producer):
     """A worker that does what `pnyx worker` does (see the module docstring)."""
+
+    moves_past_refusals: bool = True
 
     def produce(self, arena: Arena, n: int) -> list[Upload]:
         return [self.pack(g) for g in self.sampled(arena, n)] + self.skip_uploads()

@@ -40,12 +40,9 @@ HONEST = [HonestWorker("honest-1"), HonestWorker("honest-2")]
 
 @pytest.fixture(scope="module")
 def arena(tmp_path_factory):
-    # every skip record's draws checked (the default checks a random tenth: security.skip_draw_audit), so the
-    # forged-skip test is deterministic
-    a = Arena(
-        tmp_path_factory.mktemp("arena"),
-        {"trainer": {"groups_per_step": 8}, "security": {"skip_draw_audit": 1.0}},
-    )
+    # the defaults of the skip-record audit: every sample of a key's first `skip_audit_first` skip records is
+    # checked, so the forged-skip test is deterministic for its fresh key
+    a = Arena(tmp_path_factory.mktemp("arena"), {"trainer": {"groups_per_step": 8}})
     a.upload([u for h in HONEST for u in h.uploads(a, 3)])  # honest names are bound first
     a.poll()
     yield a
@@ -394,7 +391,7 @@ def test_seq_reusing_picker_is_refused_under_committed_draws(committed_arena):
     arena = committed_arena
     picker = A.CherryPicker("picker-c", source="cherry_reuse_c", form="whole_reuse")
     _committed_rounds(arena, picker, 3, 3)
-    refused = {seq for name, seq, _ in arena.refusals if name == "picker-c"}
+    refused = {seq for name, seq, *_ in arena.refusals if name == "picker-c"}
     assert refused, "the picker never tried to reuse a seq"
     ups = [u for u in arena.uploads if u.source == "cherry_reuse_c"]
     after = [u for u in ups if layout.parse_rollout_key(u.key)[2] in refused]
@@ -456,6 +453,32 @@ def test_sybil_picker_that_keeps_a_key_while_it_likes_its_draws_needs_standing_t
     print(f"\ncommitted Sybil picker: {len(ups)} groups under {len(names)} keys, {len(trained)} trained")
 
 
+def test_a_restarted_honest_workers_undrawn_cohort_is_excused_not_counted_as_gaps(committed_arena):
+    """An honest worker killed after its commitment's tick and before it drew: its next life resumes at the
+    first seq the store lacks, its commitment is refused as a reuse, and it moves to the next free seq.
+    The refusing tick excuses the undrawn seqs: at the sweep they count `lost` on its key, no `gap`, its
+    key stays in good standing and its later groups are trained, not held behind the missing seqs."""
+    arena = committed_arena
+    worker = HonestWorker("restart-c")
+    fp = worker.signer.fingerprint
+    arena.upload(worker.uploads(arena, 4))  # its first life's groups
+    seqs = list(range(worker.seq, worker.seq + 4))
+    arena.commit_and_tick(worker.signer, "restart-c", seqs, [t.id for t in worker.tasks(arena, 4)])
+    # SIGKILL: nothing of that cohort drawn; the next life resumes where its store ends (worker.seq)
+    for _ in range(20):
+        arena.upload(worker.uploads(arena, 2))
+        arena.upload([u for h in arena.honest for u in h.uploads(arena, 3)])
+        arena.step()
+    ledger = arena.trainer.parts.ingestor.key_report()[fp]
+    assert any(name == "restart-c" and first == seqs[0] for name, first, *_ in arena.refusals), arena.refusals
+    assert arena.trainer.parts.ticker.excused("restart-c", fp) == [(seqs[0], seqs[-1])]
+    assert ledger["counts"].get("lost") == 4 and not ledger["counts"].get("gap"), ledger
+    assert ledger["quarantined"] is None, ledger
+    late = [u for u in arena.uploads if u.source == "honest" and "restart-c" in u.key]
+    after = [u for u in late if layout.parse_rollout_key(u.key)[2] > seqs[-1]]
+    assert after and any(arena.verdict(u.key) == TRAINED for u in after), arena.tally("honest")
+
+
 def _picker_report(arena: Arena, picker: Producer) -> dict:
     return arena.trainer.parts.ingestor.key_report()[picker.signer.fingerprint]
 
@@ -476,8 +499,9 @@ def test_whole_group_picker_that_announces_its_dropped_groups_as_skips_is_quaran
 
 def test_whole_group_picker_with_forged_skip_records_is_quarantined_by_their_draws(arena):
     """Its skip records are forged to zero variance (every sample a copy of the first), so they pass the
-    re-score; the exact check of their seeded draws at the next step finds tokens its uniforms did not draw,
-    and the key is quarantined: nothing it uploads after that is trained on."""
+    re-score; the exact check of their seeded draws at the next step (every sample: the key's first skip
+    records, `security.skip_audit_first`) finds tokens its uniforms did not draw, and the key is
+    quarantined: nothing it uploads after that is trained on."""
     picker = A.CherryPicker("picker-f", source="cherry_forged", form="whole_forged")
     _hostile_step(arena, picker, 4)
     honest_round(arena)
@@ -489,6 +513,46 @@ def test_whole_group_picker_with_forged_skip_records_is_quarantined_by_their_dra
     honest_round(arena)
     arena.step()
     assert all(arena.verdict(k) not in (TRAINED, "waiting") for k in late), [arena.verdict(k) for k in late]
+
+
+def test_patient_forger_is_caught_by_the_samples_checked_of_each_skip_record(tmp_path):
+    """The forger that knows the defence: it delivers true skip records until its key's first ones (checked
+    whole, `security.skip_audit_first`, 2 here) are behind it, offering every group meanwhile, then hides
+    each unwanted group behind a skip record with only its minority samples forged. Each skip record gets
+    `skip_draw_samples` random samples checked (7 of 8 here, so a record with one forged sample is found
+    with chance 7/8 and the test cannot miss by luck; the default checks 1): the key is quarantined for a
+    `false_skip` found by a sampled check, nothing it uploads afterwards is trained on, and nothing it
+    offered in its standing phase was a false reject. (The groups it chose beside its first forged records
+    can be trained in the step that lists them, before the check: bench_attacks.py counts them.)"""
+    sec = {"skip_audit_first": 2, "skip_draw_samples": 7, "skip_draw_audit": 0.0}
+    arena = Arena(tmp_path, {"trainer": {"groups_per_step": 8}, "security": sec})
+    honest = [HonestWorker("honest-p1"), HonestWorker("honest-p2")]
+    try:
+        arena.upload([u for h in honest for u in h.uploads(arena, 3)])
+        picker = A.CherryPicker("picker-fp", source="patient", form="whole_forged_patient")
+        for _ in range(24):
+            arena.upload(picker.uploads(arena, 2))
+            arena.upload([u for h in honest for u in h.uploads(arena, 3)])
+            arena.step()
+            if picker.signer.fingerprint in arena.trainer.parts.ingestor.cursor.quarantined:
+                break
+        report = _picker_report(arena, picker)
+        assert "false skip" in (report["quarantined"] or ""), (report, picker.forged_samples)
+        assert picker.forged_samples and min(picker.forged_samples) >= 1, picker.forged_samples
+        arena.upload(picker.uploads(arena, 4))
+        late = {u.key for u in arena.uploads[-4:]}
+        arena.upload([u for h in honest for u in h.uploads(arena, 3)])
+        arena.step()
+        assert all(arena.verdict(k) not in (TRAINED, "waiting") for k in late), [
+            arena.verdict(k) for k in late
+        ]
+        skips = arena.trainer.parts.ingestor.cursor.skips
+        assert skips.get("samples_checked", 0) >= 1 and skips.get("draws_checked", 0) >= 2, skips
+        standing = arena.tally("patient_standing")
+        assert standing and set(standing) <= {TRAINED, "waiting", "quarantined", *BENIGN}, standing
+        assert "false_skip" not in arena.tally("honest"), arena.tally("honest")
+    finally:
+        arena.close()
 
 
 def test_honest_skip_records_pass_their_audit(arena):

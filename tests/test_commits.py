@@ -259,3 +259,49 @@ def test_a_group_is_held_while_a_seq_committed_below_it_is_not_delivered(parts):
     assert ticker.held(group(2), SeqBook(low=0, verified=[0, 1])) is None
     ticker.trusted = frozenset({fp})
     assert ticker.held(group(1), SeqBook(low=0, verified=[0])) is None
+
+
+def test_a_restarted_workers_undrawn_cohort_is_excused_within_a_budget_and_not_held_for(parts):
+    """A worker killed after its commitment's tick, before it drew: its next life commits from the first
+    seq its store and spool lack, the tick refuses it as a reuse and excuses the rest of the earlier
+    cohort (`Lost`, in the signed tick): the settlement counts those seqs `lost`, not `gap`, and the
+    hold-back does not wait for them. One excuse per (name, key) and one more per 100 seqs committed:
+    a picker claiming restarts after draws it did not want gets no more."""
+    from types import SimpleNamespace
+
+    from pnyx.train.seq_books import SeqBook
+
+    store, trainer, ticker, version = parts
+    key = _signer()
+    fp = key.for_run(RUN).fingerprint
+    before = Committer(store, key, RUN, "w1", trainer.fingerprint)
+    before.commit(3, [0, 1, 2, 3], ["a", "b", "c", "d"])
+    ticker.tick()  # drew 0 and 1, uploaded them, died before 2 and 3
+    after = Committer(store, key, RUN, "w1", trainer.fingerprint)
+    refused = after.commit(3, [2, 3], ["e", "f"])
+    tick = ticker.tick()
+    assert refused.key in tick.refused
+    assert [(x.worker_id, x.key, x.first_seq, x.last_seq) for x in tick.lost] == [("w1", fp, 2, 3)]
+    assert ticker.excused("w1", fp) == [(2, 3)] and ticker.counts["excused"] == 2
+    assert commits.decode_tick(store.get(layout.tick_key(tick.n)), RUN, trainer.fingerprint).lost == tick.lost
+    nxt = after.commit(3, [4], ["g"])
+    assert nxt.key in ticker.tick().included
+    g4 = SimpleNamespace(group=SimpleNamespace(tick=0, worker_id="w1", seq=4), signer=fp)
+    assert ticker.held(g4, SeqBook(low=0, verified=[0, 1])) is None  # 2 and 3 excused: not waited for
+
+    # a second "restart" of the same pair with fewer than 100 seqs committed: refused, nothing excused
+    tick = ticker.tick() if after.commit(3, [4], ["h"]) else None
+    assert tick is not None and tick.lost == [] and ticker.excused("w1", fp) == [(2, 3)]
+    # a restarted trainer reads the excuse back from its ticks
+    restarted = Ticker(store, trainer, RUN, 0.01, lambda: version[0], max_staleness=2)
+    restarted.restore()
+    assert restarted.excused("w1", fp) == [(2, 3)]
+
+
+def test_excused_seqs_settle_as_lost_not_gaps():
+    from pnyx.train import seq_books
+    from pnyx.train.seq_books import SeqBook
+
+    books = {"w": SeqBook(seen=[0, 1, 5], verified=[0, 1, 5], seeded=True)}
+    assert seq_books.excuse(books, "w", 5, [(2, 3), (9, 12)]) == 2
+    assert seq_books.settle(books, "w", 5, version=4) == 1  # seq 4: a gap; 2 and 3 excused

@@ -166,8 +166,9 @@ def test_a_skip_record_passes_to_the_exact_check_of_its_draws_and_a_forged_one_i
     forged = put_skip(store, _seeded(make_group(0, "f", 0, task_index=1, answers=["1", "1"])), other)
     ing = signed_ingestor(store)
     ing.poll(0)
-    queued = {g.key: g for g in ing.take_draw_audits()}
+    queued = {a.group.key: a for a in ing.take_draw_audits()}
     assert set(queued) == {honest, forged} and ing.take_draw_audits() == []
+    assert {a.samples for a in queued.values()} == {None}  # the ingestor's default: every sample
     # what the trainer's exact forward measured: the honest tokens are their draws, the forged ones are not
     assert ing.draws_audited([queued[honest], queued[forged]], [0.0, 0.3], tolerance=1e-3) == 1
     assert ing.cursor.rejected[honest] == "skipped" and ing.cursor.rejected[forged] == "false_skip"
@@ -177,6 +178,56 @@ def test_a_skip_record_passes_to_the_exact_check_of_its_draws_and_a_forged_one_i
     )  # unverifiable: not blamed
     assert ing.cursor.skips == {"audited": 2, "false": 1, "draws_checked": 1, "unverifiable": 1}
     assert signer.fingerprint not in ing.cursor.quarantined and "skipped" not in ing.cursor.drops
+
+
+def test_a_keys_first_skip_records_are_checked_whole_then_a_sample_of_each(store):
+    """`security.skip_audit_first`: an untrusted key's skip records are checked whole until that many have
+    passed (`skips_checked`), so a fresh key, a Sybil's too, cannot hide a group behind a forged one first;
+    after that each gets `skip_draw_samples` random samples checked (and the whole of a random share,
+    `skip_draw_audit`, 0 here). A trusted key's are sampled from the start."""
+    signer, trusted = _signer(), _signer()
+    ing = signed_ingestor(store, trusted_keys=frozenset({trusted.fingerprint}))
+    ing.skips.skip_draw_audit, ing.skips.skip_draw_samples, ing.skips.skip_audit_first = 0.0, 1, 2
+    answers = ["1", "1"]
+    for seq in range(2):
+        put_skip(store, _seeded(make_group(0, "w", seq, task_index=seq, answers=answers)), signer)
+    put_skip(store, _seeded(make_group(0, "t", 0, answers=answers)), trusted)
+    ing.poll(0)
+    first = {a.group.key: a for a in ing.take_draw_audits()}
+    assert len(first) == 3
+    by_signer = {a.group.signer: a.samples for a in first.values() if a.group.signer != signer.fingerprint}
+    assert by_signer == {trusted.fingerprint: by_signer[trusted.fingerprint]}
+    assert len(by_signer[trusted.fingerprint]) == 1 and by_signer[trusted.fingerprint] <= {0, 1}
+    mine = [a for a in first.values() if a.group.signer == signer.fingerprint]
+    assert [a.samples for a in mine] == [None, None]  # queued before either passed: both whole
+    assert ing.draws_audited(list(first.values()), [0.0, 0.0, 0.0], tolerance=1e-3) == 0
+    assert ing.cursor.by_key[signer.fingerprint]["skips_checked"] == 2
+    assert "skips_checked" not in ing.cursor.by_key[trusted.fingerprint]  # a sample is not the whole
+    assert ing.cursor.skips == {"audited": 3, "draws_checked": 2, "samples_checked": 1}
+    later = put_skip(store, _seeded(make_group(0, "w", 2, task_index=2, answers=answers)), signer)
+    ing.poll(0)
+    (audit,) = ing.take_draw_audits()
+    assert audit.group.key == later and audit.samples is not None and len(audit.samples) == 1
+    assert audit.checks(next(iter(audit.samples))) and not audit.checks(2)
+    # a forged sample among those checked: a false skip, the key quarantined at once
+    assert ing.draws_audited([audit], [0.4], tolerance=1e-3) == 1
+    assert ing.cursor.rejected[later] == "false_skip" and signer.fingerprint in ing.cursor.quarantined
+
+
+def test_a_trusted_keys_skip_records_are_checked_at_their_versions_last_step_in_the_window(store):
+    """A trusted key is never quarantined: its skip records' check is a measurement, made once per version
+    when the version is about to leave the window (one forward for all of them) instead of at every step;
+    an untrusted key's are checked at the next step."""
+    signer, trusted = _signer(), _signer()
+    ing = signed_ingestor(store, trusted_keys=frozenset({trusted.fingerprint}), max_staleness=2)
+    ing.skips.skip_draw_samples = 1
+    mine = put_skip(store, _seeded(make_group(0, "w", 0, answers=["1", "1"])), signer)
+    theirs = put_skip(store, _seeded(make_group(0, "t", 0, answers=["1", "1"])), trusted)
+    ing.poll(0)
+    assert [a.group.key for a in ing.take_draw_audits(0)] == [mine]
+    assert ing.take_draw_audits(1) == []  # v0 is still in the window at v1 with staleness 2
+    assert [a.group.key for a in ing.take_draw_audits(2)] == [theirs]  # v0's last step in the window
+    assert ing.take_draw_audits(3) == []
 
 
 def test_skip_records_do_not_count_against_the_flood_limit(store):

@@ -80,6 +80,17 @@ class Included(msgspec.Struct, kw_only=True, array_like=True):
     tasks: list[str]
 
 
+class Lost(msgspec.Struct, kw_only=True, array_like=True):
+    """Seqs `first_seq`..`last_seq` of (`worker_id`, `key`) that a tick included and that the name's next
+    commitment, refused as their reuse, shows its worker never drew: a restarted worker's last cohort,
+    excused by the trainer (counted `lost`, not `gap`) within a budget (`pnyx.train.ticker`)."""
+
+    key: str
+    worker_id: str
+    first_seq: int
+    last_seq: int
+
+
 class Tick(msgspec.Struct, kw_only=True):
     """`ticks/{n}`: the trainer's beacon n and the commitments it binds (signed by the trainer's key)."""
 
@@ -97,6 +108,8 @@ class Tick(msgspec.Struct, kw_only=True):
     refused: dict[str, str] = {}
     """Commitment key -> why it was not included (a worker whose commitment is refused re-commits)."""
     created_at: float = 0.0
+    lost: list[Lost] = []
+    """Committed seqs excused at this tick (a restarted worker's undrawn cohort)."""
 
 
 # --- keys (built in `pnyx.protocol.layout`) ---------------------------------------------------------------

@@ -76,7 +76,7 @@ from pnyx.train.listing import SWEEP_GRACE_S, Shared, WindowListings
 from pnyx.train.planner import BatchPlanner
 from pnyx.train.ranking import Plan
 from pnyx.train.rescore import ScoredGroup, decode_record
-from pnyx.train.skip_audit import SkipAudits
+from pnyx.train.skip_audit import DrawAudit, SkipAudits
 
 log = logging.getLogger("pnyx.train.ingest")
 
@@ -188,13 +188,13 @@ class Ingestor:
         self.floods.audit()
         self.skips.audit_skips(wait)
 
-    def take_draw_audits(self) -> list[ScoredGroup]:
+    def take_draw_audits(self, version: int | None = None) -> list[DrawAudit]:
         """`SkipAudits.take_draw_audits`."""
-        return self.skips.take_draw_audits()
+        return self.skips.take_draw_audits(version)
 
-    def draws_audited(self, groups: list[ScoredGroup], worst: list[float], tolerance: float) -> int:
+    def draws_audited(self, audits: list[DrawAudit], worst: list[float], tolerance: float) -> int:
         """`SkipAudits.draws_audited`."""
-        return self.skips.draws_audited(groups, worst, tolerance)
+        return self.skips.draws_audited(audits, worst, tolerance)
 
     # --- selection ------------------------------------------------------------------------------------
 

@@ -234,6 +234,13 @@ class KeyLedger:
         if fp:
             self.count_key(fp, "gap", n)
 
+    def count_lost(self, worker: str, n: int) -> None:
+        """`worker` left `n` seqs excused from being gaps (`Ticker.excused`): counted `lost` on its key, no
+        fault (caller holds the lock)."""
+        fp = self.shared.cursor.keys.get(worker)
+        if fp:
+            self.count_key(fp, "lost", n)
+
     def bind(self, worker: str, fp: str) -> None:
         """`worker` was just bound to key `fp`: its groups listed so far count against the key's flood limit
         (caller holds the lock)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,6 +61,10 @@ class KeyGate(Protocol):
         """`worker` left `n` seqs that the store never held (`seq_books.settle`)."""
         ...
 
+    def count_lost(self, worker: str, n: int) -> None:
+        """`worker` left `n` seqs excused from being gaps (a restarted worker's undrawn cohort)."""
+        ...
+
 
 class OpenGate:
     """A `KeyGate` that quarantines nothing: the gate of a listing whose ledger is not connected yet."""
@@ -71,6 +76,9 @@ class OpenGate:
         return None
 
     def count_gaps(self, worker: str, n: int) -> None:
+        return None
+
+    def count_lost(self, worker: str, n: int) -> None:
         return None
 
 
@@ -111,6 +119,9 @@ class WindowListings:
         self.sweep_grace_s = sweep_grace_s
         """A version that left the window is swept this long after (uploads that land late still count)."""
         self.gate: KeyGate = OpenGate()
+        self.excused: Callable[[str, str], list[tuple[int, int]]] | None = None
+        """(worker name, key) -> seq ranges whose absence is no gap (committed draws: a restarted worker's
+        undrawn cohort, `Ticker.excused`); None: none are."""
         """The key ledger, which answers the two questions about names; the `Ingestor` connects it once
         built (the ledger needs this listing, so it is built second)."""
         self.read_signer: ReadSigner = lambda key, worker, seq: None
@@ -346,7 +357,15 @@ class WindowListings:
                     cursor.skips["unaudited"] = cursor.skips.get("unaudited", 0) + 1
                 else:
                     self.drop("stale")
-        settlement.settle(self.shared.cursor, version, lst, read or {}, self.gate.count_gaps)
+        settlement.settle(
+            self.shared.cursor,
+            version,
+            lst,
+            read or {},
+            self.gate.count_gaps,
+            self.excused,
+            self.gate.count_lost,
+        )
         prefix = layout.rollouts_dir(version)
         for d in (self.shared.cursor.uses, self.shared.cursor.rejected, self.shared.ready):
             for k in [k for k in d if k.startswith(prefix)]:

@@ -145,6 +145,7 @@ class Trainer:
         parts.ingestor.skips.check_draws = admission.check_draws
         shared = parts.ingestor.shared  # its cursor is replaced whole on resume: read it at each call
         parts.ingestor.planner.held = lambda g: ticker.held(g, shared.cursor.seqs.get(g.group.worker_id))
+        parts.ingestor.listing.excused = ticker.excused  # a restarted worker's undrawn cohort: no gap
         parts.ticker = ticker
 
     def load(self, run: RunManifest) -> None:
@@ -262,25 +263,27 @@ class Trainer:
         return StepResult(target, stats, batch.groups, publish_s, m.kind, batch.lr, batch.checks)
 
     def _audit_skip_draws(self) -> dict[str, Any] | None:
-        """Rank 0, before a step: the exact check of the tokens of every skip record re-scored since the
-        last step (`Ingestor.take_draw_audits`): each must be the draws of its seeded uniforms under the
+        """Rank 0, before a step: the exact check of the tokens of the skip records re-scored since the
+        last step (`Ingestor.take_draw_audits`: each record's chosen samples): each must be the draws of its
+        seeded uniforms under the
         published weights of its version (`Rejudge.draws`, the exact re-check's forward), or its key is
         quarantined (`false_skip`). Returns the metrics (`skip_audit`); None when nothing was checked."""
         ing, rejudge = self.parts.ingestor, self.parts.rejudge
-        groups = ing.take_draw_audits()
-        if not groups or rejudge is None or not self.cfg.security.seeded_draws:
+        audits = ing.take_draw_audits(self.version)
+        if not audits or rejudge is None or not self.cfg.security.seeded_draws:
             return None
         from pnyx.train.microbatch import build_rows
 
         t0 = time.perf_counter()
-        rows = build_rows(groups)
+        chosen = {a.group.key: a for a in audits}
+        rows = [r for r in build_rows([a.group for a in audits]) if chosen[r.key].checks(r.index)]
         worst: dict[str, float] = {}
         for row, d in zip(rows, rejudge.draws(rows), strict=True):
             worst[row.key] = max(d, worst.get(row.key, 0.0))
         tol = self.cfg.security.draw_tolerance
-        bad = ing.draws_audited(groups, [worst.get(g.key, 0.0) for g in groups], tol)
+        bad = ing.draws_audited(audits, [worst.get(a.group.key, 0.0) for a in audits], tol)
         return {
-            "groups": len(groups),
+            "groups": len(audits),
             "rows": len(rows),
             "false": bad,
             "s": round(time.perf_counter() - t0, 4),

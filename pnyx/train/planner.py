@@ -107,8 +107,9 @@ class BatchPlanner:
                 below = lst.ids.get((g.group.worker_id, block[1])) if lst is not None else None
                 if below is None and lst is not None:  # not listed (yet, or missed): list its version again
                     self._relist.setdefault(block[0], 0.0)
-                elif (
+                elif (  # a skip record releases `g` once its audit has read it (`SkipAudits`), not here
                     below is not None
+                    and not layout.is_skip_key(below)
                     and below not in fetching
                     and below not in self.shared.ready
                     and below not in self.shared.cursor.rejected

@@ -16,7 +16,9 @@ below the highest it holds at that version was uploaded by then if it ever will 
 versions). Seqs listed but not read are read then (`unverified`); the ones still missing are looked for in
 the versions swept since the name's last settlement (a late upload: `missing`); what remains, and what was
 listed under the name but not signed by its key (anyone who may write under `rollouts/` can list a key
-under any name), is counted as **gaps**: `gap` faults of the name's key. Only names with seeded records
+under any name), is counted as **gaps**: `gap` faults of the name's key, except the seqs `excuse` marks
+(under committed draws, a restarted worker's undrawn cohort, which the trainer's tick excused: counted
+`lost`, no fault; `pnyx.train.ticker`). Only names with seeded records
 bound to a key are judged; the others' seqs are forgotten (`forget`). A book holds the seqs of versions
 not swept yet; books of names with nothing listed and bound to no key are dropped at the sweep (`prune`).
 
@@ -114,6 +116,23 @@ def forget(books: dict[str, SeqBook], worker: str, high: int) -> None:
     if book is not None:
         del book.seen[: bisect.bisect_right(book.seen, high)]
         del book.verified[: bisect.bisect_right(book.verified, high)]
+
+
+def excuse(books: dict[str, SeqBook], worker: str, high: int, ranges: list[tuple[int, int]]) -> int:
+    """Mark the seqs of `worker` up to `high` that lie in `ranges` ((first, last) pairs) and are not
+    verified as accounted for, so `settle` counts them as no gap. Returns how many it marked."""
+    book = books.get(worker)
+    if book is None or not book.seen or not ranges:
+        return 0
+    low = book.seen[0] if book.low is None else book.low
+    n = 0
+    for first, last in ranges:
+        for seq in range(max(first, low), min(last, high) + 1):
+            i = bisect.bisect_left(book.verified, seq)
+            if i == len(book.verified) or book.verified[i] != seq:
+                book.verified.insert(i, seq)
+                n += 1
+    return n
 
 
 def settle(books: dict[str, SeqBook], worker: str, high: int, version: int) -> int:

@@ -141,11 +141,14 @@ def settle(
     lst: VersionListing,
     read: dict[str, set[int]],
     count_gaps: Callable[[str, int], None],
+    excused: Callable[[str, str], list[tuple[int, int]]] | None = None,
+    count_lost: Callable[[str, int], None] | None = None,
 ) -> None:
     """Settle the seqs of every name listed at `version` (`seq_books.settle`): a name with seeded records
     bound to a key up to the highest seq at `version` signed by that key, counting its gaps in the cursor
     and through `count_gaps`; any other name up to its highest seq there, counting nothing (caller holds
-    the lock)."""
+    the lock). A missing seq in one of `excused(name, key)`'s ranges is no gap: it is counted through
+    `count_lost` (a restarted worker's undrawn cohort under committed draws: `pnyx.train.ticker`)."""
     books = cursor.seqs
     high: dict[str, int] = {}
     for worker, seq in lst.ids:
@@ -163,6 +166,11 @@ def settle(
         signed = here - junk
         if not signed:
             continue
+        fp = cursor.keys.get(worker)
+        if excused is not None and fp:
+            lost = seq_books.excuse(books, worker, max(signed), excused(worker, fp))
+            if lost and count_lost is not None:
+                count_lost(worker, lost)
         gaps = seq_books.settle(books, worker, max(signed), version)
         if gaps:
             cursor.gaps += gaps

@@ -2,7 +2,8 @@
 
 `SkipAudits` is the `Ingestor`'s collaborator for the seeded groups a worker does not offer for training: it
 re-scores every listed skip record in the fetch threads (a false one quarantines its key at once), and queues
-a random share of those that pass for the exact check of their draws, which the trainer loop runs
+those that pass for the exact check of their draws (`DrawAudit`: a few random samples of each, every sample
+of a random share and of an untrusted key's first skip records), which the trainer loop runs
 (`TrainerLoop._audit_skip_draws`) and reports back (`draws_audited`). Outcomes are counted in
 `Cursor.skips`. Thread-safe through the shared lock; store I/O runs outside it.
 """
@@ -15,6 +16,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
 
 from pnyx.errors import NotFoundError, RecordRejected, StoreUnavailableError
 from pnyx.protocol import layout
@@ -32,6 +34,19 @@ MAX_DRAW_AUDITS = 4096
 """Skip records waiting for the exact check of their tokens at most (the oldest beyond it go unchecked)."""
 
 
+@dataclass(frozen=True)
+class DrawAudit:
+    """A skip record queued for the exact check of its draws: `samples`, the indices of the samples to
+    check, or None for every one."""
+
+    group: ScoredGroup
+    samples: frozenset[int] | None
+
+    def checks(self, index: int) -> bool:
+        """Whether sample `index` is checked."""
+        return self.samples is None or index in self.samples
+
+
 class SkipAudits:
     """The audit of skip records (see the module docstring)."""
 
@@ -47,14 +62,21 @@ class SkipAudits:
         self.shared, self.listing, self.ledger = shared, listing, ledger
         self._load, self._pool, self._closed = load, pool, closed
         self.skip_draw_audit = 1.0
-        """Share of skip records with seeded draws queued for the exact check of their tokens, chosen at
-        random (`take_draw_audits`; the trainer sets it from `security.skip_draw_audit`)."""
+        """Share of skip records with seeded draws whose every sample is checked exactly, chosen at random
+        (`take_draw_audits`; the trainer sets it from `security.skip_draw_audit`)."""
+        self.skip_draw_samples = 0
+        """Samples of each other such skip record checked exactly, chosen at random
+        (`security.skip_draw_samples`)."""
+        self.skip_audit_first = 0
+        """An untrusted key's first skip records that pass the check of every sample, counted as
+        `skips_checked` in its books: until it has this many, each of its skip records is checked whole
+        (`security.skip_audit_first`)."""
         self.check_draws: Callable[[ScoredGroup], str | None] | None = None
         """The admission's policy for unseeded groups (`drawcheck.unseeded_policy`), applied to skip records
         too: a skip record without the run's seeded draws would fill its seq with a group no check can
         see, so under seeded draws it is a `false_skip` (the trainer sets it with `security.seeded_draws`)."""
         self._audit_rng = random.SystemRandom()  # no worker can predict which skip records are checked
-        self._draw_audits: deque[ScoredGroup] = deque(maxlen=MAX_DRAW_AUDITS)
+        self._draw_audits: deque[DrawAudit] = deque(maxlen=MAX_DRAW_AUDITS)
 
     @property
     def cursor(self) -> Cursor:
@@ -69,8 +91,8 @@ class SkipAudits:
         """Fetch and re-score the skip records listed since the last call, in the fetch threads (`wait`:
         until all are done). A skip record whose samples' rewards differ is a `false_skip`: its key is
         quarantined at once (an honest worker's skip is its verifier's own verdict, which the trainer's
-        re-score repeats exactly); one that passes is filed as `skipped` and, with seeded draws, queued at the
-        rate `skip_draw_audit` for the exact check of its tokens (`take_draw_audits`)."""
+        re-score repeats exactly); one that passes is filed as `skipped` and, with seeded draws, queued for the
+        exact check of its tokens (`take_draw_audits`, which samples: `_samples_to_check`)."""
         keys = self.listing.take_skips()
         if not keys:
             return
@@ -118,12 +140,23 @@ class SkipAudits:
             self.cursor.rejected[key] = "skipped"  # audited: never trained on, never fetched again
             self._count_skip("audited")
             self.ledger.count_key(scored.signer, "skips")
-            if (
-                scored.group.draws == SCHEME
-                and scored.signer
-                and self._audit_rng.random() < self.skip_draw_audit
-            ):
-                self._draw_audits.append(scored)
+            if scored.group.draws == SCHEME and scored.signer:
+                samples = self._samples_to_check(scored)
+                if samples is None or samples:
+                    self._draw_audits.append(DrawAudit(scored, samples))
+
+    def _samples_to_check(self, scored: ScoredGroup) -> frozenset[int] | None:
+        """Which samples of skip record `scored` get the exact check (None: every one): all of them for an
+        untrusted key with fewer than `skip_audit_first` skip records checked whole, or at the rate
+        `skip_draw_audit`; else `skip_draw_samples` of them at random (caller holds the lock)."""
+        fp = scored.signer
+        books = self.cursor.by_key.get(fp, {})
+        if (
+            fp not in self.settings.trusted_keys and books.get("skips_checked", 0) < self.skip_audit_first
+        ) or self._audit_rng.random() < self.skip_draw_audit:
+            return None
+        n = len(scored.group.samples)
+        return frozenset(self._audit_rng.sample(range(n), min(self.skip_draw_samples, n)))
 
     def _false_skip(self, key: str, fp: str, why: str) -> None:
         """File skip record `key` as `false_skip` and quarantine its key `fp` (caller holds the lock)."""
@@ -137,28 +170,43 @@ class SkipAudits:
             self.ledger.quarantine(fp, f"false skip record {key}: {why}")
         log.warning("ingest: false skip record %s: %s", key, why)
 
-    def take_draw_audits(self) -> list[ScoredGroup]:
+    def take_draw_audits(self, version: int | None = None) -> list[DrawAudit]:
         """The skip records whose tokens await the exact check of their seeded draws (oldest first), of
-        versions not swept."""
+        versions not swept. With the trainer's `version`, a trusted key's records wait until their version's
+        last step in the window: a trusted key is never quarantined, so its audit is a measurement, made
+        with one forward per version instead of one per step (the others are checked at once: a forger's
+        key must be out before its chosen groups train)."""
         with self.shared.lock:
-            out = [g for g in self._draw_audits if g.version >= self.cursor.swept_below]
+            last = None if version is None else version - self.settings.max_staleness
+            trusted = self.settings.trusted_keys
+            out, wait = [], []
+            for a in self._draw_audits:
+                if a.group.version < self.cursor.swept_below:
+                    continue
+                later = last is not None and a.group.signer in trusted and a.group.version > last
+                (wait if later else out).append(a)
             self._draw_audits.clear()
+            self._draw_audits.extend(wait)
             return out
 
-    def draws_audited(self, groups: list[ScoredGroup], worst: list[float], tolerance: float) -> int:
-        """Record the exact check of `groups` (skip records): `worst[i]` is group i's largest distance of a
-        model token from its draw (inf: its version's weights could not be verified, not blamed). A group
-        over `tolerance` is a `false_skip`. Returns how many were."""
+    def draws_audited(self, audits: list[DrawAudit], worst: list[float], tolerance: float) -> int:
+        """Record the exact check of `audits` (skip records): `worst[i]` is the largest distance of a
+        checked model token of audit i from its draw (inf: its version's weights could not be verified, not
+        blamed). A record over `tolerance` is a `false_skip`; one checked whole that passes counts towards
+        its key's `skips_checked`. Returns how many were false."""
         bad = 0
         with self.shared.lock:
-            for g, w in zip(groups, worst, strict=True):
+            for a, w in zip(audits, worst, strict=True):
+                g = a.group
                 if w == float("inf"):
                     self._count_skip("unverifiable")
                 elif not w <= tolerance:
                     bad += 1
                     self._false_skip(g.key, g.signer, f"a token is {w:.3g} from its seeded draw")
                 else:
-                    self._count_skip("draws_checked")
+                    self._count_skip("draws_checked" if a.samples is None else "samples_checked")
+                    if a.samples is None:
+                        self.ledger.count_key(g.signer, "skips_checked")
         return bad
 
     def _count_skip(self, outcome: str) -> None:

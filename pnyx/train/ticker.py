@@ -8,10 +8,20 @@ none. Admission asks `check(group, signer)` whether a committed group matches it
 
 What it remembers: every tick of the window (by the version the trainer held when it ticked; a group of an
 older version is stale anyway), per (worker name, key) the first and highest seq committed (`seqs`, at
-most `MAX_NAMES` pairs, the oldest forgotten first) and the window's committed ranges (`ranges`, for the
-hold-back). On a restart it reads back the ticks of the window and rebuilds all three from them; a pair last seen in a tick older than the window is forgotten (docs/security.md,
+most `MAX_NAMES` pairs, the oldest forgotten first), the window's committed ranges (`ranges`, for the
+hold-back) and the seqs it excused (`lost`). On a restart it reads back the ticks of the window and rebuilds all three from them; a pair last seen in a tick older than the window is forgotten (docs/security.md,
 "Committed draws"). Store errors are logged and retried at the next interval: a tick that cannot be written
 delays the workers waiting for it, nothing else.
+
+**A restarted worker.** A worker killed between its commitment's tick and the upload of the groups it drew
+comes back numbering after the highest seq its store and spool hold, and its first commitment reuses seqs
+its earlier life committed: the tick refuses it ("next free seq N") and the worker moves on to N. The seqs
+of that earlier cohort it never drew would be gaps (faults of its key). The tick that refuses it excuses
+them instead (`Lost`, in the tick: the seqs of the pair's last included commitment from the refused one's
+first seq on, at most `MAX_EXCUSED`): the settlement counts them `lost`, not `gap`, and the hold-back does
+not wait for them. A picker could claim a restart after a draw it did not want, so the excuse is budgeted:
+one per (name, key), and one more per `EXCUSE_EVERY` seqs it committed; past that a refused reuse leaves
+gaps as before.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from collections.abc import Callable
 
 from pnyx.errors import AlreadyExistsError, NotFoundError, RecordRejected, StoreUnavailableError
 from pnyx.protocol import commits, layout
-from pnyx.protocol.commits import Included, Tick
+from pnyx.protocol.commits import Included, Lost, Tick
 from pnyx.protocol.draws import SCHEME
 from pnyx.protocol.records import RolloutGroup
 from pnyx.security.checks import UNCOMMITTED
@@ -46,6 +56,10 @@ HOLD_RELEASE_S = 30.0
 """Seconds without a publish after which held groups are released (`Ticker.held`)."""
 KEEP_VERSIONS_EXTRA = 2
 """Ticks are kept while their version is within max_staleness + this of the trainer's."""
+EXCUSE_EVERY = 100
+"""A (name, key) may have one restart's undrawn seqs excused, and one more per this many seqs committed."""
+MAX_EXCUSED = 64
+"""Seqs one excuse covers at most (a cohort's; the rest of a larger commitment stay gaps)."""
 
 
 class Ticker:
@@ -69,10 +83,12 @@ class Ticker:
         self.seqs: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
         """(worker name, key) -> (the first seq it committed that this trainer saw, the highest), least
         recently committed first (at most `MAX_NAMES`): reuse refusals and standing."""
-        self.counts = {"ticks": 0, "included": 0, "refused": 0}
+        self.counts = {"ticks": 0, "included": 0, "refused": 0, "excused": 0}
         self.ranges: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
         """(worker name, key) -> (first seq, count, version) of each commitment the window's ticks included
         (the hold-back: `held`)."""
+        self.lost: dict[tuple[str, str], list[tuple[int, int]]] = {}
+        """(worker name, key) -> the (first, last) seqs excused for it (`Lost`): a restart's undrawn cohort."""
         self.hold_release_s = HOLD_RELEASE_S
         self.standing = 0
         """`security.standing_groups`: the first this many seqs of an untrusted (name, key) are held for good."""
@@ -147,6 +163,7 @@ class Ticker:
         included: dict[str, Included] = {}
         refused: dict[str, str] = {}
         claimed: dict[tuple[str, str], int] = {}
+        lost: list[Lost] = []
         for key in keys:
             verdict = self._read(key, n)
             if isinstance(verdict, str):
@@ -158,12 +175,17 @@ class Ticker:
                 refused[key] = (
                     f"seq {verdict.first_seq} reuses a seq this name and key committed; next free seq {high + 1}"
                 )
+                if (
+                    pair not in claimed
+                    and (excuse := self._excuse(pair, verdict.first_seq, lost)) is not None
+                ):
+                    lost.append(excuse)
                 continue
             claimed[pair] = verdict.first_seq + len(verdict.tasks) - 1
             included[key] = verdict
         tick = Tick(
             run_id=self.run_id, n=n, beacon=commits.new_beacon(), version=self.version(), included=included,
-            refused=refused, created_at=time.time(),
+            refused=refused, created_at=time.time(), lost=lost,
         )  # fmt: skip
         with self._lock:  # known before any worker can read it (admission may meet its groups at once)
             self.ticks[n] = tick
@@ -183,6 +205,7 @@ class Ticker:
             self.counts["ticks"] += 1
             self.counts["included"] += len(tick.included)
             self.counts["refused"] += len(tick.refused)
+            self.counts["excused"] += sum(x.last_seq - x.first_seq + 1 for x in tick.lost)
         try:
             self.store.put(layout.TICKS_LATEST, str(n).encode())
         except StoreUnavailableError as e:  # a hint: workers find the next tick by probing too
@@ -234,8 +257,38 @@ class Ticker:
             key=fp, worker_id=c.worker_id, version=c.version, first_seq=c.first_seq, tasks=c.tasks
         )
 
+    def _excuse(self, pair: tuple[str, str], first: int, pending: list[Lost]) -> Lost | None:
+        """The seqs a refused reuse from `first` excuses for `pair`: those of its last included commitment
+        from `first` on (a restarted worker's undrawn cohort), if its budget allows (see the module
+        docstring); None: nothing to excuse."""
+        with self._lock:
+            ranges = self.ranges.get(pair)
+            if not ranges or pair not in self.seqs:
+                return None
+            start, count, _ = max(ranges)
+            high = start + count - 1
+            lo = max(first, start, high - MAX_EXCUSED + 1)
+            done = self.lost.get(pair, []) + [
+                (x.first_seq, x.last_seq) for x in pending if (x.worker_id, x.key) == pair
+            ]
+            if lo > high or any(a <= high <= b for a, b in done):
+                return None
+            ever, top = self.seqs[pair]
+            if len(done) >= 1 + (top - ever + 1) // EXCUSE_EVERY:
+                return None
+        return Lost(key=pair[1], worker_id=pair[0], first_seq=lo, last_seq=high)
+
+    def excused(self, worker: str, fp: str) -> list[tuple[int, int]]:
+        """The (first, last) seq ranges excused for `worker` under key `fp` (the settlement's `lost`)."""
+        with self._lock:
+            return list(self.lost.get((worker, fp), ()))
+
     def _remember(self, tick: Tick) -> None:
         self.ticks[tick.n] = tick
+        for x in tick.lost:
+            got = self.lost.setdefault((x.worker_id, x.key), [])
+            if (x.first_seq, x.last_seq) not in got:
+                got.append((x.first_seq, x.last_seq))
         for inc in tick.included.values():
             pair, last = (inc.worker_id, inc.key), inc.first_seq + len(inc.tasks) - 1
             first, high = self.seqs.get(pair, (inc.first_seq, last))
@@ -243,7 +296,9 @@ class Ticker:
             self.seqs.move_to_end(pair)
             self.ranges.setdefault(pair, []).append((inc.first_seq, len(inc.tasks), inc.version))
         while len(self.seqs) > MAX_NAMES:
-            self.ranges.pop(self.seqs.popitem(last=False)[0], None)
+            old = self.seqs.popitem(last=False)[0]
+            self.ranges.pop(old, None)
+            self.lost.pop(old, None)
         low = self.version() - self.max_staleness - KEEP_VERSIONS_EXTRA
         for old in [k for k, t in self.ticks.items() if t.version < low]:
             del self.ticks[old]
@@ -290,10 +345,12 @@ class Ticker:
                 return None
             low = book.low if book is not None and book.low is not None else 0
             verified = book.verified if book is not None else []
+            excused = self.lost.get(pair, ())
             for first, count, committed_at in ranges:
                 for seq in range(max(first, low), min(first + count, grp.seq)):
                     i = bisect.bisect_left(verified, seq)
-                    if i == len(verified) or verified[i] != seq:
+                    missing = i == len(verified) or verified[i] != seq
+                    if missing and not any(a <= seq <= b for a, b in excused):
                         return committed_at, seq
         return None
 
