@@ -258,9 +258,9 @@ class SecurityConfig(_Section):
     shared). 0: only whole records are checked."""
     skip_audit_first: Annotated[int, Field(ge=0)] = 8
     """Every sample of an untrusted key's first this many skip records is checked against its seeded draws
-    (counted per key as `skips_checked`; a key evicted without standing starts again), so a fresh key,
-    a Sybil's included, cannot hide a group behind a forged skip record before it has delivered this many
-    true ones. A forward of each of them, once per key."""
+    (counted per key as `skips_whole` when queued; a key evicted without standing starts again), so a fresh
+    key, a Sybil's included, cannot hide a group behind a forged skip record before it has delivered this
+    many true ones. A forward of each of them, once per key."""
     committed_draws: bool = False
     """Commit, then reveal (docs/security.md, "Committed draws"; `pnyx.protocol.commits`): before each
     cohort a worker writes a signed commitment (its seqs, their tasks, the version it will draw at) and

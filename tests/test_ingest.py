@@ -244,6 +244,24 @@ def test_incremental_listing_returns_only_what_arrived_since_the_last_listing(st
     assert [n for _, _, n in lists] == [50, 3, 2]
 
 
+def test_a_key_that_lands_late_widens_the_incremental_listings_slack(store):
+    """A worker stamps a key when it seals the group; its courier may upload it seconds later. Such a key,
+    stamped further below the newest listed than the slack, is missed by incremental listings and found by
+    the next full one, which widens the slack to cover it: the next key as late is found at once."""
+    from pnyx.train.version_listing import STAMP_SLACK_MS
+
+    now = layout.now_ms()
+    put(store, make_group(0, "w", 0), stamp_ms=now)
+    ing = make_ingestor(store)
+    assert ing.refresh(0) == 1 and ing.listing.slack_ms == STAMP_SLACK_MS
+    put(store, make_group(0, "v", 0, task_index=1), stamp_ms=now - 10_000)  # sealed 10 s ago, uploaded now
+    assert ing.list_version(0) == 0  # starts 2 s below the newest stamp: missed
+    assert ing.list_version(0, full=True) == 1
+    assert ing.listing.slack_ms == 10_000 + STAMP_SLACK_MS
+    put(store, make_group(0, "u", 0, task_index=2), stamp_ms=now - 9_000)
+    assert ing.list_version(0) == 1  # as late: found by the next incremental listing
+
+
 def test_a_step_downloads_only_the_groups_it_trains_on_whatever_the_backlog(tmp_path):
     store = counting(open_store(str(tmp_path / "run")))
     for seq in range(300):

@@ -182,7 +182,7 @@ def test_a_skip_record_passes_to_the_exact_check_of_its_draws_and_a_forged_one_i
 
 def test_a_keys_first_skip_records_are_checked_whole_then_a_sample_of_each(store):
     """`security.skip_audit_first`: an untrusted key's skip records are checked whole until that many have
-    passed (`skips_checked`), so a fresh key, a Sybil's too, cannot hide a group behind a forged one first;
+    been queued (`skips_whole`), so a fresh key, a Sybil's too, cannot hide a group behind a forged one first;
     after that each gets `skip_draw_samples` random samples checked (and the whole of a random share,
     `skip_draw_audit`, 0 here). A trusted key's are sampled from the start."""
     signer, trusted = _signer(), _signer()
@@ -199,10 +199,10 @@ def test_a_keys_first_skip_records_are_checked_whole_then_a_sample_of_each(store
     assert by_signer == {trusted.fingerprint: by_signer[trusted.fingerprint]}
     assert len(by_signer[trusted.fingerprint]) == 1 and by_signer[trusted.fingerprint] <= {0, 1}
     mine = [a for a in first.values() if a.group.signer == signer.fingerprint]
-    assert [a.samples for a in mine] == [None, None]  # queued before either passed: both whole
+    assert [a.samples for a in mine] == [None, None]  # its first two: whole
     assert ing.draws_audited(list(first.values()), [0.0, 0.0, 0.0], tolerance=1e-3) == 0
-    assert ing.cursor.by_key[signer.fingerprint]["skips_checked"] == 2
-    assert "skips_checked" not in ing.cursor.by_key[trusted.fingerprint]  # a sample is not the whole
+    assert ing.cursor.by_key[signer.fingerprint]["skips_whole"] == 2
+    assert "skips_whole" not in ing.cursor.by_key[trusted.fingerprint]  # a trusted key's are sampled
     assert ing.cursor.skips == {"audited": 3, "draws_checked": 2, "samples_checked": 1}
     later = put_skip(store, _seeded(make_group(0, "w", 2, task_index=2, answers=answers)), signer)
     ing.poll(0)

@@ -3,7 +3,11 @@
 Each version's listed keys are a `VersionListing` (`pnyx.train.version_listing`, with the two LIST calls).
 A key stamped before an upload that lands late is found by the incremental listing's slack, by the periodic
 full listing (`RESCAN_S`) or, at the latest, by the sweep when its version leaves the window, which also
-settles the worker names' seqs there (`pnyx.train.settlement`: the `gap` faults).
+settles the worker names' seqs there (`pnyx.train.settlement`: the `gap` faults). A worker stamps a key when
+it seals the group, and its courier may upload it seconds later (a backlog, a retry): when a full listing
+finds a key the incremental ones missed, stamped further below the newest stamp listed than the slack, the
+slack widens to cover it (`slack_ms`, up to `MAX_SLACK_MS`), so the next such key is found within a listing
+instead of at the next full one.
 
 `WindowListings` is the `Ingestor`'s listing collaborator: the listings of the versions in the window, merged
 as they come (`list_version`, `list_span`, `refresh`), and the sweep of versions that left it, which counts
@@ -30,7 +34,15 @@ from pnyx.train import seq_books, settlement
 from pnyx.train.ingest_state import Cursor, IngestSettings
 from pnyx.train.rescore import ScoredGroup
 from pnyx.train.settlement import ReadSigner
-from pnyx.train.version_listing import GROUPS, VersionListing, kind_of, list_keys, list_range
+from pnyx.train.version_listing import (
+    GROUPS,
+    MAX_SLACK_MS,
+    STAMP_SLACK_MS,
+    VersionListing,
+    kind_of,
+    list_keys,
+    list_range,
+)
 
 log = logging.getLogger("pnyx.train.ingest")
 
@@ -119,6 +131,8 @@ class WindowListings:
         self.sweep_grace_s = sweep_grace_s
         """A version that left the window is swept this long after (uploads that land late still count)."""
         self.gate: KeyGate = OpenGate()
+        self.slack_ms = STAMP_SLACK_MS
+        """How far below the newest stamp listed an incremental listing starts (widened by late keys)."""
         self.excused: Callable[[str, str], list[tuple[int, int]]] | None = None
         """(worker name, key) -> seq ranges whose absence is no gap (committed draws: a restarted worker's
         undrawn cohort, `Ticker.excused`); None: none are."""
@@ -161,7 +175,7 @@ class WindowListings:
     def list_version(self, version: int, full: bool = False) -> int:
         """List one version's prefix (incrementally unless `full`); returns how many new keys it found."""
         with self.shared.lock:
-            start_after = self._listing(version).start_after(layout.now_ms(), full)
+            start_after = self._listing(version).start_after(layout.now_ms(), full, self.slack_ms)
         return self._file(
             {version: list_keys(self.store, version, start_after)}, {version: start_after is None}
         )
@@ -170,7 +184,7 @@ class WindowListings:
         """List versions first..last with one paged listing (stores that list in key order): `first`
         incrementally, the newer ones from their start (they are young: few keys). Returns new keys."""
         with self.shared.lock:
-            start_after = self._listing(first).start_after(layout.now_ms(), False)
+            start_after = self._listing(first).start_after(layout.now_ms(), False, self.slack_ms)
         listings = list_range(self.store, first, last + 1, start_after=start_after)
         return self._file(listings, {v: v > first or start_after is None for v in listings})
 
@@ -184,15 +198,31 @@ class WindowListings:
                 if self._closed.is_set() or version < self.shared.cursor.swept_below:
                     continue  # closed, or swept while we listed (counted there)
                 lst = self._listing(version)
+                high, listed = lst.high_ms, lst.listed_at is not None
                 for key in keys:
                     if key not in lst.seen:
                         new += 1
                         self._merge(lst, key)
+                        if complete.get(version) and listed:
+                            self._widen(high, layout.rollout_stamp(key), key)
                 lst.listed_at = now
                 if complete.get(version):
                     lst.full_at = now
             self.listed += new
         return new
+
+    def _widen(self, high: int, stamp: int | None, key: str) -> None:
+        """A full listing found `key` (stamped `stamp`) that the incremental listings since the newest stamp
+        `high` missed: widen the slack to cover it (caller holds the lock)."""
+        if stamp is None or high < 0 or high - stamp <= self.slack_ms:
+            return
+        widened = min(MAX_SLACK_MS, high - stamp + STAMP_SLACK_MS)
+        if widened > self.slack_ms:
+            log.info(
+                "ingest: %s landed %.1fs behind the newest key listed; incremental listings now re-read %.1fs",
+                key, (high - stamp) / 1000, widened / 1000,
+            )  # fmt: skip
+            self.slack_ms = widened
 
     def _merge(self, lst: VersionListing, key: str) -> None:
         lst.seen.add(key)

@@ -68,9 +68,9 @@ class SkipAudits:
         """Samples of each other such skip record checked exactly, chosen at random
         (`security.skip_draw_samples`)."""
         self.skip_audit_first = 0
-        """An untrusted key's first skip records that pass the check of every sample, counted as
-        `skips_checked` in its books: until it has this many, each of its skip records is checked whole
-        (`security.skip_audit_first`)."""
+        """An untrusted key's first skip records are checked whole: until this many of its records have
+        been queued whole (counted as `skips_whole` in its books, at queue time, so a fresh key uploading
+        many at once buys no more whole forwards than this), each is (`security.skip_audit_first`)."""
         self.check_draws: Callable[[ScoredGroup], str | None] | None = None
         """The admission's policy for unseeded groups (`drawcheck.unseeded_policy`), applied to skip records
         too: a skip record without the run's seeded draws would fill its seq with a group no check can
@@ -147,13 +147,14 @@ class SkipAudits:
 
     def _samples_to_check(self, scored: ScoredGroup) -> frozenset[int] | None:
         """Which samples of skip record `scored` get the exact check (None: every one): all of them for an
-        untrusted key with fewer than `skip_audit_first` skip records checked whole, or at the rate
-        `skip_draw_audit`; else `skip_draw_samples` of them at random (caller holds the lock)."""
+        untrusted key with fewer than `skip_audit_first` skip records queued whole (`skips_whole`), or at
+        the rate `skip_draw_audit`; else `skip_draw_samples` of them at random (caller holds the lock)."""
         fp = scored.signer
         books = self.cursor.by_key.get(fp, {})
-        if (
-            fp not in self.settings.trusted_keys and books.get("skips_checked", 0) < self.skip_audit_first
-        ) or self._audit_rng.random() < self.skip_draw_audit:
+        if fp not in self.settings.trusted_keys and books.get("skips_whole", 0) < self.skip_audit_first:
+            self.ledger.count_key(fp, "skips_whole")
+            return None
+        if self._audit_rng.random() < self.skip_draw_audit:
             return None
         n = len(scored.group.samples)
         return frozenset(self._audit_rng.sample(range(n), min(self.skip_draw_samples, n)))
@@ -192,8 +193,7 @@ class SkipAudits:
     def draws_audited(self, audits: list[DrawAudit], worst: list[float], tolerance: float) -> int:
         """Record the exact check of `audits` (skip records): `worst[i]` is the largest distance of a
         checked model token of audit i from its draw (inf: its version's weights could not be verified, not
-        blamed). A record over `tolerance` is a `false_skip`; one checked whole that passes counts towards
-        its key's `skips_checked`. Returns how many were false."""
+        blamed). A record over `tolerance` is a `false_skip`. Returns how many were false."""
         bad = 0
         with self.shared.lock:
             for a, w in zip(audits, worst, strict=True):
@@ -205,8 +205,6 @@ class SkipAudits:
                     self._false_skip(g.key, g.signer, f"a token is {w:.3g} from its seeded draw")
                 else:
                     self._count_skip("draws_checked" if a.samples is None else "samples_checked")
-                    if a.samples is None:
-                        self.ledger.count_key(g.signer, "skips_checked")
         return bad
 
     def _count_skip(self, outcome: str) -> None:

@@ -36,7 +36,11 @@ def kind_of(key: str) -> str:
 
 
 STAMP_SLACK_MS = 2_000
-"""An incremental listing re-reads keys stamped this long before the highest stamp seen (uploads in flight)."""
+"""An incremental listing re-reads keys stamped this long before the highest stamp seen (uploads in flight),
+at least: the listing widens it when a full listing finds a key that landed further behind
+(`pnyx.train.listing.WindowListings.slack_ms`)."""
+MAX_SLACK_MS = 60_000
+"""The widest the slack grows (a key later than this waits for the next full listing, `RESCAN_S`)."""
 PAGE = 1000
 """Keys per LIST request on S3-compatible stores."""
 
@@ -102,11 +106,12 @@ class VersionListing:
             return True
         return False
 
-    def start_after(self, now_ms: int, full: bool) -> str | None:
-        """The `start_after` bound of the next listing (None: from the start of the prefix)."""
+    def start_after(self, now_ms: int, full: bool, slack_ms: int = STAMP_SLACK_MS) -> str | None:
+        """The `start_after` bound of the next listing (None: from the start of the prefix): `slack_ms` below
+        the highest stamp seen."""
         if full or self.listed_at is None or self.high_ms < 0:
             return None
-        return layout.rollouts_start_after(self.version, min(self.high_ms, now_ms) - STAMP_SLACK_MS)
+        return layout.rollouts_start_after(self.version, min(self.high_ms, now_ms) - slack_ms)
 
 
 def list_keys(store: Store, version: int, start_after: str | None) -> list[str]:
