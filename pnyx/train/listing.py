@@ -131,13 +131,13 @@ class WindowListings:
         self.sweep_grace_s = sweep_grace_s
         """A version that left the window is swept this long after (uploads that land late still count)."""
         self.gate: KeyGate = OpenGate()
+        """The key ledger, which answers the two questions about names; the `Ingestor` connects it once
+        built (the ledger needs this listing, so it is built second)."""
         self.slack_ms = STAMP_SLACK_MS
         """How far below the newest stamp listed an incremental listing starts (widened by late keys)."""
         self.excused: Callable[[str, str], list[tuple[int, int]]] | None = None
         """(worker name, key) -> seq ranges whose absence is no gap (committed draws: a restarted worker's
         undrawn cohort, `Ticker.excused`); None: none are."""
-        """The key ledger, which answers the two questions about names; the `Ingestor` connects it once
-        built (the ledger needs this listing, so it is built second)."""
         self.read_signer: ReadSigner = lambda key, worker, seq: None
         """(fingerprint, seeded) of the record under `key` if it is a valid signed record of (worker, seq),
         else None: how the sweep settles seqs it listed but never read (`seq_books`); the `Ingestor`

@@ -265,8 +265,7 @@ class Trainer:
     def _audit_skip_draws(self) -> dict[str, Any] | None:
         """Rank 0, before a step: the exact check of the tokens of the skip records re-scored since the
         last step (`Ingestor.take_draw_audits`: each record's chosen samples): each must be the draws of its
-        seeded uniforms under the
-        published weights of its version (`Rejudge.draws`, the exact re-check's forward), or its key is
+        seeded uniforms under the published weights of its version (`Rejudge.draws`, the exact re-check's forward), or its key is
         quarantined (`false_skip`). Returns the metrics (`skip_audit`); None when nothing was checked."""
         ing, rejudge = self.parts.ingestor, self.parts.rejudge
         audits = ing.take_draw_audits(self.version)

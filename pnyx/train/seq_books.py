@@ -125,14 +125,11 @@ def excuse(books: dict[str, SeqBook], worker: str, high: int, ranges: list[tuple
     if book is None or not book.seen or not ranges:
         return 0
     low = book.seen[0] if book.low is None else book.low
-    n = 0
+    before = len(book.verified)
     for first, last in ranges:
         for seq in range(max(first, low), min(last, high) + 1):
-            i = bisect.bisect_left(book.verified, seq)
-            if i == len(book.verified) or book.verified[i] != seq:
-                book.verified.insert(i, seq)
-                n += 1
-    return n
+            _insert(book.verified, seq)
+    return len(book.verified) - before
 
 
 def settle(books: dict[str, SeqBook], worker: str, high: int, version: int) -> int:

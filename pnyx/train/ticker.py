@@ -9,7 +9,8 @@ none. Admission asks `check(group, signer)` whether a committed group matches it
 What it remembers: every tick of the window (by the version the trainer held when it ticked; a group of an
 older version is stale anyway), per (worker name, key) the first and highest seq committed (`seqs`, at
 most `MAX_NAMES` pairs, the oldest forgotten first), the window's committed ranges (`ranges`, for the
-hold-back) and the seqs it excused (`lost`). On a restart it reads back the ticks of the window and rebuilds all three from them; a pair last seen in a tick older than the window is forgotten (docs/security.md,
+hold-back) and the seqs it excused (`lost`). On a restart it reads back the ticks of the window and rebuilds
+all four from them; a pair last seen in a tick older than the window is forgotten (docs/security.md,
 "Committed draws"). Store errors are logged and retried at the next interval: a tick that cannot be written
 delays the workers waiting for it, nothing else.
 

@@ -271,15 +271,14 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         tokenize=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
         max_new_tokens=budget,
     )
+    skips = ingestor.skips
     if sec.seeded_draws:
         ingestor.admission.check_draws = unseeded_policy(sec.accept_unseeded, ingestor.settings.trusted_keys)
-        ingestor.skips.check_draws = ingestor.admission.check_draws
-    if sec.seeded_draws:
-        skips = ingestor.skips
+        skips.check_draws = ingestor.admission.check_draws
         skips.skip_draw_audit, skips.skip_draw_samples = sec.skip_draw_audit, sec.skip_draw_samples
         skips.skip_audit_first = sec.skip_audit_first
     else:
-        ingestor.skips.skip_draw_audit = 0.0
+        skips.skip_draw_audit = 0.0
     ingestor.admission.decode = hooks.decoder(ingestor.admission.decode)
     return TrainerParts(
         cfg=cfg,
