@@ -269,6 +269,13 @@ class SecurityConfig(_Section):
     picker that draws a seq again with another task, which no other check sees. A group without a
     matching commitment is dropped (`uncommitted`, a fault). Costs a worker the wait for a tick per cohort.
     Needs `seeded_draws`; off by default until proven on the SmolLM2 recipe."""
+    commit_ahead: bool = True
+    """Under committed draws: a worker commits its next cohort (tasks, seqs, the version it will draw at:
+    the newest it has staged) as it starts drawing the current one, so the tick is there when it needs it
+    and it does not wait for one per cohort. It commits ahead only what supply control, the version cap and
+    its quota leave room for beyond the current cohort; a stop draws the cohort committed ahead before the
+    worker leaves (its seqs would otherwise be gaps). Costs: new weights reach generation one cohort later,
+    and the tasks of a cohort are chosen before the outcomes of the one before are known."""
     standing_groups: Annotated[int, Field(ge=0)] = 0
     """Under committed draws: the first this many seqs a worker name commits under an untrusted key are
     read and checked but never trained on (they expire), so a key must deliver that many groups it did not

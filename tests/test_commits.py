@@ -156,8 +156,10 @@ def test_a_restarted_worker_moves_past_the_seqs_it_committed_before_its_crash(pa
     after = Committer(store, key, RUN, "w1", trainer.fingerprint)
     ticker.start()
     try:
-        got, seqs = after.draw_seqs(
-            3, ["e", "f"], sealer.reserve, lambda s: sealer.resume(max(s, sealer.next_seq)), threading.Event()
+        ahead = after.ahead(3, ["e", "f"], sealer.reserve)
+        assert ahead.seqs == [0, 1]  # the dead life's seqs: refused, then committed again past them
+        got, seqs = after.draw(
+            ahead, sealer.reserve, lambda s: sealer.resume(max(s, sealer.next_seq)), threading.Event()
         )
     finally:
         ticker.close()
@@ -296,6 +298,37 @@ def test_a_restarted_workers_undrawn_cohort_is_excused_within_a_budget_and_not_h
     restarted = Ticker(store, trainer, RUN, 0.01, lambda: version[0], max_staleness=2)
     restarted.restore()
     assert restarted.excused("w1", fp) == [(2, 3)]
+
+
+def test_a_restart_excuses_the_cohort_being_drawn_and_the_one_committed_ahead(parts):
+    """Under `security.commit_ahead` a worker killed while drawing cohort k has cohort k+1 committed too: the
+    excuse covers the pair's last two included commitments from the refused one's first seq on, no more."""
+    store, trainer, ticker, _ = parts
+    key = _signer()
+    fp = key.for_run(RUN).fingerprint
+    before = Committer(store, key, RUN, "w1", trainer.fingerprint)
+    before.commit(3, [0, 1], ["a", "b"])
+    ticker.tick()
+    before.commit(3, [2, 3], ["c", "d"])  # drawn and uploaded
+    ticker.tick()
+    before.commit(3, [4, 5], ["e", "f"])  # being drawn at the kill
+    before.commit(3, [6, 7], ["g", "h"])  # committed ahead
+    ticker.tick()
+    after = Committer(store, key, RUN, "w1", trainer.fingerprint)
+    refused = after.commit(3, [4, 5], ["i", "j"])  # the store and spool hold seqs up to 3
+    tick = ticker.tick()
+    assert refused.key in tick.refused and "next free seq 8" in tick.refused[refused.key]
+    assert [(x.first_seq, x.last_seq) for x in tick.lost] == [(4, 7)]
+    # a claim from further back excuses no seq before the last two commitments
+    other = _signer()
+    w2 = Committer(store, other, RUN, "w2", trainer.fingerprint)
+    for first in (0, 2, 4):
+        w2.commit(3, [first, first + 1], ["x", "y"])
+        ticker.tick()
+    w2.commit(3, [0, 1], ["z", "z"])
+    tick = ticker.tick()
+    assert [(x.worker_id, x.first_seq, x.last_seq) for x in tick.lost] == [("w2", 2, 5)]
+    assert ticker.excused("w1", fp) == [(4, 7)]
 
 
 def test_excused_seqs_settle_as_lost_not_gaps():

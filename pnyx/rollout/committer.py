@@ -3,6 +3,8 @@
     committer = Committer(store, signer, run_id, "gpu-box-1", trainer_fingerprint)
     ticket = committer.commit(version, seqs, task_ids)      # the signed commitment for the next tick
     outcome = committer.wait(ticket, stop)                  # that tick: its beacon, or why it refused
+    ahead = committer.ahead(version, task_ids, reserve)     # a cohort committed ahead (seqs reserved)
+    drawn, seqs = committer.draw(ahead, reserve, skip_to, stop)   # later: its tick (recommitted if refused)
 
 `commit` reads the `ticks/LATEST` hint, writes the commitment under the next tick's prefix and returns a
 `Ticket`. `wait` polls for that tick, verifies the trainer's signature and returns a `Drawn` (the tick
@@ -49,6 +51,16 @@ class Ticket:
     key: str
     data: bytes
     first_seq: int
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A commitment written and not yet drawn: its ticket, its seqs, the version and tasks it names."""
+
+    ticket: Ticket
+    seqs: list[int]
+    version: int
+    task_ids: list[str]
 
 
 @dataclass(frozen=True)
@@ -164,23 +176,28 @@ class Committer:
         finally:
             self.wait_s += time.monotonic() - t0
 
-    def draw_seqs(
-        self, version: int, task_ids: list[str], reserve: Callable[[], int], skip_to: Callable[[int], None],
-        stop: threading.Event,
-    ) -> tuple[Drawn | None, list[int]]:  # fmt: skip
-        """Reserve one seq per task (`reserve`), commit to them and wait for the tick. Returns (how to draw,
-        the seqs); (None, []) when `stop` came first. A commitment refused because its seqs were committed
-        before (a restarted worker) moves the numbering on (`skip_to(next free seq)`) and commits again;
-        any other refusal raises RuntimeError (an honest worker never meets one)."""
+    def ahead(self, version: int, task_ids: list[str], reserve: Callable[[], int]) -> Ahead:
+        """Reserve one seq per task (`reserve`) and commit to them, drawn at `version`, without waiting for
+        the tick: a worker commits its next cohort while it draws the one before (`draw` later)."""
+        seqs = [reserve() for _ in task_ids]
+        return Ahead(self.commit(version, seqs, task_ids), seqs, version, list(task_ids))
+
+    def draw(
+        self, ahead: Ahead, reserve: Callable[[], int], skip_to: Callable[[int], None], stop: threading.Event
+    ) -> tuple[Drawn | None, list[int]]:
+        """Wait for the tick of commitment `ahead`. Returns (how to draw, the seqs); (None, []) when `stop` came
+        first. A commitment refused because its seqs were committed before (a restarted worker) moves the
+        numbering on (`skip_to(next free seq)`) and commits the same tasks again under new seqs; any other
+        refusal raises RuntimeError (an honest worker never meets one)."""
         while True:
-            seqs = [reserve() for _ in task_ids]
-            got = self.wait(self.commit(version, seqs, task_ids), stop)
+            got = self.wait(ahead.ticket, stop)
             if got is None or isinstance(got, Drawn):
-                return got, seqs if got is not None else []
+                return got, ahead.seqs if got is not None else []
             log.warning("worker %s: commitment refused: %s", self.worker_id, got.reason)
             if got.next_seq is None:
                 raise RuntimeError(f"the trainer refused worker {self.worker_id}'s commitment: {got.reason}")
             skip_to(got.next_seq)
+            ahead = self.ahead(ahead.version, ahead.task_ids, reserve)
 
     def _recommit(self, ticket: Ticket, n: int) -> Ticket:
         """The same commitment (same bytes) for tick `n`."""

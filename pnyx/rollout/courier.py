@@ -108,6 +108,19 @@ class Courier:
         if self.fatal is not None:
             raise self.fatal
 
+    def last_flush(self, deadline_s: float) -> None:
+        """After the thread ended on a stop (its final flush ran when the stop came): upload, in the caller's
+        thread and within `deadline_s`, what the generating thread spooled since (the cohort it finished, and
+        one it had committed ahead: `pnyx.rollout.worker`), then write the final heartbeat again. Nothing when
+        the thread is still running or ended on an error, or when its last flush failed (the store is down:
+        the spool keeps the groups for the next start)."""
+        if not self.done.is_set() or self.fatal is not None or not len(self.spool):
+            return
+        if self._retry_at > time.monotonic():
+            return
+        self._flush(deadline_s, stop=None)
+        self._beat(final=True)
+
     def drained(self) -> bool:
         return len(self.spool) == 0
 

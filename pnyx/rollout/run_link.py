@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from pnyx.errors import ConfigError, PnyxError, StoreError
 from pnyx.protocol import layout
 from pnyx.protocol.records import Demand, RolloutGroup, RunManifest
-from pnyx.rollout.committer import Committer, Drawn
+from pnyx.rollout.committer import Ahead, Committer, Drawn
 from pnyx.rollout.courier import Courier
 from pnyx.rollout.joining import cold_join, read_run_manifest, resume_seq
 from pnyx.rollout.sealer import Sealer
@@ -119,9 +119,15 @@ class RunLink:
         """Fingerprint of the key this worker signs with (part of its groups' seeded draws)."""
         return self._sealer().signer.fingerprint
 
-    def commit(self, version: int, task_ids: list[str]) -> tuple[Drawn | None, list[int]]:
-        """Committed draws: reserve one seq per task, commit to them, wait for the trainer's tick
-        (`Committer.draw_seqs`). Returns (how to draw, the seqs); (None, []) when the stop came first."""
+    def commit_ahead(self, version: int, task_ids: list[str]) -> Ahead:
+        """Committed draws: reserve one seq per task and commit to them, drawn at `version`, without waiting
+        for the tick (`Committer.ahead`; `draw` waits)."""
+        return self._committer().ahead(version, task_ids, self._sealer().reserve)
+
+    def draw(self, ahead: Ahead, stop: threading.Event | None = None) -> tuple[Drawn | None, list[int]]:
+        """Wait for the trainer's tick of `ahead` (`Committer.draw`; a refused reuse of seqs moves the
+        numbering on). Returns (how to draw, the seqs); (None, []) when the stop (`stop`, default this link's
+        stop) came first."""
         sealer = self._sealer()
 
         def skip_to(seq: int) -> None:
@@ -129,9 +135,17 @@ class RunLink:
 
         committer = self._committer()
         try:
-            return committer.draw_seqs(version, task_ids, sealer.reserve, skip_to, self.stop_event)
+            return committer.draw(ahead, sealer.reserve, skip_to, stop or self.stop_event)
         finally:
             self.progress.commit_wait_s = committer.wait_s
+
+    def pin_next(self) -> int | None:
+        """The version the next `swap` installs, fixed now (`Syncer.pin`): None when it installs nothing."""
+        return self._weights().pin()
+
+    def unpin(self) -> None:
+        """Undo `pin_next`: the next `swap` installs the newest staged version again."""
+        self._weights().unpin()
 
     def _committer(self) -> Committer:
         if self.committer is None:
@@ -292,6 +306,8 @@ class RunLink:
             progress.set("stopped", self._stop_reason or "done")
         self.end_courier(self.opts.final_flush_s)
         spool = self.spool
+        if self.courier is not None and spool is not None and len(spool):
+            self.courier.last_flush(self.opts.final_flush_s)  # spooled after the courier's final flush
         if spool is not None and len(spool):
             log.warning(
                 "worker %s: %d group(s) not uploaded at stop, kept in %s: the next start of this worker id "

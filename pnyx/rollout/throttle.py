@@ -145,6 +145,11 @@ class Throttle:
             return self.cohort
         return 0
 
+    def room(self) -> float:
+        """Groups this worker may still make toward its target, read without granting a stall cohort (what a
+        cohort committed ahead may take: `pnyx.rollout.worker`)."""
+        return self.target - self.made
+
     def stall_after(self) -> float:
         """Seconds without a new demand after which the next stall cohort is granted."""
         base = max(1.0, 2.0 * self.step_s) if self.step_s > 0 else 2.0
@@ -200,6 +205,11 @@ class Supply:
         heartbeat's detail), read together."""
         with self._lock:
             return self.throttle.allowance(), self.throttle.wait_hint(), self.throttle.describe()
+
+    def room(self) -> float:
+        """`Throttle.room`."""
+        with self._lock:
+            return self.throttle.room()
 
     def poll_interval(self, default_s: float) -> float:
         with self._lock:

@@ -47,12 +47,18 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from pnyx.envs import stable_hash
 from pnyx.errors import IntegrityError
 from pnyx.protocol import layout
 from pnyx.protocol.records import RolloutGroup
+from pnyx.rollout.committer import Ahead
+from pnyx.rollout.deferred import Deferred
 from pnyx.rollout.joining import default_worker_id
 from pnyx.rollout.run_link import RunLink
 from pnyx.rollout.screen import Screen
@@ -64,7 +70,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from pnyx.config import PnyxConfig
-    from pnyx.envs import Environment
+    from pnyx.envs import Environment, Task
+    from pnyx.rollout.cohort import CohortSpec
     from pnyx.rollout.curriculum import Curriculum
     from pnyx.rollout.engines.base import WorkerEngine
 
@@ -72,8 +79,22 @@ log = logging.getLogger("pnyx.worker")
 
 CURRICULUM_LOG_EVERY = 100
 """Cohorts between two log lines of the curriculum's per-class shares."""
+AHEAD_MARGIN_S = 0.3
+"""Under committed draws, a cohort committed ahead is committed this long (or two tick intervals, if longer)
+before the cohort being drawn should end: its tick (written within a tick interval, then read by a poll) is
+there when it is needed, and the version it names is the newest staged at that point."""
+DRAIN_TICK_S = 5.0
+"""At a stop, seconds a worker waits for the tick of a cohort it committed ahead before leaving it undrawn."""
 
 __all__ = ["Generation", "Status", "Worker", "WorkerOptions", "WorkerSummary"]
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """A cohort committed and not drawn yet: the commitment (`RunLink.commit_ahead`) and its tasks."""
+
+    commit: Ahead
+    tasks: list[Task]
 
 
 @dataclass
@@ -107,6 +128,10 @@ class Worker:
         self._made: dict[int, int] = {}  # groups spooled per policy version (for version_cap)
         self._cohorts = 0  # cohorts generated (for the curriculum's periodic log line)
         self._kept_frac = 1.0  # recent share of groups not skipped as zero-variance (sizes throttled cohorts)
+        self._ahead: Deferred[_Ahead | None] | None = None  # committed draws: the next cohort (its commitment
+        # written on a timer shortly before this one ends, `_plan_ahead`), not drawn yet
+        self._cohort_s = 0.0  # recent wall seconds per cohort (when to commit the next one ahead)
+        self._tick_stop: threading.Event | None = None  # set while `_drain` waits for a tick (bounded)
         self._joined = False
 
     @property
@@ -205,12 +230,14 @@ class Worker:
     # -- the loop --
 
     def run(self) -> WorkerSummary:
-        """Join (if not yet), then loop until stopped or `max_groups` uploaded; flush and say goodbye."""
+        """Join (if not yet), then loop until stopped or `max_groups` uploaded (then draw a cohort committed
+        ahead, `_drain`); flush and say goodbye."""
         try:
             if not self._joined:
                 self.join()
             while not self.stopping and not self._quota_reached():
                 self.step()
+            self._drain()
         except InterruptedError:
             log.info("worker %s stopped before it joined", self.worker_id)
         except BaseException as e:
@@ -218,6 +245,8 @@ class Worker:
             self.link.end_courier(self.opts.final_flush_s)
             raise
         finally:
+            if self._ahead is not None:
+                self._ahead.cancel()  # an error: no commitment written after it
             self.link.stop_prefetch()
             if self.gen is not None:
                 self.gen.engine.close()
@@ -225,15 +254,17 @@ class Worker:
 
     def step(self) -> None:
         """One cohort boundary: maybe swap weights, then (if supply control and the spool allow) generate one
-        cohort and spool its groups. Never calls the store: the courier uploads."""
-        from pnyx.envs import stable_hash
-        from pnyx.protocol.rules import is_zero_variance
-        from pnyx.rollout.cohort import CohortSpec, generate_cohort, sampling_params
+        cohort and spool its groups. Never calls the store but for committed draws' commitment and tick (the
+        courier uploads). Under committed draws with `security.commit_ahead` the cohort after this one is
+        committed while this one is drawn (`_plan_ahead`), and the next boundary draws that one."""
+        from pnyx.rollout.cohort import CohortSpec
 
-        link, gen, supply, cfg, spool = self.link, self.gen, self.supply, self.cfg, self.link.spool
-        if not self._joined or gen is None or supply is None or cfg is None or spool is None:
+        link, gen, supply, cfg = self.link, self.gen, self.supply, self.cfg
+        if not self._joined or gen is None or supply is None or cfg is None or link.spool is None:
             raise RuntimeError("Worker.step() before join(): call run() or join() first")
-        fresh = link.swap()  # re-raises a fatal error of the store or prefetch thread
+        plan, self._ahead = self._ahead, None
+        ahead = plan.take() if plan is not None else None  # written now if its timer has not fired yet
+        fresh = link.swap()  # re-raises a fatal error; after `pin_next`, exactly the version committed ahead
         if fresh is not None:
             self._load(fresh)
             log.info("worker %s swapped to v=%d digest=%s", self.worker_id, fresh, self.progress.digest[:12])
@@ -241,6 +272,53 @@ class Worker:
         version = progress.version
         if version is None:
             raise RuntimeError("Worker.step() before join(): call run() or join() first")
+        if ahead is not None and ahead.commit.version != version:
+            raise RuntimeError(
+                f"a cohort committed ahead at v{ahead.commit.version}, the engine holds v{version}"
+            )
+        seed = stable_hash(cfg.run.seed, self.worker_id, link.next_seq, progress.skipped_zero_variance) % (
+            2**31
+        )
+        # every token drawn from seeded uniforms the trainer checks (engines that can)
+        seeded = getattr(gen.engine, "seeded_draws", False)
+        w = cfg.worker
+        spec = CohortSpec(
+            run_id=link.run_id, worker_id=self.worker_id, version=version, digest=progress.digest,
+            group_size=w.group_size, temperature=w.temperature, top_p=w.top_p, top_k=w.top_k,
+            max_new_tokens=gen.max_new_tokens, seed=seed, key=link.key if seeded else "",
+        )  # fmt: skip
+        if ahead is not None:
+            tasks = ahead.tasks
+        else:
+            n = self._cohort_size(version)
+            if n <= 0:
+                return  # paused (the reason is in the heartbeat)
+            tasks = self._pick(spec, n, version)
+        next_seq = link.reserve_seq if seeded else lambda: 0
+        if seeded and link.committer is not None:  # committed draws: the seqs and tasks first, then the tick
+            if ahead is None:
+                ahead = _Ahead(link.commit_ahead(version, [t.id for t in tasks]), tasks)
+            progress.set(
+                "waiting", f"v={version}: committed {len(tasks)} task(s), waiting for the trainer's tick"
+            )
+            drawn, seqs = link.draw(ahead.commit, self._tick_stop)
+            if drawn is None:
+                self._ahead = Deferred.of(ahead)  # stopping: `run` draws it if its tick comes (`_drain`)
+                return
+            spec = replace(spec, tick=drawn.n, beacon=drawn.beacon, commit=drawn.key)
+            next_seq = iter(seqs).__next__
+            if cfg.security.commit_ahead and self._tick_stop is None:
+                self._ahead = self._plan_ahead(spec, len(tasks), version)
+        t0 = time.monotonic()
+        self._generate(spec, tasks, next_seq, version)
+        took = time.monotonic() - t0
+        self._cohort_s = took if not self._cohort_s else 0.7 * self._cohort_s + 0.3 * took
+
+    def _cohort_size(self, version: int) -> int:
+        """Prompts for the next cohort at `version` by the version cap, the spool, supply control and the
+        quota; 0 after pausing for the reason (set in the heartbeat)."""
+        cfg, supply, spool, progress, link = self.cfg, self.supply, self.link.spool, self.progress, self.link
+        assert cfg is not None and supply is not None and spool is not None
         w = cfg.worker
         cap = self.version_cap
         n = w.prompts_per_cohort
@@ -251,18 +329,18 @@ class Worker:
             if n <= 0:
                 progress.set("waiting", f"v={version}: {cap} groups made, waiting for the next version")
                 link.pause(w.poll_interval_s)
-                return
+                return 0
         if len(spool) + n > spool.max_groups:
             # never generate what could not be spooled; the courier is retrying the store
             progress.set("waiting", f"store unreachable, {len(spool)} group(s) spooled")
             link.pause(1.0)
-            return
+            return 0
         if w.supply_control:
             allowed, hint, why = supply.allowance()
             if allowed <= 0:
                 progress.set("waiting", why)
                 link.pause(hint)
-                return
+                return 0
             # prompts for `allowed` uploadable groups, given how many recently had zero variance
             n = min(n, math.ceil(allowed / max(0.25, self._kept_frac)))
         if self.opts.max_groups is not None:
@@ -270,35 +348,77 @@ class Worker:
             if n <= 0:  # the quota is spooled: wait for the courier to upload it
                 progress.set("uploading", f"pending={len(spool)}")
                 link.pause(0.5)
-                return
-        seed = stable_hash(cfg.run.seed, self.worker_id, link.next_seq, progress.skipped_zero_variance) % (
-            2**31
-        )
-        # every token drawn from seeded uniforms the trainer checks (engines that can)
-        seeded = getattr(gen.engine, "seeded_draws", False)
-        spec = CohortSpec(
-            run_id=link.run_id, worker_id=self.worker_id, version=version, digest=progress.digest,
-            group_size=w.group_size, temperature=w.temperature, top_p=w.top_p, top_k=w.top_k,
-            max_new_tokens=gen.max_new_tokens, seed=seed, key=link.key if seeded else "",
-        )  # fmt: skip
+                return 0
+        return n
+
+    def _plan_ahead(self, spec: CohortSpec, drawing: int, version: int) -> Deferred[_Ahead | None] | None:
+        """The cohort after the one of `drawing` tasks about to be drawn at `version`: its tasks picked now, a
+        whole cohort where supply control leaves room beyond the cohort drawn now (its groups not made yet:
+        counted at the recent share kept), within the version cap, the spool and the quota; its commitment
+        written on a timer `AHEAD_MARGIN_S` (or two ticks) before this cohort should end by the recent
+        cohorts' length (`_commit_at`), so it names the newest version staged by then and its tick is there
+        when it is needed. None: no room (the next boundary commits and waits, as without `commit_ahead`),
+        or stopping."""
+        cfg, supply, spool = self.cfg, self.supply, self.link.spool
+        assert cfg is not None and supply is not None and spool is not None
+        if self.stopping:
+            return None
+        n = cfg.worker.prompts_per_cohort
+        if self.version_cap is not None:  # as if drawn at `version`: a newer one has no groups made yet
+            n = min(n, self.version_cap - self._made.get(version, 0) - drawing)
+        if len(spool) + drawing + n > spool.max_groups:
+            n = 0
+        if cfg.worker.supply_control and supply.room() - drawing * self._kept_frac <= 0:
+            # The room is read before the demand this cohort's groups will answer: a cohort committed ahead
+            # is made whole where any room is left (sized to the room, it came out ~15% smaller than the
+            # cohorts of a worker that commits as it goes, each batch less efficient: bench_commit_ahead.py)
+            n = 0
+        if self.opts.max_groups is not None:
+            n = min(n, self.opts.max_groups - spool.accounted() - drawing)
+        if n <= 0:
+            return None
+        tasks = self._pick(spec, n, version)
+        margin = max(AHEAD_MARGIN_S, 2 * cfg.security.tick_interval_s)
+        return Deferred(lambda: self._commit_at(tasks, version), self._cohort_s - margin)
+
+    def _commit_at(self, tasks: list[Task], version: int) -> _Ahead | None:
+        """Commit `tasks` at the version the next swap installs (`RunLink.pin_next`: the newest staged, else
+        `version`, the one drawn now). On the timer's thread or the generating one (`Deferred`); None when
+        stopping (nothing committed, nothing left undrawn)."""
+        if self.stopping:
+            return None
+        link = self.link
+        target = link.pin_next()
+        at = version if target is None else target
+        return _Ahead(link.commit_ahead(at, [t.id for t in tasks]), tasks)
+
+    def _pick(self, spec: CohortSpec, n: int, version: int) -> list[Task]:
+        """`n` tasks for a cohort at `version`: a pool from the curriculum (or the env's train stream), then
+        the screen's pick."""
+        from pnyx.rollout.cohort import sampling_params
+
+        gen, progress = self.gen, self.progress
+        assert gen is not None
         pool_n = gen.screen.pool_size(n)
         if gen.curriculum is not None:
-            pool = gen.curriculum.sample(seed, pool_n, version)
+            pool = gen.curriculum.sample(spec.seed, pool_n, version)
         else:
-            pool = gen.env.sample("train", seed=seed, n=pool_n)
+            pool = gen.env.sample("train", seed=spec.seed, n=pool_n)
         tasks = gen.screen.pick(pool, n, sampling_params(spec, gen.env))
         progress.screen_s, progress.tasks_screened = gen.screen.seconds, gen.screen.scored
-        next_seq = link.reserve_seq if seeded else lambda: 0
-        if seeded and link.committer is not None:  # committed draws: the seqs and tasks first, then the tick
-            progress.set(
-                "waiting", f"v={version}: committed {len(tasks)} task(s), waiting for the trainer's tick"
-            )
-            drawn, seqs = link.commit(version, [t.id for t in tasks])
-            if drawn is None:
-                return  # stopping
-            spec = replace(spec, tick=drawn.n, beacon=drawn.beacon, commit=drawn.key)
-            next_seq = iter(seqs).__next__
-        progress.set("generating", f"v={version} tasks={n}")
+        return tasks
+
+    def _generate(
+        self, spec: CohortSpec, tasks: list[Task], next_seq: Callable[[], int], version: int
+    ) -> None:
+        """Generate the cohort of `tasks` at `version`, observe it (curriculum, screen) and spool its groups."""
+        from pnyx.protocol.rules import is_zero_variance
+        from pnyx.rollout.cohort import generate_cohort
+
+        gen, supply, progress, spool, cfg = self.gen, self.supply, self.progress, self.link.spool, self.cfg
+        assert gen is not None and supply is not None and spool is not None and cfg is not None
+        w = cfg.worker
+        progress.set("generating", f"v={version} tasks={len(tasks)}")
         # a seeded group's seq is reserved now (its draws name it); an unseeded one is numbered when sealed
         result = generate_cohort(gen.engine, gen.tokenizer, gen.env, tasks, spec, next_seq)
         progress.generate_s += result.gen_seconds
@@ -325,6 +445,34 @@ class Worker:
         )  # fmt: skip
         if kept:
             progress.set("uploading", f"v={version} pending={len(spool)}")
+
+    def _drain(self) -> None:
+        """At a stop, draw the cohort committed ahead (its seqs would be gaps, faults of this key, if it were
+        never drawn), waiting for its tick at most `DRAIN_TICK_S` (the trainer may be gone: then it is left,
+        and a restart of this worker has it excused, `pnyx.train.ticker`)."""
+        plan = self._ahead
+        ahead = plan.take() if plan is not None else None
+        self._ahead = Deferred.of(ahead) if ahead is not None else None
+        if ahead is None:
+            return
+        stop = threading.Event()
+        timer = threading.Timer(DRAIN_TICK_S, stop.set)
+        timer.daemon = True
+        self._tick_stop = stop
+        timer.start()
+        try:
+            log.info("worker %s: stopping: drawing the %d task(s) committed ahead first", self.worker_id,
+                     len(ahead.tasks))  # fmt: skip
+            self.step()
+            if self._ahead is not None:
+                log.warning(
+                    "worker %s: no tick for the cohort committed ahead within %.0fs: its %d seq(s) stay undrawn",
+                    self.worker_id, DRAIN_TICK_S, len(ahead.tasks),
+                )  # fmt: skip
+        finally:
+            timer.cancel()
+            self._tick_stop = None
+            self._ahead = None
 
     def _spool_groups(
         self, groups: list[RolloutGroup], version: int, supply: Supply, *, skip_zero_variance: bool

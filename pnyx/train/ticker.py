@@ -17,9 +17,9 @@ delays the workers waiting for it, nothing else.
 **A restarted worker.** A worker killed between its commitment's tick and the upload of the groups it drew
 comes back numbering after the highest seq its store and spool hold, and its first commitment reuses seqs
 its earlier life committed: the tick refuses it ("next free seq N") and the worker moves on to N. The seqs
-of that earlier cohort it never drew would be gaps (faults of its key). The tick that refuses it excuses
-them instead (`Lost`, in the tick: the seqs of the pair's last included commitment from the refused one's
-first seq on, at most `MAX_EXCUSED`): the settlement counts them `lost`, not `gap`, and the hold-back does
+of the earlier cohorts it never drew would be gaps (faults of its key). The tick that refuses it excuses
+them instead (`Lost`, in the tick: the seqs of the pair's last two included commitments, the cohort it was
+drawing and the one it had committed ahead, from the refused one's first seq on, at most `MAX_EXCUSED`): the settlement counts them `lost`, not `gap`, and the hold-back does
 not wait for them. A picker could claim a restart after a draw it did not want, so the excuse is budgeted:
 one per (name, key), and one more per `EXCUSE_EVERY` seqs it committed; past that a refused reuse leaves
 gaps as before.
@@ -60,7 +60,10 @@ KEEP_VERSIONS_EXTRA = 2
 EXCUSE_EVERY = 100
 """A (name, key) may have one restart's undrawn seqs excused, and one more per this many seqs committed."""
 MAX_EXCUSED = 64
-"""Seqs one excuse covers at most (a cohort's; the rest of a larger commitment stay gaps)."""
+"""Seqs one excuse covers at most (two cohorts'; the rest of larger commitments stay gaps)."""
+EXCUSED_COMMITMENTS = 2
+"""A restart's excuse covers the pair's last this many included commitments: the cohort a worker was drawing
+and the one it had committed ahead (`security.commit_ahead`)."""
 
 
 class Ticker:
@@ -259,15 +262,16 @@ class Ticker:
         )
 
     def _excuse(self, pair: tuple[str, str], first: int, pending: list[Lost]) -> Lost | None:
-        """The seqs a refused reuse from `first` excuses for `pair`: those of its last included commitment
-        from `first` on (a restarted worker's undrawn cohort), if its budget allows (see the module
-        docstring); None: nothing to excuse."""
+        """The seqs a refused reuse from `first` excuses for `pair`: those of its last `EXCUSED_COMMITMENTS`
+        included commitments from `first` on (a restarted worker's undrawn cohorts: the one it was drawing
+        and the one it had committed ahead), if its budget allows (see the module docstring); None: nothing
+        to excuse."""
         with self._lock:
             ranges = self.ranges.get(pair)
             if not ranges or pair not in self.seqs:
                 return None
-            start, count, _ = max(ranges)
-            high = start + count - 1
+            last = sorted(ranges)[-EXCUSED_COMMITMENTS:]  # the cohort drawn and the one committed ahead
+            start, high = last[0][0], max(a + n - 1 for a, n, _ in last)
             lo = max(first, start, high - MAX_EXCUSED + 1)
             done = self.lost.get(pair, []) + [
                 (x.first_seq, x.last_seq) for x in pending if (x.worker_id, x.key) == pair

@@ -92,6 +92,8 @@ class Syncer:
         self._sleep = sleep
         self._served: Verified | None = None
         self._staged: Verified | None = None
+        self._pinned: Verified | None = None  # the staged state `pin` promised the next `swap`
+        self._pin_set = False  # `pin` was called since the last `swap` (None pinned: swap installs nothing)
         self._lock = threading.Lock()
         self._tensors: tuple[int, dict[str, torch.Tensor]] | None = None
         self.last_error: str | None = None
@@ -307,14 +309,32 @@ class Syncer:
                 self._staged = v
         return v.version
 
+    def pin(self) -> int | None:
+        """The version the next `swap` installs, fixed now: the staged state if it is newer than the served
+        one (the prefetch thread may stage a newer one meanwhile; the next swap still installs this one), or
+        None (nothing newer staged: the next swap installs nothing). A worker committing a cohort ahead names
+        this version before it finishes the cohort it is drawing (`pnyx.rollout.worker`)."""
+        with self._lock:
+            staged = self._staged
+            newer = staged is not None and (self._served is None or staged.version > self._served.version)
+            self._pinned, self._pin_set = (staged if newer else None), True
+            return self._pinned.version if self._pinned is not None else None
+
+    def unpin(self) -> None:
+        """Undo `pin`: the next `swap` installs the newest staged state again."""
+        with self._lock:
+            self._pinned, self._pin_set = None, False
+
     def swap(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """Install the prefetched state if it is newer; return (version, tensors), or None if nothing new.
+        """Install the prefetched state if it is newer (the pinned one after `pin`, whatever was staged
+        since); return (version, tensors), or None if nothing new.
 
         Re-raises an unexpected error of the prefetch thread."""
         if self._fatal is not None:
             raise self._fatal
         with self._lock:
-            staged = self._staged
+            staged = self._pinned if self._pin_set else self._staged
+            self._pinned, self._pin_set = None, False
         if staged is None or (self._served is not None and staged.version <= self._served.version):
             return None
         self._install(staged)
