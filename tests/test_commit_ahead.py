@@ -9,7 +9,7 @@ committed ahead before the worker leaves, so no committed seq is left undrawn.""
 from __future__ import annotations
 
 import pytest
-from worker_support import make_run, rollout_groups
+from worker_support import make_run, on_generate, rollout_groups
 
 from pnyx.protocol import commits, layout
 from pnyx.rollout.worker import Worker, WorkerOptions
@@ -48,19 +48,6 @@ def _commitments(store, worker_id: str) -> list[tuple[int, int, list[str]]]:
     return sorted(out.values())
 
 
-def _on_generate(worker: Worker, hook):
-    real = worker.gen.engine.generate
-    calls = [0]
-
-    def generate(prompt_ids, params):
-        hook(calls[0])
-        calls[0] += 1
-        return real(prompt_ids, params)
-
-    worker.gen.engine.generate = generate
-    return calls
-
-
 def _check_against_ticks(run, ticker, groups) -> None:
     for _, g in groups:
         inc = ticker.get(g.tick).included[g.commit]
@@ -83,7 +70,7 @@ def test_the_next_cohort_is_committed_before_the_current_one_draws_at_the_versio
             run.publish(call + 1)
             assert worker.link.syncer.prefetch_once() == call + 1
 
-    _on_generate(worker, during)
+    on_generate(worker, during)
     try:
         worker.run()
     finally:
@@ -105,7 +92,7 @@ def test_a_stop_draws_the_cohort_committed_ahead_before_leaving(tmp_path, tiny_m
     ticker = _ticking(run)
     worker = Worker(run.store, WorkerOptions(worker_id="w1"))
     worker.join()
-    _on_generate(worker, lambda call: worker.request_stop("test") if call == 0 else None)
+    on_generate(worker, lambda call: worker.request_stop("test") if call == 0 else None)
     try:
         summary = worker.run()
     finally:
@@ -124,7 +111,7 @@ def test_without_commit_ahead_each_cohort_is_committed_when_it_starts(tmp_path, 
     worker = Worker(run.store, WorkerOptions(worker_id="w1", max_groups=4))
     worker.join()
     seen: list[list[int]] = []
-    _on_generate(worker, lambda call: seen.append([c[0] for c in _commitments(run.store, "w1")]))
+    on_generate(worker, lambda call: seen.append([c[0] for c in _commitments(run.store, "w1")]))
     try:
         worker.run()
     finally:
@@ -158,7 +145,7 @@ def test_a_long_cohort_commits_the_next_one_late_at_the_version_staged_meanwhile
         if call == 1:
             seen["end"] = _commitments(run.store, "w1")
 
-    _on_generate(worker, during)
+    on_generate(worker, during)
     try:
         worker.run()
     finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from worker_support import logprob_error, make_run, rollout_groups, wait_for
+from worker_support import logprob_error, make_run, on_generate, rollout_groups, wait_for
 
 from pnyx.protocol import Heartbeat, decode_json, layout
 from pnyx.rollout.worker import Worker, WorkerOptions
@@ -26,20 +26,6 @@ def _one_thread():
     import torch
 
     torch.set_num_threads(1)
-
-
-def _on_generate(worker: Worker, hook):
-    """Run `hook(call_index)` at the start of every engine generate call, then generate for real."""
-    real = worker.gen.engine.generate
-    calls = [0]
-
-    def generate(prompt_ids, params):
-        hook(calls[0])
-        calls[0] += 1
-        return real(prompt_ids, params)
-
-    worker.gen.engine.generate = generate
-    return calls
 
 
 def test_worker_joins_from_run_json_and_uploads_valid_groups(store_url, tiny_model_dir):
@@ -81,7 +67,7 @@ def test_group_never_spans_two_versions(tmp_path, tiny_model_dir):
             run.publish(1)
             assert worker.link.syncer.prefetch_once() == 1
 
-    _on_generate(worker, publish_mid_cohort)
+    on_generate(worker, publish_mid_cohort)
     worker.run()
 
     by_version: dict[int, list] = {}
@@ -116,7 +102,7 @@ def test_corrupted_newer_version_is_never_used(tmp_path, tiny_model_dir):
             while not worker.link.syncer.failures and time.monotonic() < deadline:
                 time.sleep(0.05)
 
-    _on_generate(worker, publish_corrupt)
+    on_generate(worker, publish_corrupt)
     summary = worker.run()
 
     groups = [g for _, g in rollout_groups(run.store)]
@@ -144,7 +130,7 @@ def test_store_outage_spools_groups_and_uploads_all_after_recovery(tmp_path, tin
                 time.sleep(0.02)
             faulty.clear()
 
-    _on_generate(worker, outage)
+    on_generate(worker, outage)
     summary = worker.run()
 
     keys = [k for k, _ in rollout_groups(run.store)]

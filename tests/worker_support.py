@@ -129,6 +129,21 @@ def make_run(
     return run
 
 
+def on_generate(worker: Any, hook: Any) -> list[int]:
+    """Run `hook(call_index)` at the start of every engine generate call of `worker`, then generate for real
+    (a test's event inside a cohort: a publish, a corruption, an outage, a stop). Returns the call counter."""
+    real = worker.gen.engine.generate
+    calls = [0]
+
+    def generate(prompt_ids: Any, params: Any) -> Any:
+        hook(calls[0])
+        calls[0] += 1
+        return real(prompt_ids, params)
+
+    worker.gen.engine.generate = generate
+    return calls
+
+
 def rollout_groups(store: Any, skips: bool = False) -> list[tuple[str, Any]]:
     """Every (key, decoded group) under rollouts/, validated by the protocol's decoder: the groups offered for
     training, or with `skips` the skip records (`layout.is_skip_key`)."""
