@@ -143,10 +143,6 @@ class RunLink:
         """The version the next `swap` installs, fixed now (`Syncer.pin`): None when it installs nothing."""
         return self._weights().pin()
 
-    def unpin(self) -> None:
-        """Undo `pin_next`: the next `swap` installs the newest staged version again."""
-        self._weights().unpin()
-
     def _committer(self) -> Committer:
         if self.committer is None:
             raise RuntimeError(

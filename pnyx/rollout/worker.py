@@ -20,6 +20,11 @@ worker key, `pnyx.security`) under
 `rollouts/v{V}/{worker}-{seq}`, reads the demand and writes the heartbeat (`workers/{worker}.json`:
 status, version, digest, throughput, uploaded / skipped / pending counts).
 
+Under committed draws (`security.committed_draws`, `committer.py`) a cohort's tasks and seqs are committed
+and drawn only once the trainer's tick includes them; the next cohort is committed while the current one
+is drawn (`security.commit_ahead`: on a timer shortly before the current cohort should end, at the version
+the next swap will install, `Syncer.pin`), and a stop draws that cohort before the worker leaves.
+
 Seq numbers are resume-safe: with seeded draws (torch and MLX engines, `pnyx.protocol.draws`) a group
 reserves its seq before it is generated (its draws name it; a skipped group is uploaded as its skip
 record), else a group gets its seq only when it is spooled; at start the worker lists the rollout prefixes of the newest

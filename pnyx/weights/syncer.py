@@ -320,11 +320,6 @@ class Syncer:
             self._pinned, self._pin_set = (staged if newer else None), True
             return self._pinned.version if self._pinned is not None else None
 
-    def unpin(self) -> None:
-        """Undo `pin`: the next `swap` installs the newest staged state again."""
-        with self._lock:
-            self._pinned, self._pin_set = None, False
-
     def swap(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         """Install the prefetched state if it is newer (the pinned one after `pin`, whatever was staged
         since); return (version, tensors), or None if nothing new.
