@@ -300,6 +300,31 @@ def test_background_prefetch_stages_and_swaps_without_waiting(tmp_path):
         syn.stop()
 
 
+def test_a_pinned_version_is_the_one_the_next_swap_installs_whatever_is_staged_after_it(tmp_path):
+    """`Syncer.pin` (a worker committing a cohort ahead names the version it will draw at): the next swap
+    installs exactly the pinned state though a newer one was staged since; pinned with nothing newer
+    staged, the next swap installs nothing; after that swap the newest staged one is installed again."""
+    store = open_store(str(tmp_path / "s"))
+    pub, states = publish_run(store, 1)
+    tr = Trainer()
+    syn = Syncer(store, backoff_s=0)
+    syn.sync()
+    assert syn.pin() is None  # nothing newer staged
+    s1 = tr.step()
+    pub.publish(1, s1)
+    assert syn.prefetch_once() == 1
+    assert syn.swap() is None and syn.version == 0  # pinned before v1 was staged: stays on v0
+    assert syn.pin() == 1
+    s2 = tr.step()
+    pub.publish(2, s2)
+    assert syn.prefetch_once() == 2  # v2 staged on top of the pinned v1
+    got = syn.swap()
+    assert got is not None and got[0] == 1 and same_bits(got[1], s1) and syn.version == 1
+    got = syn.swap()  # no pin: the newest staged
+    assert got is not None and got[0] == 2 and same_bits(got[1], s2)
+    assert syn.swap() is None
+
+
 class BrokenListing:
     def __init__(self, inner):
         self.inner = inner
