@@ -261,6 +261,12 @@ class SecurityConfig(_Section):
     (counted per key as `skips_whole` when queued; a key evicted without standing starts again), so a fresh
     key, a Sybil's included, cannot hide a group behind a forged skip record before it has delivered this
     many true ones. A forward of each of them, once per key."""
+    skip_audit_trusted: Annotated[float, Field(ge=0, le=1)] = 0.1
+    """Share of a trusted key's skip records (`trusted_keys`: your own workers, `pnyx run`'s local ones)
+    whose draws are checked as above, chosen at random. A trusted key is never quarantined, so the check of
+    its records measures, and does not guard: checked all, they cost 3.8% of the SmolLM2 recipe's step time
+    once its policy answered most sums right (most groups zero-variance, BENCHMARKS.md, "Seeded draws").
+    Untrusted keys' records are always checked."""
     committed_draws: bool = False
     """Commit, then reveal (docs/security.md, "Committed draws"; `pnyx.protocol.commits`): before each
     cohort a worker writes a signed commitment (its seqs, their tasks, the version it will draw at) and

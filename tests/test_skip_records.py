@@ -230,6 +230,25 @@ def test_a_trusted_keys_skip_records_are_checked_at_their_versions_last_step_in_
     assert ing.take_draw_audits(3) == []
 
 
+def test_only_a_share_of_a_trusted_keys_skip_records_is_checked_and_every_untrusted_ones(store):
+    """`security.skip_audit_trusted`: a trusted key's skip record is queued for the check of its draws only
+    with that chance (the check measures: the key is never quarantined); an untrusted key's always. Both
+    are re-scored and filed as audited."""
+    signer, trusted = _signer(), _signer()
+    ing = signed_ingestor(store, trusted_keys=frozenset({trusted.fingerprint}))
+    ing.skips.skip_draw_samples, ing.skips.skip_audit_first, ing.skips.skip_audit_trusted = 1, 0, 0.0
+    mine = put_skip(store, _seeded(make_group(0, "w", 0, answers=["1", "1"])), signer)
+    for seq in range(3):
+        put_skip(store, _seeded(make_group(0, "t", seq, task_index=seq, answers=["1", "1"])), trusted)
+    ing.poll(0)
+    assert [a.group.key for a in ing.take_draw_audits()] == [mine]
+    assert ing.cursor.skips == {"audited": 4} and ing.cursor.by_key[trusted.fingerprint]["skips"] == 3
+    ing.skips.skip_audit_trusted = 1.0
+    put_skip(store, _seeded(make_group(0, "t", 3, task_index=3, answers=["1", "1"])), trusted)
+    ing.poll(0)
+    assert [a.group.signer for a in ing.take_draw_audits()] == [trusted.fingerprint]
+
+
 def test_skip_records_do_not_count_against_the_flood_limit(store):
     """A trainer short of a batch publishes no new version, so an honest worker whose draws keep coming out
     zero-variance announces any number of skip records at one version: they are counted apart from groups

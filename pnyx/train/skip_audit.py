@@ -71,6 +71,9 @@ class SkipAudits:
         """An untrusted key's first skip records are checked whole: until this many of its records have
         been queued whole (counted as `skips_whole` in its books, at queue time, so a fresh key uploading
         many at once buys no more whole forwards than this), each is (`security.skip_audit_first`)."""
+        self.skip_audit_trusted = 1.0
+        """Share of a trusted key's skip records queued for the check of their draws at all, chosen at random
+        (a trusted key is never quarantined: the check measures; `security.skip_audit_trusted`)."""
         self.check_draws: Callable[[ScoredGroup], str | None] | None = None
         """The admission's policy for unseeded groups (`drawcheck.unseeded_policy`), applied to skip records
         too: a skip record without the run's seeded draws would fill its seq with a group no check can
@@ -146,12 +149,16 @@ class SkipAudits:
                     self._draw_audits.append(DrawAudit(scored, samples))
 
     def _samples_to_check(self, scored: ScoredGroup) -> frozenset[int] | None:
-        """Which samples of skip record `scored` get the exact check (None: every one): all of them for an
-        untrusted key with fewer than `skip_audit_first` skip records queued whole (`skips_whole`), or at
-        the rate `skip_draw_audit`; else `skip_draw_samples` of them at random (caller holds the lock)."""
+        """Which samples of skip record `scored` get the exact check (None: every one; empty: none): none of
+        a trusted key's records but a random share `skip_audit_trusted`; all of them for an untrusted key
+        with fewer than `skip_audit_first` skip records queued whole (`skips_whole`), or at the rate
+        `skip_draw_audit`; else `skip_draw_samples` of them at random (caller holds the lock)."""
         fp = scored.signer
         books = self.cursor.by_key.get(fp, {})
-        if fp not in self.settings.trusted_keys and books.get("skips_whole", 0) < self.skip_audit_first:
+        trusted = fp in self.settings.trusted_keys
+        if trusted and not self._audit_rng.random() < self.skip_audit_trusted:
+            return frozenset()
+        if not trusted and books.get("skips_whole", 0) < self.skip_audit_first:
             self.ledger.count_key(fp, "skips_whole")
             return None
         if self._audit_rng.random() < self.skip_draw_audit:

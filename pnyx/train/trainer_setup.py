@@ -276,7 +276,7 @@ def load_parts(cfg: PnyxConfig, store: Store, steps: int, run: RunManifest | Non
         ingestor.admission.check_draws = unseeded_policy(sec.accept_unseeded, ingestor.settings.trusted_keys)
         skips.check_draws = ingestor.admission.check_draws
         skips.skip_draw_audit, skips.skip_draw_samples = sec.skip_draw_audit, sec.skip_draw_samples
-        skips.skip_audit_first = sec.skip_audit_first
+        skips.skip_audit_first, skips.skip_audit_trusted = sec.skip_audit_first, sec.skip_audit_trusted
     else:
         skips.skip_draw_audit = 0.0
     ingestor.admission.decode = hooks.decoder(ingestor.admission.decode)
