@@ -266,6 +266,9 @@ def _start_serving(store: str, *extra: str) -> tuple[subprocess.Popen[str], str]
     proc = subprocess.Popen(
         [sys.executable, "-m", "pnyx", "status", "--store", store, "--serve", "--port", "0", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        # Ctrl-C as an operator's terminal delivers it, even when this suite runs as a background job (whose
+        # children inherit SIGINT ignored, and Python then never turns it into KeyboardInterrupt)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline() if proc.stdout else ""))
