@@ -38,7 +38,9 @@ a restarted worker does not replay its tasks.
 Store outages: the courier retries with backoff; groups wait in the spool (on disk, per run and worker
 under the user's cache: `spool.py`); while it is full the worker stops generating. Stop (`request_stop`):
 the courier makes one final flush bounded by `final_flush_s` and writes a heartbeat with status
-"stopped"; whatever is not uploaded stays on disk for the next start of this worker id. Puts are atomic in
+"stopped", and what the generating thread spools after it (the cohort it was generating, one committed
+ahead) is flushed once more at the end, within the same bound (`Courier.last_flush`); whatever is not
+uploaded stays on disk for the next start of this worker id. Puts are atomic in
 every backend, so even SIGKILL never leaves a partial object.
 
 The `Worker` runs the generating loop and owns named collaborators: `link` (a `RunLink`, `run_link.py`:
