@@ -57,30 +57,25 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pnyx.envs import stable_hash
 from pnyx.errors import IntegrityError
 from pnyx.protocol import layout
 from pnyx.protocol.records import RolloutGroup
-from pnyx.rollout.committer import Ahead
 from pnyx.rollout.deferred import Deferred
 from pnyx.rollout.joining import default_worker_id
 from pnyx.rollout.run_link import RunLink
 from pnyx.rollout.screen import Screen
 from pnyx.rollout.throttle import Supply, Throttle
-from pnyx.rollout.worker_state import Progress, Status, WorkerOptions, WorkerSummary
+from pnyx.rollout.worker_state import CohortAhead, Generation, Progress, Status, WorkerOptions, WorkerSummary
 from pnyx.store import Store
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from pnyx.config import PnyxConfig
-    from pnyx.envs import Environment, Task
+    from pnyx.envs import Task
     from pnyx.rollout.cohort import CohortSpec
-    from pnyx.rollout.curriculum import Curriculum
-    from pnyx.rollout.engines.base import WorkerEngine
 
 log = logging.getLogger("pnyx.worker")
 
@@ -94,30 +89,6 @@ DRAIN_TICK_S = 5.0
 """At a stop, seconds a worker waits for the tick of a cohort it committed ahead before leaving it undrawn."""
 
 __all__ = ["Generation", "Status", "Worker", "WorkerOptions", "WorkerSummary"]
-
-
-@dataclass(frozen=True)
-class _Ahead:
-    """A cohort committed and not drawn yet: the commitment (`RunLink.commit_ahead`) and its tasks."""
-
-    commit: Ahead
-    tasks: list[Task]
-
-
-@dataclass
-class Generation:
-    """What a worker generates with, made at join from run.json and this machine's model folder."""
-
-    env: Environment
-    tokenizer: PreTrainedTokenizerBase
-    engine: WorkerEngine
-    """Holds the verified weights the worker loaded last (`Worker._load`)."""
-    screen: Screen
-    """Picks each cohort's tasks from a larger pool (off unless worker.screen > 1)."""
-    curriculum: Curriculum | None
-    """Picks each cohort's pool by what this worker measured (None: worker.curriculum off)."""
-    max_new_tokens: int
-    """The run's generation budget per turn."""
 
 
 class Worker:
@@ -135,7 +106,9 @@ class Worker:
         self._made: dict[int, int] = {}  # groups spooled per policy version (for version_cap)
         self._cohorts = 0  # cohorts generated (for the curriculum's periodic log line)
         self._kept_frac = 1.0  # recent share of groups not skipped as zero-variance (sizes throttled cohorts)
-        self._ahead: Deferred[_Ahead | None] | None = None  # committed draws: the next cohort (its commitment
+        self._ahead: Deferred[CohortAhead | None] | None = (
+            None  # committed draws: the next cohort (its commitment
+        )
         # written on a timer shortly before this one ends, `_plan_ahead`), not drawn yet
         self._cohort_s = 0.0  # recent wall seconds per cohort (when to commit the next one ahead)
         self._tick_stop: threading.Event | None = None  # set while `_drain` waits for a tick (bounded)
@@ -304,7 +277,7 @@ class Worker:
         next_seq = link.reserve_seq if seeded else lambda: 0
         if seeded and link.committer is not None:  # committed draws: the seqs and tasks first, then the tick
             if ahead is None:
-                ahead = _Ahead(link.commit_ahead(version, [t.id for t in tasks]), tasks)
+                ahead = CohortAhead(link.commit_ahead(version, [t.id for t in tasks]), tasks)
             progress.set(
                 "waiting", f"v={version}: committed {len(tasks)} task(s), waiting for the trainer's tick"
             )
@@ -358,7 +331,9 @@ class Worker:
                 return 0
         return n
 
-    def _plan_ahead(self, spec: CohortSpec, drawing: int, version: int) -> Deferred[_Ahead | None] | None:
+    def _plan_ahead(
+        self, spec: CohortSpec, drawing: int, version: int
+    ) -> Deferred[CohortAhead | None] | None:
         """The cohort after the one of `drawing` tasks about to be drawn at `version`: its tasks picked now, a
         whole cohort where supply control leaves room beyond the cohort drawn now (its groups not made yet:
         counted at the recent share kept), within the version cap, the spool and the quota; its commitment
@@ -388,7 +363,7 @@ class Worker:
         margin = max(AHEAD_MARGIN_S, 2 * cfg.security.tick_interval_s)
         return Deferred(lambda: self._commit_at(tasks, version), self._cohort_s - margin)
 
-    def _commit_at(self, tasks: list[Task], version: int) -> _Ahead | None:
+    def _commit_at(self, tasks: list[Task], version: int) -> CohortAhead | None:
         """Commit `tasks` at the version the next swap installs (`RunLink.pin_next`: the newest staged, else
         `version`, the one drawn now). On the timer's thread or the generating one (`Deferred`); None when
         stopping (nothing committed, nothing left undrawn)."""
@@ -397,7 +372,7 @@ class Worker:
         link = self.link
         target = link.pin_next()
         at = version if target is None else target
-        return _Ahead(link.commit_ahead(at, [t.id for t in tasks]), tasks)
+        return CohortAhead(link.commit_ahead(at, [t.id for t in tasks]), tasks)
 
     def _pick(self, spec: CohortSpec, n: int, version: int) -> list[Task]:
         """`n` tasks for a cohort at `version`: a pool from the curriculum (or the env's train stream), then

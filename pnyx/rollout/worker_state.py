@@ -1,5 +1,5 @@
-"""A worker's settings, its progress (what its heartbeat reports), what it reports when it ends, and its
-throughput meter (`pnyx.rollout.worker`).
+"""A worker's settings, what it generates with, a cohort it committed ahead, its progress (what its heartbeat
+reports), what it reports when it ends, and its throughput meter (`pnyx.rollout.worker`).
 
 Plain data: knows nothing about the store, models or the worker loop.
 """
@@ -8,9 +8,42 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from pnyx.envs import Environment, Task
+    from pnyx.rollout.committer import Ahead
+    from pnyx.rollout.curriculum import Curriculum
+    from pnyx.rollout.engines.base import WorkerEngine
+    from pnyx.rollout.screen import Screen
 
 Status = Literal["starting", "syncing", "generating", "uploading", "waiting", "stopped", "error"]
+
+
+@dataclass(frozen=True)
+class CohortAhead:
+    """A cohort committed and not drawn yet: the commitment (`RunLink.commit_ahead`; `pnyx.rollout.worker` commits the next cohort ahead) and its tasks."""
+
+    commit: Ahead
+    tasks: list[Task]
+
+
+@dataclass
+class Generation:
+    """What a worker generates with, made at join from run.json and this machine's model folder."""
+
+    env: Environment
+    tokenizer: PreTrainedTokenizerBase
+    engine: WorkerEngine
+    """Holds the verified weights the worker loaded last (`pnyx.rollout.worker.Worker._load`)."""
+    screen: Screen
+    """Picks each cohort's tasks from a larger pool (off unless worker.screen > 1)."""
+    curriculum: Curriculum | None
+    """Picks each cohort's pool by what this worker measured (None: worker.curriculum off)."""
+    max_new_tokens: int
+    """The run's generation budget per turn."""
 
 
 @dataclass
