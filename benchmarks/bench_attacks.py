@@ -239,9 +239,12 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     if name.endswith("_undefended"):
         overrides = {**overrides, **defences_off()}
     base = name.removesuffix(COMMITTED)  # the attack; `name` labels the arm and its uploads
-    if base != name:
-        committed = {"committed_draws": True, "standing_groups": args.standing}
-        overrides = {**overrides, "security": {**overrides.get("security", {}), **committed}}
+    # committed draws (on by default) only in the `_committed` arms: the others measure the checks without
+    # them, as the figures recorded before committed draws were the default did
+    committed = {"committed_draws": base != name} | (
+        {"standing_groups": args.standing} if base != name else {}
+    )
+    overrides = {**overrides, "security": {**overrides.get("security", {}), **committed}}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"bench-attacks-{name}-") as root:
         arena = Arena(Path(root), overrides)
@@ -337,7 +340,7 @@ def doubling(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     name = args.doubling
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-attacks-doubling-") as root:
-        arena = Arena(Path(root), {"trainer": {"groups_per_step": 8}})
+        arena = Arena(Path(root), {"trainer": {"groups_per_step": 8}, "security": {"committed_draws": False}})
         try:
             honest = [HonestWorker("honest-1"), HonestWorker("honest-2")]
             atk = attacker(name, arena) if name != "none" else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PosFloat = Annotated[float, Field(gt=0)]
 Prob = Annotated[float, Field(ge=0, le=1)]
@@ -267,14 +267,15 @@ class SecurityConfig(_Section):
     its records measures, and does not guard: checked all, they cost 3.8% of the SmolLM2 recipe's step time
     once its policy answered most sums right (most groups zero-variance, BENCHMARKS.md, "Seeded draws").
     Untrusted keys' records are always checked."""
-    committed_draws: bool = False
+    committed_draws: bool = True
     """Commit, then reveal (docs/security.md, "Committed draws"; `pnyx.protocol.commits`): before each
     cohort a worker writes a signed commitment (its seqs, their tasks, the version it will draw at) and
-    waits for the trainer's next tick, whose random bytes join every sample's seed, so the randomness of a
-    draw does not exist until its task is fixed, and each seq of a (name, key) is committed once. Binds a
-    picker that draws a seq again with another task, which no other check sees. A group without a
-    matching commitment is dropped (`uncommitted`, a fault). Costs a worker the wait for a tick per cohort.
-    Needs `seeded_draws`; off by default until proven on the SmolLM2 recipe."""
+    the trainer's next tick adds random bytes to every sample's seed, so the randomness of a draw does not
+    exist until its task is fixed, and each seq of a (name, key) is committed once. Binds a picker that
+    draws a seq again with another task, or leaves its seqs empty, which no other check sees. A seeded
+    group without a matching commitment is dropped (`uncommitted`, a fault). Costs a worker the wait for
+    a tick, hidden by `commit_ahead`. Needs `seeded_draws`: on wherever they are unless set (off with
+    `seeded_draws = false`; a swarm node, which has no trainer to tick, ignores the default)."""
     commit_ahead: bool = True
     """Under committed draws: a worker commits its next cohort (tasks, seqs, the version it will draw at:
     the newest it has staged) as it starts drawing the current one, so the tick is there when it needs it
@@ -338,6 +339,14 @@ class SecurityConfig(_Section):
     fill a batch larger than this). None: none."""
     max_groups_per_key_version: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     """Hard cap on one key's groups generated at one policy version that are ever trained on. None: none."""
+
+    @model_validator(mode="after")
+    def _commit_where_seeded(self) -> SecurityConfig:
+        """`committed_draws` left unset follows `seeded_draws` (a commitment binds a seed); set, it is
+        taken as given (`check_worker_dtype` refuses it without seeded draws)."""
+        if "committed_draws" not in self.model_fields_set and not self.seeded_draws:
+            object.__setattr__(self, "committed_draws", False)  # frozen; still not counted as given
+        return self
 
 
 class AlgorithmConfig(_Section):

@@ -31,7 +31,7 @@ SEQ_REUSING_PICKER = (
     "a one-key whole-group picker that draws its next group under the seq of a group it dropped (with another "
     "task: a worker chooses its tasks, and the seed names the task) leaves no gap and no skip record; every "
     "group it uploads is an honest, contiguous, signed draw (issue #25: only a commitment to the task made "
-    "before the draw's randomness is known binds it, `security.committed_draws`, off by default: "
+    "before the draw's randomness is known binds it, `security.committed_draws`, on by default: "
     "test_seq_reusing_picker_is_refused_under_committed_draws)"
 )
 
@@ -42,7 +42,11 @@ HONEST = [HonestWorker("honest-1"), HonestWorker("honest-2")]
 def arena(tmp_path_factory):
     # the defaults of the skip-record audit: every sample of a key's first `skip_audit_first` skip records is
     # checked, so the forged-skip test is deterministic for its fresh key
-    a = Arena(tmp_path_factory.mktemp("arena"), {"trainer": {"groups_per_step": 8}})
+    # without committed draws (on by default; the committed arena below has them): each check on its own
+    a = Arena(
+        tmp_path_factory.mktemp("arena"),
+        {"trainer": {"groups_per_step": 8}, "security": {"committed_draws": False}},
+    )
     a.upload([u for h in HONEST for u in h.uploads(a, 3)])  # honest names are bound first
     a.poll()
     yield a
@@ -524,7 +528,7 @@ def test_patient_forger_is_caught_by_the_samples_checked_of_each_skip_record(tmp
     `false_skip` found by a sampled check, nothing it uploads afterwards is trained on, and nothing it
     offered in its standing phase was a false reject. (The groups it chose beside its first forged records
     can be trained in the step that lists them, before the check: bench_attacks.py counts them.)"""
-    sec = {"skip_audit_first": 2, "skip_draw_samples": 7, "skip_draw_audit": 0.0}
+    sec = {"skip_audit_first": 2, "skip_draw_samples": 7, "skip_draw_audit": 0.0, "committed_draws": False}
     arena = Arena(tmp_path, {"trainer": {"groups_per_step": 8}, "security": sec})
     honest = [HonestWorker("honest-p1"), HonestWorker("honest-p2")]
     try:

@@ -6,6 +6,7 @@ with another task) is in tests/test_attacks.py; a real `pnyx run` with them in t
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -184,15 +185,43 @@ def test_a_restarted_trainer_reads_its_ticks_back_and_still_refuses_reused_seqs(
     assert restarted.get(0) is None and restarted.get(2) is not None
 
 
-def test_committed_draws_need_seeded_draws_and_standing_needs_committed_draws():
-    from pnyx.config import check_worker_dtype, load_config
+def test_a_stopping_ticker_ticks_once_more_for_the_commitments_waiting(parts):
+    """`close` ticks the commitments that wait (workers draw them, then swap to the newest weights, instead of
+    holding the version they committed to until a trainer ticks again); a stopped ticker writes nothing."""
+    store, trainer, ticker, _ = parts
+    ticker.interval_s = 3600.0  # its thread ticks as it starts (nothing waits then), next only when stopped
+    ticker.start()
+    time.sleep(2.0)
+    w = _committer(store, trainer)
+    ticket = w.commit(3, [0], ["t-a"])
+    time.sleep(0.2)
+    assert not store.exists(layout.tick_key(ticket.n)), "the ticker's thread ticked after its first pass"
+    ticker.close()
+    tick = w.read_tick(ticket.n)
+    assert tick is not None and ticket.key in tick.included
+    assert isinstance(w.outcome(ticket, tick), Drawn)
+    late = w.commit(3, [1], ["t-b"])
+    time.sleep(0.1)
+    assert not store.exists(layout.tick_key(late.n))  # stopped: no thread ticks any more
 
+
+def test_committed_draws_need_seeded_draws_and_standing_needs_committed_draws():
+    """Committed draws are on by default wherever seeded draws are: turning seeded draws off turns them off
+    too (and keeps them off through run.json), while setting both ways is refused, as is standing without them."""
+    from pnyx.config import check_worker_dtype, config_from_dict, load_config
+
+    assert load_config().security.committed_draws  # the default
+    cfg = load_config(None, {"security": {"seeded_draws": False}})
+    assert not cfg.security.committed_draws
+    check_worker_dtype(cfg)  # a consistent run
+    assert not config_from_dict(cfg.model_dump(mode="json")).security.committed_draws  # as workers read it
     cfg = load_config(None, {"security": {"committed_draws": True, "seeded_draws": False}})
     with pytest.raises(ConfigError, match="committed_draws needs security.seeded_draws"):
         check_worker_dtype(cfg)
-    cfg = load_config(None, {"security": {"standing_groups": 4}})
+    cfg = load_config(None, {"security": {"standing_groups": 4, "committed_draws": False}})
     with pytest.raises(ConfigError, match="standing_groups needs security.committed_draws"):
         check_worker_dtype(cfg)
+    check_worker_dtype(load_config(None, {"security": {"standing_groups": 4}}))  # on by default
 
 
 def test_a_tick_whose_put_landed_but_reported_a_failure_is_adopted_not_redrawn(parts, monkeypatch):

@@ -114,9 +114,10 @@ trainer, ~3 GB of worker and ~2 GB of `pnyx run` each, 23.7 of this machine's 24
     ],
 )
 def test_the_smollm2_recipe_trains_with_every_check_on_and_quarantines_no_one(tmp_path, smollm2_gguf, engine):
-    """The recipe as documented; with `mlx`, its worker on the MLX engine (the one switch a Mac owner
-    changes): the engine whose fast worker once lost 5% of its honest groups to drift the checks could not
-    tell from lying (docs/security.md, section 4)."""
+    """The recipe as documented, committed draws included (the default; a separate run tested them while
+    they were opt-in: 0.97x the time to v14 by hand, `bench_committed.py`); with `mlx`, its worker on the
+    MLX engine (the one switch a Mac owner changes): the engine whose fast worker once lost 5% of its honest
+    groups to drift the checks could not tell from lying (docs/security.md, section 4)."""
     folder = _smollm2_run(tmp_path, smollm2_gguf, "smollm2-135m.toml", "--worker.engine", engine)
     metrics = _metrics(folder)
     status = _status(folder)
@@ -146,6 +147,12 @@ def test_the_smollm2_recipe_trains_with_every_check_on_and_quarantines_no_one(tm
     raw_z = key["mean_z"] * key["checked"] ** 0.5
     print(f"fixed floors alone ({engine}): {old} rejects; raw running z x sqrt(n) = {raw_z:.2f}")
     assert sum(v for k, v in drops.items() if k in ("logprob_gap", "implausible")) <= 1, drops
+    # committed draws (on by default since 2026-12-05): every cohort was committed, each commitment included
+    # by a tick and none refused, and no group failed to match its commitment
+    ticks = status.get("ticks") or {}
+    print(f"ticks ({engine}): {ticks}")
+    assert ticks.get("included", 0) > 0 and ticks.get("refused", 0) == 0, ticks
+    assert "uncommitted" not in drops, drops
     # It learned: on held-out draws (v0 against the last version, the same draws) the Wilson 95% intervals
     # are apart. The training reward is only a trend check: it is the mean over 4 prompts per
     # version, which swings by 0.3 between neighbours, and the model learns within the first 3-4 versions, so
@@ -161,27 +168,6 @@ def test_the_smollm2_recipe_trains_with_every_check_on_and_quarantines_no_one(tm
     cold = sum(m["reward"] for m in metrics[:2]) / 2
     last = sum(m["reward"] for m in metrics[-4:]) / 4
     assert last > cold + 0.1, [round(m["reward"], 3) for m in metrics]
-
-
-@SMOLLM2_ONE_AT_A_TIME
-def test_the_smollm2_recipe_learns_under_committed_draws_and_commits_every_group(tmp_path, smollm2_gguf):
-    """The recipe with `security.committed_draws` (opt-in, docs/security.md, "Committed draws"): each cohort
-    committed before the trainer's tick reveals its draws, the hold-back on. Measured once by hand before
-    this test (2026-12-05, `bench_committed.py`): 0.97x the time to v14, pass@1 0.297 -> 0.906."""
-    folder = _smollm2_run(tmp_path, smollm2_gguf, "smollm2-135m.toml", "--security.committed_draws", "true")
-    status = _status(folder)
-    drops = status.get("drops") or {}
-    assert not status.get("quarantined"), status.get("quarantined")
-    assert "uncommitted" not in drops, drops
-    assert status["ticks"]["included"] > 0 and status["ticks"]["refused"] == 0, status["ticks"]
-    summary = json.loads((folder / "summary.json").read_text())
-    assert summary["final_version"] == SMOLLM2_VERSIONS and summary["after"] is not None
-    before, after = summary["before"], summary["after"]
-    print(
-        f"\nsmollm2 recipe (committed draws): ticks {status['ticks']}, drops {drops}, held-out pass@1 "
-        f"{before['pass@1']:.3f} -> {after['pass@1']:.3f}, wall {summary['wall_s']} s"
-    )
-    assert after["ci_low"] > before["ci_high"], (before, after)
 
 
 def _short(name: str, tmp_path: Path, extra: list[str] = ()) -> tuple[Path, list[dict]]:
@@ -250,6 +236,12 @@ def test_the_smollm2_lora_recipe_learns_with_every_check_on(tmp_path, smollm2_gg
     assert not status.get("quarantined"), status.get("quarantined")
     drops = status.get("drops") or {}
     assert sum(v for k, v in drops.items() if k in ("logprob_gap", "implausible")) <= 1, drops
+    # committed draws (on by default since 2026-12-05): every cohort was committed, each commitment included
+    # by a tick and none refused, and no group failed to match its commitment
+    ticks = status.get("ticks") or {}
+    print(f"ticks (lora): {ticks}")
+    assert ticks.get("included", 0) > 0 and ticks.get("refused", 0) == 0, ticks
+    assert "uncommitted" not in drops, drops
     from pnyx.store import open_store
     from pnyx.weights import read_manifest
 

@@ -93,7 +93,9 @@ def make_run(
     **worker: Any,
 ) -> TinyRun:
     """run.json (via the trainer's init_run) + version 0 in the store at `url` (`trainer`, `security`:
-    overrides of those sections of the run, which workers read too)."""
+    overrides of those sections of the run, which workers read too). No trainer runs, so no one ticks:
+    committed draws (on by default) are off unless `security` sets them (and the test ticks:
+    `tests/test_commit_ahead.py`)."""
     import torch
 
     from pnyx.config import load_config
@@ -109,7 +111,7 @@ def make_run(
             "env": {"name": "arith", "kwargs": {"digits": 1}},
             "worker": worker_settings(**worker),
             "trainer": trainer or {},
-            "security": security or {},
+            "security": {"committed_draws": False, **(security or {})},
         }
     )
     model = load_model(model_dir)

@@ -31,8 +31,8 @@ SWARM_UNSUPPORTED = {
         "swarm nodes generate with torch: a node samples from the torch model it trains in place every "
         "round, which another engine would have to reload each round",
     ),
-    "security.committed_draws": (
-        lambda c: c.security.committed_draws,
+    "security.committed_draws": (  # on by default for the trainer mode: refused only where set
+        lambda c: c.security.committed_draws and "committed_draws" in c.security.model_fields_set,
         "swarm nodes share decoded text, not seeded draws, and no trainer ticks",
     ),
 }

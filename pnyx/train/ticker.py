@@ -4,7 +4,8 @@
 publish, `poke`) it lists the commitments waiting for its next tick, reads each one, includes those that are
 valid and commit seqs their (name, key) never committed before, and writes the tick: fresh random bytes and
 what it included or refused. A tick is written only when something waits for it, so an idle run writes
-none. Admission asks `check(group, signer)` whether a committed group matches its tick.
+none; and once more as the trainer stops (`close`), so waiting workers draw what they committed and move on
+to the newest weights. Admission asks `check(group, signer)` whether a committed group matches its tick.
 
 What it remembers: every tick of the window (by the version the trainer held when it ticked; a group of an
 older version is stale anyway), per (worker name, key) the first and highest seq committed (`seqs`, at
@@ -148,14 +149,21 @@ class Ticker:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self.tick()
-            except StoreUnavailableError as e:
-                log.warning("ticker: store unavailable (%s); next try in %.1fs", e, self.interval_s)
-            except Exception:  # never let the beacon die silently: log and go on
-                log.exception("ticker: tick %d failed", self.next_n)
+            self._try_tick()
             self._wake.wait(self.interval_s)
             self._wake.clear()
+        # A last tick as the trainer stops (`close` waits for it at most 10 s): the workers waiting on one draw
+        # their committed cohorts, which a resumed trainer can still train on, and then swap to the newest
+        # weights; without it they would hold the version they committed to until a trainer ticks again.
+        self._try_tick()
+
+    def _try_tick(self) -> None:
+        try:
+            self.tick()
+        except StoreUnavailableError as e:
+            log.warning("ticker: store unavailable (%s); next try in %.1fs", e, self.interval_s)
+        except Exception:  # never let the beacon die silently: log and go on
+            log.exception("ticker: tick %d failed", self.next_n)
 
     def tick(self) -> Tick | None:
         """One tick: list the waiting commitments, judge them, write `ticks/{n}` and the LATEST hint.
