@@ -551,7 +551,11 @@ def test_patient_forger_is_caught_by_the_samples_checked_of_each_skip_record(tmp
             arena.verdict(k) for k in late
         ]
         skips = arena.trainer.parts.ingestor.cursor.skips
-        assert skips.get("samples_checked", 0) >= 1 and skips.get("draws_checked", 0) >= 2, skips
+        # its first `skip_audit_first` records were checked whole and passed (its standing tally below holds
+        # no false_skip), so its false ones were found by the sampled checks of later records (which count
+        # `false`, not `samples_checked`: that counts sampled checks that passed, honest keys' ones included,
+        # which a run that quarantines the forger within a few steps may not have reached: CI, 2026-12-05)
+        assert skips.get("false", 0) >= 1 and skips.get("draws_checked", 0) >= 2, skips
         standing = arena.tally("patient_standing")
         assert standing and set(standing) <= {TRAINED, "waiting", "quarantined", *BENIGN}, standing
         assert "false_skip" not in arena.tally("honest"), arena.tally("honest")

@@ -182,3 +182,48 @@ def test_a_deferred_call_runs_once_on_its_timer_or_where_it_is_taken():
     cancelled.cancel()
     time.sleep(0.2)
     assert "late" not in ran
+
+
+def test_a_stop_during_the_wait_for_a_tick_draws_the_cohort_at_its_version_though_a_newer_one_was_staged(
+    tmp_path, tiny_model_dir
+):
+    """A stop that interrupts a cohort's wait for its tick (after the boundary's swap) leaves the cohort to
+    `_drain`, which draws it at the version it committed to: the newer version staged meanwhile is not
+    swapped in (it was, and the worker died with "a cohort committed ahead at v1, the engine holds v2":
+    tests/test_fleet_s3.py, 2026-12-05)."""
+    import threading
+    import time
+
+    run = make_run(str(tmp_path / "run"), tiny_model_dir, security=COMMITTED, supply_control=False)
+    worker = Worker(run.store, WorkerOptions(worker_id="w1", max_groups=4))
+    worker.join()
+    failed: list[BaseException] = []
+
+    def running() -> None:
+        try:
+            worker.run()
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            failed.append(e)
+
+    thread = threading.Thread(target=running)
+    thread.start()
+    ticker = None
+    try:
+        deadline = time.monotonic() + 60
+        while not _commitments(run.store, "w1") and time.monotonic() < deadline:  # no ticker: it waits
+            time.sleep(0.05)
+        assert _commitments(run.store, "w1") == [(0, 0, _commitments(run.store, "w1")[0][2])]
+        run.publish(1)
+        while worker.link.syncer.staged is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.link.syncer.staged is not None and worker.link.syncer.staged[0] == 1
+        worker.request_stop("test: stop while waiting for a tick")
+        ticker = _ticking(run)  # the tick comes within `_drain`'s wait
+        thread.join(60)
+    finally:
+        if ticker is not None:
+            ticker.close()
+    assert not thread.is_alive() and not failed, failed
+    groups = rollout_groups(run.store)
+    assert groups and all(g.policy_version == 0 for _, g in groups), [g.policy_version for _, g in groups]
+    _check_against_ticks(run, ticker, groups)

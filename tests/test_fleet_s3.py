@@ -53,12 +53,14 @@ def heartbeat_digest(hb: Heartbeat) -> str:
 
 
 class HeartbeatWatcher(threading.Thread):
-    """Polls workers/ and records every (version, digest) each worker reported."""
+    """Polls workers/ and records every (version, digest) each worker reported loaded (`seen`) or fetched and
+    verified, not loaded yet (`staged`: under committed draws a worker loads it at its next tick)."""
 
     def __init__(self, url: str):
         super().__init__(daemon=True)
         self.store = open_store(url)
         self.seen: dict[str, set[tuple[int, str]]] = {}
+        self.staged: dict[str, set[tuple[int, str]]] = {}
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -70,6 +72,8 @@ class HeartbeatWatcher(threading.Thread):
                     continue
                 if hb.version >= 0:
                     self.seen.setdefault(hb.worker_id, set()).add((hb.version, heartbeat_digest(hb)))
+                if hb.staged >= 0:
+                    self.staged.setdefault(hb.worker_id, set()).add((hb.staged, hb.staged_digest))
             self.stop.wait(0.2)
 
 
@@ -152,9 +156,13 @@ def test_trainer_and_two_workers_meet_only_in_s3(s3_url, fleet_model, tmp_path):
         newest = latest_version(store)
         assert newest is not None and newest >= 2
         digest = read_manifest(store, newest).weights.chain_digest
-        # both workers follow the trainer to its newest verified version
+        # both workers follow the trainer to its newest version, fetched and verified: loaded, or (committed
+        # draws, the default) staged for their next cohort, whose tick a stopped trainer no longer writes
+        # (its last tick, as it stopped, let the cohorts then committed draw and load what they named)
         wait_for(
-            lambda: all((newest, digest) in watcher.seen.get(w, set()) for w in WORKERS),
+            lambda: all(
+                (newest, digest) in watcher.seen.get(w, set()) | watcher.staged.get(w, set()) for w in WORKERS
+            ),
             90,
             "workers at newest",
         )

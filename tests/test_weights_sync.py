@@ -318,11 +318,13 @@ def test_a_pinned_version_is_the_one_the_next_swap_installs_whatever_is_staged_a
     s2 = tr.step()
     pub.publish(2, s2)
     assert syn.prefetch_once() == 2  # v2 staged on top of the pinned v1
+    assert syn.staged is not None and syn.staged[0] == 2  # what the heartbeat reports as fetched, not loaded
     got = syn.swap()
     assert got is not None and got[0] == 1 and same_bits(got[1], s1) and syn.version == 1
+    assert syn.staged is not None and syn.staged[0] == 2
     got = syn.swap()  # no pin: the newest staged
     assert got is not None and got[0] == 2 and same_bits(got[1], s2)
-    assert syn.swap() is None
+    assert syn.staged is None and syn.swap() is None
 
 
 class BrokenListing:

@@ -139,6 +139,12 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     """The policy version currently loaded (-1 before the first sync)."""
     digest: str = ""
     """Chain digest of the loaded (verified) weights, so an operator can see every worker is on the trainer's bits."""
+    staged: int = -1
+    """The newest version fetched and verified but not loaded yet (-1: none newer than `version`). Under
+    committed draws a worker loads it at its next cohort, which waits for the trainer's tick: while no
+    trainer ticks (stopped, restarting) this is how far the worker has followed the published weights."""
+    staged_digest: str = ""
+    """Chain digest of the `staged` weights."""
     updated_at: float
     rollouts: int = 0
     """Completions uploaded so far."""

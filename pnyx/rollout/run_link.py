@@ -199,14 +199,14 @@ class RunLink:
 
     # -- the generating thread, after the join --
 
-    def swap(self) -> int | None:
+    def swap(self, at: int | None = None) -> int | None:
         """At a cohort boundary: re-raise a fatal error of the courier or the prefetch thread, then install the
-        prefetched weights in the syncer if they are newer. Returns their version (for the engine to load), or
-        None."""
+        prefetched weights in the syncer if they are newer (`at`: only version `at`, `Syncer.swap`). Returns
+        their version (for the engine to load), or None."""
         if self.courier is None:
             raise RuntimeError("RunLink: start() first (no courier yet)")
         self.courier.check()
-        fresh = self._weights().swap()
+        fresh = self._weights().swap(at)
         return fresh[0] if fresh is not None else None
 
     def send(self, groups: Sequence[RolloutGroup], skips: Sequence[RolloutGroup] = ()) -> None:
@@ -350,6 +350,7 @@ class RunLink:
             detail = f"{detail}; {len(self.spool)} group(s) kept in {self.spool.folder}"
         group_size = self.cfg.worker.group_size if self.cfg is not None else 0
         spool = self.spool
+        staged = self.syncer.staged if self.syncer is not None else None
         hb = Heartbeat(
             schema=HEARTBEAT_SCHEMA,
             worker_id=self.worker_id,
@@ -367,6 +368,8 @@ class RunLink:
             status=status,
             detail=detail[:500],
             digest=p.digest,
+            staged=staged[0] if staged is not None else -1,
+            staged_digest=staged[1] if staged is not None else "",
             key=self.sealer.signer.fingerprint if self.sealer is not None else "",
             generate_seconds=round(p.generate_s, 3),
             screen_seconds=round(p.screen_s, 3),

@@ -244,7 +244,9 @@ class Worker:
             raise RuntimeError("Worker.step() before join(): call run() or join() first")
         plan, self._ahead = self._ahead, None
         ahead = plan.take() if plan is not None else None  # written now if its timer has not fired yet
-        fresh = link.swap()  # re-raises a fatal error; after `pin_next`, exactly the version committed ahead
+        # re-raises a fatal error; a cohort committed ahead is drawn at exactly its version (`pin_next`), and one
+        # drawn again after a stop interrupted its wait for the tick (`_drain`) keeps the version it swapped to
+        fresh = link.swap(ahead.commit.version if ahead is not None else None)
         if fresh is not None:
             self._load(fresh)
             log.info("worker %s swapped to v=%d digest=%s", self.worker_id, fresh, self.progress.digest[:12])

@@ -115,6 +115,15 @@ class Syncer:
         return self._served.digest if self._served else None
 
     @property
+    def staged(self) -> tuple[int, str] | None:
+        """(version, chain digest) of the newest state fetched and verified but not served yet (None: none
+        newer than the served one). A worker under committed draws serves it from its next cohort on."""
+        with self._lock:
+            s = self._staged
+            newer = s is not None and (self._served is None or s.version > self._served.version)
+            return (s.version, s.digest) if s is not None and newer else None
+
+    @property
     def manifest(self) -> PlaneManifest | None:
         """The served version's plane manifest (what an engine proves its weights against)."""
         return self._served.manifest if self._served else None
@@ -320,9 +329,11 @@ class Syncer:
             self._pinned, self._pin_set = (staged if newer else None), True
             return self._pinned.version if self._pinned is not None else None
 
-    def swap(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+    def swap(self, at: int | None = None) -> tuple[int, dict[str, torch.Tensor]] | None:
         """Install the prefetched state if it is newer (the pinned one after `pin`, whatever was staged
-        since); return (version, tensors), or None if nothing new.
+        since); return (version, tensors), or None if nothing new. `at`: install version `at` or nothing (a
+        cohort committed to it; nothing when it is served already, as for a cohort whose wait for its tick
+        a stop interrupted after its swap, drawn again as the worker stops).
 
         Re-raises an unexpected error of the prefetch thread."""
         if self._fatal is not None:
@@ -331,6 +342,8 @@ class Syncer:
             staged = self._pinned if self._pin_set else self._staged
             self._pinned, self._pin_set = None, False
         if staged is None or (self._served is not None and staged.version <= self._served.version):
+            return None
+        if at is not None and staged.version != at:
             return None
         self._install(staged)
         return staged.version, self.tensors
