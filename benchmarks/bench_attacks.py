@@ -241,10 +241,10 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     base = name.removesuffix(COMMITTED)  # the attack; `name` labels the arm and its uploads
     # committed draws (on by default) only in the `_committed` arms: the others measure the checks without
     # them, as the figures recorded before committed draws were the default did
-    committed = {"committed_draws": base != name} | (
-        {"standing_groups": args.standing} if base != name else {}
-    )
-    overrides = {**overrides, "security": {**overrides.get("security", {}), **committed}}
+    sec: dict[str, Any] = {"committed_draws": base != name}
+    if base != name:
+        sec["standing_groups"] = args.standing
+    overrides = {**overrides, "security": {**overrides.get("security", {}), **sec}}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"bench-attacks-{name}-") as root:
         arena = Arena(Path(root), overrides)

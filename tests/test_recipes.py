@@ -83,6 +83,15 @@ def _smollm2_run(tmp_path: Path, gguf: Path, example: str, *extra: str) -> Path:
     return folder
 
 
+def _assert_committed(status: dict, label: str) -> None:
+    """Committed draws (on by default since 2026-12-05): every cohort was committed, each commitment included by
+    a tick and none refused, and no group failed to match its commitment."""
+    ticks, drops = status.get("ticks") or {}, status.get("drops") or {}
+    print(f"ticks ({label}): {ticks}")
+    assert ticks.get("included", 0) > 0 and ticks.get("refused", 0) == 0, ticks
+    assert "uncommitted" not in drops, drops
+
+
 def _fast_mlx() -> str | None:
     """Why the mlx arm cannot run here, or None: it needs mlx and an optimized BLAS for mlx-cpu (with the
     reference BLAS mlx-cpu bundles, 14 versions would take hours: BENCHMARKS.md, "MLX on Linux")."""
@@ -147,12 +156,7 @@ def test_the_smollm2_recipe_trains_with_every_check_on_and_quarantines_no_one(tm
     raw_z = key["mean_z"] * key["checked"] ** 0.5
     print(f"fixed floors alone ({engine}): {old} rejects; raw running z x sqrt(n) = {raw_z:.2f}")
     assert sum(v for k, v in drops.items() if k in ("logprob_gap", "implausible")) <= 1, drops
-    # committed draws (on by default since 2026-12-05): every cohort was committed, each commitment included
-    # by a tick and none refused, and no group failed to match its commitment
-    ticks = status.get("ticks") or {}
-    print(f"ticks ({engine}): {ticks}")
-    assert ticks.get("included", 0) > 0 and ticks.get("refused", 0) == 0, ticks
-    assert "uncommitted" not in drops, drops
+    _assert_committed(status, engine)
     # It learned: on held-out draws (v0 against the last version, the same draws) the Wilson 95% intervals
     # are apart. The training reward is only a trend check: it is the mean over 4 prompts per
     # version, which swings by 0.3 between neighbours, and the model learns within the first 3-4 versions, so
@@ -236,12 +240,7 @@ def test_the_smollm2_lora_recipe_learns_with_every_check_on(tmp_path, smollm2_gg
     assert not status.get("quarantined"), status.get("quarantined")
     drops = status.get("drops") or {}
     assert sum(v for k, v in drops.items() if k in ("logprob_gap", "implausible")) <= 1, drops
-    # committed draws (on by default since 2026-12-05): every cohort was committed, each commitment included
-    # by a tick and none refused, and no group failed to match its commitment
-    ticks = status.get("ticks") or {}
-    print(f"ticks (lora): {ticks}")
-    assert ticks.get("included", 0) > 0 and ticks.get("refused", 0) == 0, ticks
-    assert "uncommitted" not in drops, drops
+    _assert_committed(status, "lora")
     from pnyx.store import open_store
     from pnyx.weights import read_manifest
 

@@ -106,10 +106,9 @@ class Worker:
         self._made: dict[int, int] = {}  # groups spooled per policy version (for version_cap)
         self._cohorts = 0  # cohorts generated (for the curriculum's periodic log line)
         self._kept_frac = 1.0  # recent share of groups not skipped as zero-variance (sizes throttled cohorts)
-        self._ahead: Deferred[CohortAhead | None] | None = (
-            None  # committed draws: the next cohort (its commitment
-        )
-        # written on a timer shortly before this one ends, `_plan_ahead`), not drawn yet
+        # committed draws: the next cohort (its commitment written on a timer shortly before this one ends,
+        # `_plan_ahead`), not drawn yet
+        self._ahead: Deferred[CohortAhead | None] | None = None
         self._cohort_s = 0.0  # recent wall seconds per cohort (when to commit the next one ahead)
         self._tick_stop: threading.Event | None = None  # set while `_drain` waits for a tick (bounded)
         self._joined = False

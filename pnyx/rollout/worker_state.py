@@ -24,7 +24,8 @@ Status = Literal["starting", "syncing", "generating", "uploading", "waiting", "s
 
 @dataclass(frozen=True)
 class CohortAhead:
-    """A cohort committed and not drawn yet: the commitment (`RunLink.commit_ahead`; `pnyx.rollout.worker` commits the next cohort ahead) and its tasks."""
+    """A cohort committed and not drawn yet: the commitment (`RunLink.commit_ahead`; `pnyx.rollout.worker`
+    commits the next cohort ahead) and its tasks."""
 
     commit: Ahead
     tasks: list[Task]

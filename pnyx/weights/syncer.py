@@ -119,9 +119,8 @@ class Syncer:
         """(version, chain digest) of the newest state fetched and verified but not served yet (None: none
         newer than the served one). A worker under committed draws serves it from its next cohort on."""
         with self._lock:
-            s = self._staged
-            newer = s is not None and (self._served is None or s.version > self._served.version)
-            return (s.version, s.digest) if s is not None and newer else None
+            s = self._newer_staged()
+            return (s.version, s.digest) if s is not None else None
 
     @property
     def manifest(self) -> PlaneManifest | None:
@@ -324,10 +323,13 @@ class Syncer:
         None (nothing newer staged: the next swap installs nothing). A worker committing a cohort ahead names
         this version before it finishes the cohort it is drawing (`pnyx.rollout.worker`)."""
         with self._lock:
-            staged = self._staged
-            newer = staged is not None and (self._served is None or staged.version > self._served.version)
-            self._pinned, self._pin_set = (staged if newer else None), True
+            self._pinned, self._pin_set = self._newer_staged(), True
             return self._pinned.version if self._pinned is not None else None
+
+    def _newer_staged(self) -> Verified | None:
+        """The staged state if it is newer than the served one (caller holds the lock)."""
+        s = self._staged
+        return s if s is not None and (self._served is None or s.version > self._served.version) else None
 
     def swap(self, at: int | None = None) -> tuple[int, dict[str, torch.Tensor]] | None:
         """Install the prefetched state if it is newer (the pinned one after `pin`, whatever was staged
