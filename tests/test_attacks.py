@@ -534,7 +534,9 @@ def test_patient_forger_is_caught_by_the_samples_checked_of_each_skip_record(tmp
     try:
         arena.upload([u for h in honest for u in h.uploads(arena, 3)])
         picker = A.CherryPicker("picker-fp", source="patient", form="whole_forged_patient")
-        for _ in range(24):
+        # until quarantined: the forger forges only once its first skip records are behind it, and how soon it
+        # draws zero-variance groups varies with the run (one in 24 rounds in a CI-like run, 2026-12-05)
+        for _ in range(80):
             arena.upload(picker.uploads(arena, 2))
             arena.upload([u for h in honest for u in h.uploads(arena, 3)])
             arena.step()
