@@ -370,9 +370,11 @@ class AlgorithmConfig(_Section):
     """Keep a group iff trainer version - rollout version <= this."""
     max_reuse: Annotated[int, Field(ge=1, le=100)] = 1
     """Each group is used at most this many times (replay)."""
-    last_chance_share: Prob = 0.25
+    last_chance_share: Prob = 0.5
     """Share of a batch offered first to fresh groups in their last step of the staleness window (the rest
-    newest first); 0 = newest first only, under which a group left behind once goes stale unused."""
+    newest first); 0 = newest first only, under which a group left behind once goes stale unused. Half:
+    at a quarter, a version that got two cohorts' groups left more behind than the rescue took (the default
+    run dropped 60-79 groups stale under committed draws; 9-11 at half: BENCHMARKS.md)."""
     max_groups_per_prompt: Annotated[int, Field(ge=1, le=1000)] = 2
     """Each prompt (task id) contributes at most this many groups per step."""
 

@@ -319,8 +319,10 @@ def test_the_newest_version_comes_first(store):
 def test_a_share_of_the_batch_goes_first_to_groups_in_their_last_step_of_the_window(store):
     old = [put(store, make_group(2, "w", seq, task_index=seq)) for seq in range(3)]  # trainer v5: last chance
     fresh = [put(store, make_group(5, "w", seq, task_index=seq)) for seq in range(3, 9)]
-    rescued = [g.key for g in make_ingestor(store).select(5, 4)]  # last_chance_share 0.25: 1 place of 4
-    assert sorted(rescued) == sorted([old[0], *fresh[:3]])
+    rescued = [g.key for g in make_ingestor(store).select(5, 4)]  # last_chance_share 0.5: 2 places of 4
+    assert sorted(rescued) == sorted([*old[:2], *fresh[:2]])
+    quarter = [g.key for g in make_ingestor(store, last_chance_share=0.25).select(5, 4)]  # 1 place of 4
+    assert sorted(quarter) == sorted([old[0], *fresh[:3]])
     newest = [g.key for g in make_ingestor(store, last_chance_share=0.0).select(5, 4)]
     assert sorted(newest) == sorted(fresh[:4])
 

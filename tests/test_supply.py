@@ -25,10 +25,17 @@ class Clock:
         return self.t
 
 
-def demand(version: int, waiting: int, workers: int = 1, step_s: float = 0.5, staleness: int = 3) -> Demand:
+def demand(
+    version: int,
+    waiting: int,
+    workers: int = 1,
+    step_s: float = 0.5,
+    staleness: int = 3,
+    left: int | None = None,
+) -> Demand:
     return Demand(
         version=version, groups_per_step=B, max_staleness=staleness, waiting=waiting, step_s=step_s,
-        workers=workers, updated_at=time.time(),
+        workers=workers, steps_left=left, updated_at=time.time(),
     )  # fmt: skip
 
 
@@ -110,6 +117,33 @@ def test_stalled_demand_grants_one_cohort_then_backs_off():
     assert t.stall_after() == pytest.approx(1.0)
 
 
+def test_near_the_end_of_the_step_budget_a_worker_makes_only_what_the_last_steps_can_take():
+    """The default run's worker made ~1% of its groups for versions no step read (`steps_left`)."""
+    far, near = throttle(), throttle()
+    for t in (far, near):
+        t.observe(demand(1, waiting=10, workers=2))
+        t.note_made(t.allowance())
+    far.observe(demand(2, waiting=6, workers=2, left=50))
+    near.observe(demand(2, waiting=6, workers=2, left=1))  # one step of 8 left, 6 wait: 2 more, half each
+    assert far.allowance() > 1 and near.allowance() == 1
+    near.note_made(1)
+    near.observe(demand(3, waiting=12, workers=2, left=0))  # the last step is taken: nothing more
+    assert near.allowance() == 0 and "steps_left=0" in near.describe()
+
+
+def test_after_the_last_step_the_first_stall_grant_waits_a_minute():
+    """A finished trainer publishes nothing more: no cohort for it before a minute (a trainer resumed with a
+    larger budget is fed then), where a trainer still stepping gets one after two of its steps."""
+    clock = Clock()
+    t = throttle(clock)
+    t.observe(demand(1, waiting=10, step_s=0.5, left=0))
+    t.note_made(t.allowance())
+    clock.t += 59.0
+    assert t.allowance() == 0
+    clock.t += 1.5
+    assert t.allowance() == 4 and t.grants == 1
+
+
 def test_demand_poll_follows_the_trainers_step_time():
     t = throttle()
     assert t.poll_interval(1.0) == 1.0  # nothing known yet: the run's poll interval
@@ -145,9 +179,9 @@ def test_trainer_writes_its_demand_next_to_head_with_rate_and_live_workers(tmp_p
     pub = DemandPublisher(store, groups_per_step=B, max_staleness=3, clock=clock)
     pub.after_publish(1, waiting=12)
     clock.t += 0.5
-    pub.after_publish(2, waiting=9)
+    pub.after_publish(2, waiting=9, steps_left=198)
     d = decode_json(store.get(layout.WEIGHTS_DEMAND), Demand)
-    assert (d.version, d.groups_per_step, d.max_staleness, d.waiting) == (2, B, 3, 9)
+    assert (d.version, d.groups_per_step, d.max_staleness, d.waiting, d.steps_left) == (2, B, 3, 9, 198)
     assert d.workers == 2  # "gone" wrote its heartbeat 300 s before the newest one
     assert d.step_s == pytest.approx(0.5)
 

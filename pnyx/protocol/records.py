@@ -202,5 +202,8 @@ class Demand(msgspec.Struct, kw_only=True):
     """Seconds per trainer step (moving average; 0 until measured), so workers pace and poll to it."""
     workers: int = 1
     """Workers whose heartbeat is recent (at least 1): each worker's share of the demand is 1/workers."""
+    steps_left: int | None = None
+    """Steps the trainer will still take before its step budget ends (None: no step budget, or a trainer
+    that does not say): what its last steps can consume caps what workers make for them."""
     updated_at: float
     """Unix time of this record (informational: workers pace by their own clock)."""

@@ -13,7 +13,10 @@ made. On each new demand version it
 - adds `gain_p × (lead·B − waiting) / N` once (proportional: refill a short queue, let a long one drain);
 - moves `q` by `gain_i × (lead·B − waiting) / N` (integral: a worker faster than its share, or whose peers
   are slow or gone, takes on more);
-- forgives debt beyond one step plus one cohort, so a worker that cannot keep up never bursts later.
+- forgives debt beyond one step plus one cohort, so a worker that cannot keep up never bursts later;
+- near the end of the trainer's step budget (`steps_left`), makes at most its share of what the steps left
+  can consume beyond the groups already waiting, and nothing once the last step is taken (no step would
+  read it).
 It may generate while made < target. The trainer never waits for a worker to *notice* a version: the target
 already covers the next step's batch (lead ≥ 1), and the owner polls the demand at an eighth of the
 trainer's step time (`poll_interval`).
@@ -21,7 +24,9 @@ trainer's step time (`poll_interval`).
 Liveness: the trainer rewrites its demand only when it publishes, so a trainer waiting for data cannot ask
 for more. When the target is reached and no new demand came for two steps, the worker is granted one more
 cohort; the wait doubles at each grant (up to a minute) and resets with the next demand. A starving trainer
-is therefore always fed; a dead one costs at most a cohort per minute per worker. Before the first demand
+is therefore always fed; a dead one costs at most a cohort per minute per worker. After a demand that
+announced the trainer's last step (`steps_left` 0) the first grant waits the full minute (a trainer resumed
+with a larger budget is fed then; a finished one gets nothing made for it). Before the first demand
 (the trainer has not stepped yet, or is too old to write one) the target is `(1 + lead) × B`: the batch of
 the trainer's first step and the lead that should wait at its first publish (with `lead × B` the queue was
 empty at that publish and the proportional term took ~5 versions to build it, each a wait for a whole
@@ -88,6 +93,8 @@ class Throttle:
         self.step_s = 0.0
         self.workers = 1
         self.waiting: int | None = None
+        self.steps_left: int | None = None
+        """Steps the trainer will still take, by its last demand (None: it has no step budget)."""
         self.grants = 0
         """Cohorts granted because the demand stalled (see the module docstring)."""
         self._news_at = clock()
@@ -115,6 +122,11 @@ class Throttle:
         )
         self.quota = min(float(b), max(0.0, self.quota + self.gain_i * share * max(-b, min(b, error))))
         self.target = min(self.target, self.made + self.quota + self.cohort)  # forgive older debt
+        self.steps_left = None if demand.steps_left is None else max(0, int(demand.steps_left))
+        if self.steps_left is not None:  # the trainer's last steps take this many beyond what waits for them
+            self.target = min(
+                self.target, self.made + share * max(0, self.steps_left * b - int(demand.waiting))
+            )
         self.groups_per_step = b
         self.version = int(demand.version)
         self.max_staleness = int(demand.max_staleness)
@@ -152,6 +164,8 @@ class Throttle:
 
     def stall_after(self) -> float:
         """Seconds without a new demand after which the next stall cohort is granted."""
+        if self.steps_left == 0:  # the trainer took its last step: a resumed one with a larger budget is
+            return STALL_CAP_S  # fed within a minute; until then nothing is made for a finished run
         base = max(1.0, 2.0 * self.step_s) if self.step_s > 0 else 2.0
         return min(STALL_CAP_S, base * 2.0**self._stalls)
 
@@ -176,9 +190,10 @@ class Throttle:
         """One short line for the heartbeat's detail."""
         if self.quota is None:
             return f"supply: made {self.made}/{self.target:.0f} before the trainer's first demand"
+        last = f" steps_left={self.steps_left}" if self.steps_left is not None else ""
         return (
             f"supply: made {self.made}/{self.target:.0f} trainer v={self.version} waiting={self.waiting} "
-            f"share=1/{self.workers} quota={self.quota:.1f}/step"
+            f"share=1/{self.workers} quota={self.quota:.1f}/step{last}"
         )
 
 

@@ -27,7 +27,7 @@ class IngestSettings:
 
     max_staleness: int = 3
     max_reuse: int = 1
-    last_chance_share: float = 0.25
+    last_chance_share: float = 0.5
     """Share of a batch offered first to fresh groups in their last step of the window (`ranking.ranked`)."""
     max_groups_per_prompt: int = 2
     advantage: AdvantageMode = "grpo"

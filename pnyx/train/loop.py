@@ -463,7 +463,11 @@ class Trainer:
                     # supply control, first thing after a publish: tell workers what the next step can use,
                     # counted from what the prefetcher already listed and fetched (no store I/O: a LIST and
                     # GET of the whole backlog here made every step's cost follow the backlog)
-                    self.parts.supply.after_publish(r.version, waiting=self.parts.ingestor.waiting(r.version))
+                    self.parts.supply.after_publish(
+                        r.version,
+                        waiting=self.parts.ingestor.waiting(r.version),
+                        steps_left=self.steps - r.version,
+                    )
                     if self.parts.ticker is not None:
                         self.parts.ticker.poke()
                     m = self.metrics(r)

@@ -67,9 +67,10 @@ class DemandPublisher:
         self._counted_at: float | None = None
         self._failures = 0
 
-    def after_publish(self, version: int, waiting: int) -> Demand:
-        """Record that `version` was just published with `waiting` usable groups queued for the next step;
-        write the demand. Returns the record (also when the write failed)."""
+    def after_publish(self, version: int, waiting: int, steps_left: int | None = None) -> Demand:
+        """Record that `version` was just published with `waiting` usable groups queued for the next step
+        and `steps_left` steps to go (None: no step budget); write the demand. Returns the record (also
+        when the write failed)."""
         from pnyx.protocol import encode_json
 
         now = self._clock()
@@ -87,6 +88,7 @@ class DemandPublisher:
             waiting=max(0, int(waiting)),
             step_s=round(self.step_s, 4),
             workers=self.workers,
+            steps_left=None if steps_left is None else max(0, int(steps_left)),
             updated_at=time.time(),
         )
         try:
