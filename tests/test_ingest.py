@@ -327,6 +327,25 @@ def test_a_share_of_the_batch_goes_first_to_groups_in_their_last_step_of_the_win
     assert sorted(newest) == sorted(fresh[:4])
 
 
+def test_the_backlog_counts_the_fetched_groups_the_hold_back_passes_over(store):
+    """Under committed draws the planner passes over a group while a seq its name committed below it is
+    unread (`Ticker.held`); the trainer's backlog says how many it holds, so a trainer waiting on them says
+    why (`starving_note`)."""
+    from pnyx.train.progress import starving_note
+
+    for seq in range(4):
+        put(store, make_group(0, "w", seq, task_index=seq))
+    ing = make_ingestor(store)
+    assert "held" not in ing.backlog(0)  # no hold-back (committed draws off): nothing counted
+    ing.planner.held = lambda g: (0, 0) if g.group.seq >= 2 else None  # seqs 2 and 3 wait for a lower one
+    chosen = ing.select(0, 4)
+    assert sorted(g.group.seq for g in chosen) == [0, 1]
+    assert ing.backlog(0)["held"] == 2 and ing.backlog(0)["fetched"] == 4
+    d = {"phase": "waiting", "phase_s": 40.0, "have": 2, "need": 4, "backlog": ing.backlog(0)}
+    note = starving_note(d)
+    assert note is not None and "2 of them held back until a seq their worker committed below them" in note
+
+
 def test_per_prompt_cap_is_kept_when_only_the_top_is_fetched(store):
     for seq in range(3):
         put(store, make_group(0, "w", seq, task_index=0), stamp_ms=1000 + seq)

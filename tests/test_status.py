@@ -220,6 +220,14 @@ def test_backlog_and_supply_against_consumption_are_shown(tmp_path):
     assert "87% of groups had the same reward for every sample" in text and "too hard" in text
     line = plain_line(snap)
     assert "supply=5.00g/s consume=2.00g/s backlog=waiting:1200,fetched:16 trainer=waiting" in line
+    # under committed draws the trainer also reports the fetched groups its hold-back passes over
+    status["backlog"]["held"] = 3
+    store.put(STATUS_KEY, json.dumps(status).encode())
+    snap = RunWatcher(store).snapshot()
+    assert "backlog=waiting:1200,fetched:16,held:3 trainer=waiting" in plain_line(snap)
+    console = Console(width=250, record=True)
+    console.print(render(snap))
+    assert "waiting 1200 · fetched 16 (3 held back) · dropped" in console.export_text()
 
 
 def test_a_starving_trainer_says_why_in_its_status_pnyx_status_and_the_live_line(tmp_path):

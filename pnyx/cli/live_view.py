@@ -22,14 +22,16 @@ def _age(s: float) -> str:
 
 
 def backlog_text(snap: Snapshot) -> str:
-    """`waiting 1200 · fetched 16 · dropped stale:40, zero_variance:3` from the trainer's newest report."""
+    """`waiting 1200 · fetched 16 · dropped stale:40, zero_variance:3` from the trainer's newest report
+    (`fetched 16 (3 held back)` where committed draws hold some back)."""
     source = snap.trainer if snap.trainer.get("backlog") else snap.last
     b = source.get("backlog") or {}
     drops = source.get("drops") or snap.last.get("drops") or {}
     dropped = ", ".join(f"{k}:{v}" for k, v in sorted(drops.items()) if v) or "none"
     if not b:
         return f"dropped {dropped}"
-    return f"waiting {b.get('waiting', 0)} · fetched {b.get('fetched', 0)} · dropped {dropped}"
+    held = f" ({b['held']} held back)" if b.get("held") else ""
+    return f"waiting {b.get('waiting', 0)} · fetched {b.get('fetched', 0)}{held} · dropped {dropped}"
 
 
 def quarantine_text(snap: Snapshot) -> str | None:
@@ -134,6 +136,8 @@ def plain_line(snap: Snapshot) -> str:
     if hidden:  # a large fleet: its totals, then only the first few (lost, slowest) by name
         workers = ",".join(workers.split(",")[:5])
         workers = f"[{fleet_totals(snap)}] {workers},+{hidden + len(shown) - min(5, len(shown))} more"
+    from pnyx.train.progress import held_part
+
     b = snap.trainer.get("backlog") or last.get("backlog") or {}
     return (
         f"run={snap.run_id} t={_fmt(snap.elapsed_s, '.0f')}s v={snap.version if snap.version is not None else '-'} "
@@ -141,8 +145,9 @@ def plain_line(snap: Snapshot) -> str:
         f"pass@1=[{eval_history(snap, 4)}] stale={_fmt(staleness_of(last), '.2f')} "
         f"masked={_fmt(None if masked is None else 100 * masked, '.2f')}% "
         f"supply={_fmt(snap.supply_groups_per_s, '.2f')}g/s consume={_fmt(snap.consumption_groups_per_s, '.2f')}g/s "
-        f"backlog=waiting:{b.get('waiting', '-')},fetched:{b.get('fetched', '-')} "
-        f"trainer={(snap.trainer.get('phase') or '-')} workers={workers or '-'}"
+        f"backlog=waiting:{b.get('waiting', '-')},fetched:{b.get('fetched', '-')}"
+        + held_part(b, ",held:")
+        + f" trainer={(snap.trainer.get('phase') or '-')} workers={workers or '-'}"
         + (
             f" quarantined={len(q)}"
             if (q := snap.trainer.get("quarantined") or snap.last.get("quarantined"))

@@ -246,17 +246,22 @@ class Ingestor:
     # --- what the trainer reports ---------------------------------------------------------------------
 
     def backlog(self, version: int) -> dict[str, int]:
-        """Keys in the window by state: `waiting` (listed, not fetched), `fetched` (valid, in memory)."""
+        """Keys in the window by state: `waiting` (listed, not fetched), `fetched` (valid, in memory) and,
+        under committed draws, `held`: fetched groups the hold-back passes over now (`Ticker.held`: a seq
+        their name committed below them is not read yet)."""
         with self.shared.lock:
             low = self.listing.low(version)
-            fetched = sum(1 for g in self.shared.ready.values() if g.version >= low)
-            waiting = self.listing.waiting_from(version, low) - fetched
-            return {
+            window = [g for g in self.shared.ready.values() if g.version >= low]
+            waiting = self.listing.waiting_from(version, low) - len(window)
+            out = {
                 "waiting": max(0, waiting),
-                "fetched": fetched,
+                "fetched": len(window),
                 "listed": self.listing.listed,
                 "gets": self.admission.fetched,
             }
+            if (held := self.planner.held) is not None:
+                out["held"] = sum(held(g) is not None for g in window)
+            return out
 
     def zero_variance(self) -> dict[str, Any]:
         """Share of the recently scored groups whose samples all got the same reward (`frac`, None while

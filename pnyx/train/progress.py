@@ -93,10 +93,21 @@ def starving_note(d: dict[str, Any]) -> str | None:
         if (zv.get("frac") or 0.0) > 0.5
         else ""
     )
+    held = (
+        f", {b['held']} of them held back until a seq their worker committed below them is read (committed "
+        "draws: a seq left empty is settled as a gap when its version leaves the window, docs/security.md)"
+        if b.get("held")
+        else ""
+    )
     return (
-        f"{head}: {b.get('waiting', 0)} groups waiting, {b.get('fetched', 0)} fetched; drops so far "
+        f"{head}: {b.get('waiting', 0)} groups waiting, {b.get('fetched', 0)} fetched{held}; drops so far "
         f"{fmt_counts(d.get('drops') or {})}{hint} (`pnyx status` shows each key's checks)."
     )
+
+
+def held_part(backlog: dict[str, int], label: str) -> str:
+    """The backlog's `held` count after `label` (committed draws), or nothing where the run holds none back."""
+    return f"{label}{backlog['held']}" if "held" in backlog else ""
 
 
 def fmt_counts(d: dict[str, int]) -> str:
@@ -124,7 +135,8 @@ def format_line(m: dict[str, Any]) -> str:
         f"stale={m['stale_mean']:.2f} masked={100 * m['masked_frac']:.2f}% clip={100 * m['clip_frac']:.2f}% "
         f"ess={m['ess']:.3f} ent={m['entropy']:.3f} gnorm={m['grad_norm']:.3f} loss={m['loss']:+.4f} "
         f"tok/s={m['tok_s']:.0f} lr={m.get('lr', 0.0):.2e} pub={m['publish_kind']}:{m['publish_s']:.2f}s "
-        f"ingest={m.get('ingest_wait_s', 0.0):.2f}s backlog=waiting:{b.get('waiting', 0)},fetched:{b.get('fetched', 0)} "
+        f"ingest={m.get('ingest_wait_s', 0.0):.2f}s backlog=waiting:{b.get('waiting', 0)},fetched:{b.get('fetched', 0)}"
+        f"{held_part(b, ',held:')} "
         f"drops={fmt_counts(m['drops'])} disagree={fmt_counts(m['disagreements'])}"
         + (f" rejudged={fmt_counts(m['rejudged'])}" if m.get("rejudged") else "")
         + (
@@ -142,7 +154,7 @@ def progress_line(d: dict[str, Any]) -> str:
     return (
         f"trainer v={d.get('version')} {d.get('phase')} {d.get('phase_s', 0):.0f}s: "
         f"usable {d.get('have', 0)}/{d.get('need', 0)} backlog waiting={b.get('waiting', 0)} "
-        f"fetched={b.get('fetched', 0)} listed={b.get('listed', 0)} gets={b.get('gets', 0)} "
+        f"fetched={b.get('fetched', 0)}{held_part(b, ' held=')} listed={b.get('listed', 0)} gets={b.get('gets', 0)} "
         f"consumed={d.get('consumed', 0)} drops={fmt_counts(d.get('drops') or {})}"
     )
 
