@@ -333,3 +333,28 @@ def test_an_interrupted_run_reports_its_newest_version_as_after(fleet_run):
 @pytest.mark.slow
 def test_run_ends_by_printing_the_export_command_of_its_store(fleet_run):
     assert f"export it: pnyx export --store {fleet_run['store_dir']} --out " in fleet_run["logs"]
+
+
+@pytest.mark.slow
+def test_the_stale_drops_account_matches_the_runs_supply_report(fleet_run):
+    """`benchmarks/stale_drops.py` (how the last-chance share was chosen: BENCHMARKS.md) reads the same run
+    as `pnyx run`'s supply report: every uploaded group counted once, the consumed ones at a staleness
+    inside the window."""
+    folder = fleet_run["store_dir"]
+    supply = json.loads((folder / "summary.json").read_text())["supply"]
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "stale_drops.py"), str(folder)],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    head = re.search(r"(\d+) groups uploaded, (\d+) consumed by (\d+) steps", out)
+    assert head is not None, out
+    assert (int(head[1]), int(head[2]), int(head[3])) == (
+        supply["uploaded"],
+        supply["consumed"],
+        fleet_run["steps"],
+    )
+    staleness = re.search(r"consumed at staleness: (\{.*\})", out)
+    assert staleness is not None, out
+    counts = {int(k): int(v) for k, v in re.findall(r"(-?\d+): (\d+)", staleness[1])}
+    assert sum(counts.values()) == supply["consumed"]
+    assert 0 <= min(counts) <= max(counts) <= 3  # algorithm.max_staleness
