@@ -181,6 +181,32 @@ def test_the_probe_is_held_out_from_the_step_and_prefers_trusted_keys(tmp_path):
     assert ing.probe() == probe
 
 
+def test_a_probe_measures_probe_steps_steps_before_new_rows_are_chosen(tmp_path):
+    """A probe's rows are re-forwarded for `PROBE_STEPS` steps (the forward after one step is the forward
+    before the next, so a kept probe costs one forward a step); a step that measured nothing, or replay,
+    chooses new rows at once."""
+    from pnyx.security.calibration import PROBE_STEPS
+
+    store = open_store(tmp_path / "s")
+    ing = _ingestor(store)
+    for i in range(PROBE_STEPS + 2):
+        _put(store, make_group(0, "w", i, task_index=i), MINE)
+    ing.poll(0)
+    groups = ing.select(0, PROBE_STEPS + 2)
+    ing.commit([groups[0].key], groups[:1], version=0)  # the first step: nothing measured, rows chosen
+    first = ing.probe()
+    assert first
+    seen = []
+    for v in range(1, PROBE_STEPS + 1):
+        ing.commit([groups[v].key], groups[v : v + 1], drift=Drift(0.01, 10, True), version=v)
+        seen.append(ing.probe())
+    assert seen[: PROBE_STEPS - 1] == [first] * (PROBE_STEPS - 1)  # PROBE_STEPS steps measured them
+    assert seen[-1] and seen[-1] != first  # then rows of the newest step
+    g = groups[PROBE_STEPS + 1]
+    ing.commit([g.key], [g], drift=None, version=PROBE_STEPS + 1)  # no update measured: new rows at once
+    assert ing.probe() != seen[-1]
+
+
 def test_the_drift_probe_measures_the_step_it_did_not_train_on():
     import torch
 
@@ -236,6 +262,24 @@ def test_the_drift_probe_measures_the_step_it_did_not_train_on():
         drifts[lr] = stats.drift
     assert drifts[0.0][0] == pytest.approx(0.0, abs=1e-6)
     assert drifts[1e-3][0] > 1e-3  # the update moved the held-out rows' logprobs
+
+    # The same rows at the next step: the forward after this step is exactly the forward before the next
+    # (`train_step(probe_before=)`, how the trainer spares it), so the second step measures the same drift
+    # whether it forwards them again or not.
+    lenient = CheckSettings(lp_gap_base=None, plausibility_z=None)  # the second step trains on stale rows
+
+    def two_steps(reuse: bool):
+        m = load_model(path, dtype="float32")
+        opt = make_optimizer(m, 1e-3, cfg.trainer.betas, 0.0)
+        kw = dict(micro_batch_tokens=4096, grad_clip=1.0, lr=1e-3, checks=Allowances(lenient), probe=probe)
+        first = train_step(m, opt, trained, LossSettings(), policy_version=0, **kw)
+        assert first.probe_after is not None
+        before = first.probe_after if reuse else None
+        second = train_step(m, opt, trained, LossSettings(), policy_version=1, probe_before=before, **kw)
+        return second
+
+    kept, fresh = two_steps(True), two_steps(False)
+    assert kept.drift == fresh.drift and kept.drift is not None and kept.drift[0] > 1e-3
     assert isinstance(
         ProbeRow(probe[0].prompt, probe[0].completion, probe[0].loss_mask, probe[0].sampling), ProbeRow
     )

@@ -90,6 +90,9 @@ class Trainer:
         self._parts: TrainerParts | None = None
         self._check_pending = True  # read a pending batch record before the first step of this process
         self._ingest_wait_s = 0.0
+        self._probe_after: tuple[int, tuple[Any, ...], Any] | None = None
+        """(the version after the step, its probe rows, their forward after it): the next step's forward
+        before the same rows (`train_batch`)."""
         self._skip_audit: dict[str, Any] | None = None  # the last step's exact check of skip records
         self.progress = Progress(store, self._describe)
         self.manifest: RunManifest | None = None
@@ -181,6 +184,21 @@ class Trainer:
         return None if r is None else str(r).removeprefix("torch.")
 
     def train_batch(self, batch: Batch) -> StepStats:
+        """One `train_step` on `batch`; the drift probe's forward after it is kept for the next step, which
+        then does not forward the same rows at the same weights again (the planner keeps a probe's rows for
+        `calibration.PROBE_STEPS` steps)."""
+        rows = tuple(
+            (tuple(r.prompt), tuple(r.completion), tuple(r.loss_mask), r.sampling) for r in batch.probe or ()
+        )
+        kept = self._probe_after
+        before = kept[2] if kept is not None and rows and kept[:2] == (self.version, rows) else None
+        stats = self._train_step(batch, before)
+        after = stats.probe_after
+        self._probe_after = (self.version + 1, rows, after) if after is not None else None
+        stats.probe_after = None  # held here, not carried with the step's results
+        return stats
+
+    def _train_step(self, batch: Batch, probe_before: Any) -> StepStats:
         return train_step(
             self.parts.model,
             self.parts.optimizer,
@@ -196,6 +214,7 @@ class Trainer:
             compute_dtype=self.parts.compute_dtype,
             checks=batch.checks if batch.checks is not None else check_settings(self.cfg),
             probe=batch.probe,
+            probe_before=probe_before,
             rejudge=self.parts.rejudge if self.cfg.security.rejudge else None,
             exact_draws=self.parts.rejudge.draws
             if self.parts.rejudge and self.cfg.security.seeded_draws

@@ -22,7 +22,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 
 from pnyx.protocol import layout
-from pnyx.security.calibration import Allowances, Drift, ProbeRow, choose_probe, derive
+from pnyx.security.calibration import PROBE_STEPS, Allowances, Drift, ProbeRow, choose_probe, derive
 from pnyx.security.checks import GroupEvidence, KeyEvidence, add_evidence
 from pnyx.train.key_ledger import KeyLedger
 from pnyx.train.listing import Shared, WindowListings
@@ -303,7 +303,14 @@ class BatchPlanner:
                             self.listing.versions[parsed[0]].remove_pending(k)
                 if version is not None:
                     calib.note_drift(version, drift)
-                    chosen = [g for k in keys if (g := by_key.get(k) or self.shared.ready.get(k)) is not None]
-                    calib.probe = choose_probe(chosen, rejected, self.shared.settings.trusted_keys)
+                    keep = drift is not None and calib.probe and self.shared.settings.max_reuse == 1
+                    if keep and calib.probe_steps + 1 < PROBE_STEPS:  # the same rows again (PROBE_STEPS)
+                        calib.probe_steps += 1
+                    else:
+                        chosen = [
+                            g for k in keys if (g := by_key.get(k) or self.shared.ready.get(k)) is not None
+                        ]
+                        calib.probe = choose_probe(chosen, rejected, self.shared.settings.trusted_keys)
+                        calib.probe_steps = 0
             for fp in sorted(touched):
                 self.ledger.check_quarantine(fp)

@@ -75,6 +75,7 @@ def train_step(
     compute_dtype: torch.dtype | None = None,
     checks: Limits | None = None,
     probe: Sequence[Row] | None = None,
+    probe_before: MicroBatch | None = None,
     rejudge: Rejudge | None = None,
     exact_draws: ExactDraws | None = None,
     forward_dtype: torch.dtype | None = None,
@@ -101,7 +102,8 @@ def train_step(
     forward has no drift to allow for, so a group failing there is dishonest, not drifted.
     `probe` (with the checks): rows held out from the step, forwarded before and after the update to
     measure its drift (`StepStats.drift`; None when no step is taken); with `Allowances` and no probe,
-    rows of the batch itself stand in.
+    rows of the batch itself stand in. `probe_before`: those rows' forward at the current weights, when the
+    caller has it (the previous step's `StepStats.probe_after`, the same rows: the forward is not repeated).
 
     Seeded draws (`checks.draw_tolerance` set): the same forward gives each model token's distance from
     the draw of its uniform (`logprobs.draw_distance`). Those forward weights are the trainer's, not the
@@ -132,7 +134,10 @@ def train_step(
     # the optimizer step would run the sharded model's hooks with gradients pending).
     probe_rows, held_out = _probe_rows(st, probe)
     t2 = time.perf_counter()
-    before = _probe(st, probe_rows) if probe_rows else None
+    if probe_rows and held_out and probe_before is not None:
+        before = probe_before  # the previous step's forward after, of these rows at these weights
+    else:
+        before = _probe(st, probe_rows) if probe_rows else None
     probe_s = time.perf_counter() - t2 if probe_rows else 0.0
 
     part = PartialStats()
@@ -151,14 +156,16 @@ def train_step(
     if step:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    drift = None
+    drift = after = None
     if before is not None and step:
         t2 = time.perf_counter()
-        drift = _drift(before, _probe(st, probe_rows), held_out)
+        after = _probe(st, probe_rows)
+        drift = _drift(before, after, held_out)
         probe_s += time.perf_counter() - t2
     return total.step_stats(
         grad_norm=grad_norm, seconds=time.perf_counter() - t0, micro_batches=len(st.plan),
         rejected=dict(sorted(rejected.items())), undo_s=undo_s, drift=drift, probe_s=probe_s,
+        probe_after=after if held_out else None,
     )  # fmt: skip
 
 

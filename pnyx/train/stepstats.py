@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from pnyx.security.calibration import Drift
 from pnyx.security.checks import GroupEvidence
@@ -121,7 +122,11 @@ class StepStats:
     this step's update, the token count, and whether the rows were held out from the step
     (`pnyx.security.calibration`). None when no probe was taken."""
     probe_s: float = 0.0
-    """Seconds the drift probe took (two forwards of its rows, no gradient)."""
+    """Seconds the drift probe took (two forwards of its rows, no gradient; one when the forward before was
+    the previous step's forward after, `train_step(probe_before=)`)."""
+    probe_after: Any = None
+    """The probe rows' forward after this step's update (a `forward.MicroBatch`; None: no probe, or no
+    update): the next step's forward before them if it probes the same rows from this version."""
     draws: DrawTally | None = None
     """The check of seeded draws (None when the step did not check them)."""
 
@@ -193,6 +198,7 @@ class PartialStats:
         undo_s: float,
         drift: Drift | None,
         probe_s: float,
+        probe_after: Any = None,
     ) -> StepStats:
         """The step's statistics from these sums (merged from every rank): means per counted token, the
         importance weights' effective sample size, the gaps per worker and engine; the rest as given."""
@@ -221,5 +227,6 @@ class PartialStats:
             undo_s=undo_s,
             drift=drift,
             probe_s=probe_s,
+            probe_after=probe_after,
             draws=self.draws if self.draws.rows else None,
         )
