@@ -374,7 +374,7 @@ class AlgorithmConfig(_Section):
     """Share of a batch offered first to fresh groups in their last step of the staleness window (the rest
     newest first); 0 = newest first only, under which a group left behind once goes stale unused. Half:
     at a quarter, a version that got two cohorts' groups left more behind than the rescue took (the default
-    run dropped 60-79 groups stale under committed draws; 9-41 in five runs at half: BENCHMARKS.md)."""
+    run dropped 60-79 groups stale under committed draws; 9-41 in six runs at half: BENCHMARKS.md)."""
     max_groups_per_prompt: Annotated[int, Field(ge=1, le=1000)] = 2
     """Each prompt (task id) contributes at most this many groups per step."""
 
