@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -51,12 +50,13 @@ from pnyx.security.signing import Verifier
 from pnyx.store import Store
 from pnyx.train import checkpoint, hooks
 from pnyx.train.batch import Batch, StepResult
-from pnyx.train.drawcheck import MISMATCH, UNVERIFIABLE
+from pnyx.train.forward import MicroBatch
 from pnyx.train.ingest import ScoredGroup
-from pnyx.train.progress import Progress, format_line, reward_parts
+from pnyx.train.progress import Progress, format_line
 from pnyx.train.resume import restore
 from pnyx.train.settings import check_settings, loss_settings
 from pnyx.train.step import StepStats, train_step
+from pnyx.train.step_metrics import step_metrics
 from pnyx.train.ticker import Ticker
 from pnyx.train.trainer_setup import TrainerParts, attach_run, load_parts, open_run
 from pnyx.weights.manifest import WeightManifest
@@ -90,7 +90,7 @@ class Trainer:
         self._parts: TrainerParts | None = None
         self._check_pending = True  # read a pending batch record before the first step of this process
         self._ingest_wait_s = 0.0
-        self._probe_after: tuple[int, tuple[Any, ...], Any] | None = None
+        self._probe_after: tuple[int, tuple[object, ...], MicroBatch] | None = None
         """(the version after the step, its probe rows, their forward after it): the next step's forward
         before the same rows (`train_batch`)."""
         self._skip_audit: dict[str, Any] | None = None  # the last step's exact check of skip records
@@ -198,7 +198,7 @@ class Trainer:
         stats.probe_after = None  # held here, not carried with the step's results
         return stats
 
-    def _train_step(self, batch: Batch, probe_before: Any) -> StepStats:
+    def _train_step(self, batch: Batch, probe_before: MicroBatch | None) -> StepStats:
         return train_step(
             self.parts.model,
             self.parts.optimizer,
@@ -365,78 +365,12 @@ class Trainer:
         )
 
     def metrics(self, r: StepResult) -> dict[str, Any]:
-        s = r.stats
-        stale = Counter(r.version - 1 - g.version for g in r.groups)
-        rewards = [x for g in r.groups for x in g.rewards]
-        claimed = [x for g in r.groups for x in g.worker_rewards]
-        n_stale = sum(stale.values())
-        return {
-            "version": r.version,
-            "time": time.time(),
-            "groups": len(r.groups),
-            "samples": len(rewards),
-            "reward": sum(rewards) / len(rewards),
-            "worker_reward": sum(claimed) / len(claimed),
-            "staleness": {str(k): v for k, v in sorted(stale.items())},
-            "stale_mean": sum(k * v for k, v in stale.items()) / n_stale,
-            "loss": s.loss,
-            "masked_frac": s.masked_frac,
-            "clip_frac": s.clip_frac,
-            "iw_mean": s.iw_mean,
-            "iw_min": s.iw_min,
-            "iw_max": s.iw_max,
-            "ess": s.ess,
-            "entropy": s.entropy,
-            "kl": s.kl,
-            "grad_norm": s.grad_norm,
-            "tokens": s.tokens,
-            "tok_s": s.tokens_per_s,
-            "step_s": s.seconds,
-            "publish_s": r.publish_s,
-            "publish_kind": r.publish_kind,
-            "lr": r.lr,
-            "ranks": self.parts.dist.world,
-            "micro_batches": s.micro_batches,
-            "lp_gap": s.lp_gap,
-            "reward_parts": reward_parts(r.groups),
-            "backlog": self.parts.ingestor.backlog(self.version),
-            "zero_variance": self.parts.ingestor.zero_variance(),
-            "ingest_wait_s": self._ingest_wait_s,
-            "prefetch_busy_s": round(self.parts.prefetcher.busy_s, 3),
-            "lp_gap_engine": s.lp_gap_engine,
-            "rejected": dict(Counter(s.rejected.values())),
-            "rejudged": dict(Counter(s.rejudged.values())),
-            "undo_s": round(s.undo_s, 4),
-            "probe_s": round(s.probe_s, 4),
-            "calibration": self._calibration(r),
-            "draws": self._draw_metrics(s),
-            "skip_audit": self._skip_audit,
-            **self.parts.ingestor.stats(),
-        }
-
-    def _draw_metrics(self, s: StepStats) -> dict[str, Any] | None:
-        """The step's check of seeded draws (`stepstats.DrawTally`): rows measured by its forward, rows over
-        the tolerance there and measured again exactly, the seconds of those exact forwards, groups
-        dropped, the largest distances; None when the run does not check draws."""
-        if s.draws is None:
-            return None
-        out = s.draws.to_metrics()
-        out["dropped"] = sum(1 for r in s.rejected.values() if r in (MISMATCH, UNVERIFIABLE))
-        return out
-
-    def _calibration(self, r: StepResult) -> dict[str, Any] | None:
-        """The allowances the step judged with and what its drift probe measured (metrics)."""
-        if r.checks is None:
-            return None
-        from pnyx.security.calibration import evidence_summary
-
-        out = r.checks.to_metrics(self.cfg.algorithm.max_staleness)
-        out["groups"] = evidence_summary(r.stats.evidence, r.checks, r.stats.rejected, r.stats.rejudged)
-        d = r.stats.drift
-        out["probe"] = (
-            None if d is None else {"drift": round(d.a, 6), "tokens": d.tokens, "held_out": d.held_out}
-        )
-        return out
+        """The step's metrics record (`step_metrics`), with what this trainer knows beside the step."""
+        return step_metrics(
+            r, self.parts.ingestor, version=self.version, world=self.parts.dist.world,
+            max_staleness=self.cfg.algorithm.max_staleness, ingest_wait_s=self._ingest_wait_s,
+            prefetch_busy_s=self.parts.prefetcher.busy_s, skip_audit=self._skip_audit,
+        )  # fmt: skip
 
     def _describe(self) -> dict[str, Any]:
         """What the progress line and `trainer/status.json` report (callable from the progress thread)."""

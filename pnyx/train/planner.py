@@ -303,7 +303,7 @@ class BatchPlanner:
                             self.listing.versions[parsed[0]].remove_pending(k)
                 if version is not None:
                     calib.note_drift(version, drift)
-                    keep = drift is not None and calib.probe and self.shared.settings.max_reuse == 1
+                    keep = drift is not None and bool(calib.probe) and self.shared.settings.max_reuse == 1
                     if keep and calib.probe_steps + 1 < PROBE_STEPS:  # the same rows again (PROBE_STEPS)
                         calib.probe_steps += 1
                     else:
