@@ -32,11 +32,11 @@ cursor: rejected with a reason, trained on, stale, or still waiting at the end.
   next group under the same seq (with another task: no gap, no skip record; `_even` keeps a property
   unrelated to how likely its tokens are: an even count of right-sample tokens); an arm name ending in
   `_committed` runs that attack under committed draws (`security.committed_draws`), where a second
-  commitment to a seq is refused, so the reusing picker's groups are `uncommitted` (`--standing K` sets
-  `security.standing_groups` there); `cherry_whole_abandon` keeps a key while it likes its draws and takes a
-  fresh key and name at the first group it does not want (the Sybil picker at its strongest); `sybil_whole` is the
-  whole-group picker with a fresh key per group (detection counts groups; the skip records' verdicts are
-  `hostile_skips`);
+  commitment to a seq is refused, so the reusing picker's groups are `uncommitted`, and a name's first
+  `security.standing_groups` seqs (8 by default; `--standing K` sets it) are never trained;
+  `cherry_whole_abandon` keeps a key while it likes its draws and takes a fresh key and name at the first
+  group it does not want (the Sybil picker at its strongest); `sybil_whole` is the whole-group picker
+  with a fresh key per group (detection counts groups; the skip records' verdicts are `hostile_skips`);
 - episode forgers (the red-team review of 2026-12-04): `episode_tool` appends answers as tool tokens,
   `episode_cut` cuts its right samples short, `episode_skip` announces kept-back groups as skip records
   without seeded draws (its groups are honest: detection counts them, its skip records are `hostile_skips`);
@@ -136,8 +136,8 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--standing",
         type=int,
-        default=0,
-        help="security.standing_groups in the `_committed` arms (default 0: off)",
+        default=None,
+        help="security.standing_groups in the `_committed` arms (default: the run's default, 8)",
     )
     p.add_argument("--force", action="store_true", help="redo arms already saved")
     return p.parse_args()
@@ -242,7 +242,7 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     # committed draws (on by default) only in the `_committed` arms: the others measure the checks without
     # them, as the figures recorded before committed draws were the default did
     sec: dict[str, Any] = {"committed_draws": base != name}
-    if base != name:
+    if base != name and args.standing is not None:
         sec["standing_groups"] = args.standing
     overrides = {**overrides, "security": {**overrides.get("security", {}), **sec}}
     t0 = time.perf_counter()
@@ -317,7 +317,7 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 "quarantined": dict(ing.cursor.quarantined),
                 "committed": dict(arena.trainer.parts.ticker.counts) if arena.trainer.parts.ticker else None,
                 "refusals": len(arena.refusals),
-                "standing_groups": args.standing if base != name else 0,
+                "standing_groups": arena.cfg.security.standing_groups,
                 "log": log,
             }
         finally:

@@ -4,7 +4,8 @@ measured, rows flagged by the step's forward (per staleness), passing stale rows
 re-checks, the distances computed inside the step's own forward, and the exact check of skip records' draws,
 `skip_audit`) against the steps' own seconds, the drift probe's seconds beside them (`probe_s`: the
 statistical checks' calibration, not a draw check), the groups the steps rejected by reason and the last
-step's drops.
+step's drops; then the skip records' audit by thirds of the run (records and rows checked per step, their
+share of step time), which follows the share of zero-variance groups.
 
     python benchmarks/draw_run_summary.py runs/<name>
 """
@@ -66,6 +67,18 @@ def main() -> None:
         f"of a flagged row kept {max(m['draws']['max_exact_kept'] for m in checked):.3g}; "
         f"rejected by reason {dict(rejected)}; drops at the end {metrics[-1].get('drops', {})}"
     )
+    third = max(1, -(-len(checked) // 3))
+    for i in range(0, len(checked), third):
+        part = checked[i : i + third]
+        audits = [m.get("skip_audit") or {} for m in part]
+        part_s = sum(m["step_s"] for m in part)
+        audit_s = sum(a.get("s", 0.0) for a in audits)
+        print(
+            f"skip records' audit, v{part[0]['version']}-v{part[-1]['version']}: "
+            f"{sum(a.get('groups', 0) for a in audits) / len(part):.1f} records and "
+            f"{sum(a.get('rows', 0) for a in audits) / len(part):.1f} rows per step, "
+            f"{audit_s:.2f} s of {part_s:.2f} s ({100 * audit_s / part_s:.1f}%)"
+        )
 
 
 if __name__ == "__main__":

@@ -283,13 +283,15 @@ class SecurityConfig(_Section):
     its quota leave room for beyond the current cohort; a stop draws the cohort committed ahead before the
     worker leaves (its seqs would otherwise be gaps). Costs: new weights reach generation one cohort later,
     and the tasks of a cohort are chosen before the outcomes of the one before are known."""
-    standing_groups: Annotated[int, Field(ge=0)] = 0
+    standing_groups: Annotated[int, Field(ge=0)] = 8
     """Under committed draws: the first this many seqs a worker name commits under an untrusted key are
     read and checked but never trained on (they expire), so a key must deliver that many groups it did not
     choose, in order, before one of its groups counts (docs/security.md, "Committed draws", standing).
-    Binds a Sybil that abandons a key after a group it does not want, at the price of that many groups of
-    every new worker name (and of every name again after a trainer restart: the count starts at the first
-    seq the window's ticks show). 0: off."""
+    Binds a Sybil that abandons a key after a group it does not want: with a share p of its draws wanted,
+    only runs of more than k wanted groups train, p^k of them (0.4% at p = 0.5, k = 8). The price: that
+    many groups of every new worker name under an untrusted key (and of every name again after a trainer
+    restart: the count starts at the first seq the window's ticks show); trusted keys (`trusted_keys`,
+    `pnyx run`'s local workers) are exempt. Left unset, follows `committed_draws` (0 without them). 0: off."""
     tick_interval_s: Annotated[float, Field(gt=0, le=60)] = 0.1
     """Seconds between two of the trainer's ticks while commitments wait (none is written when none do)."""
     accept_unseeded: bool = False
@@ -342,10 +344,13 @@ class SecurityConfig(_Section):
 
     @model_validator(mode="after")
     def _commit_where_seeded(self) -> SecurityConfig:
-        """`committed_draws` left unset follows `seeded_draws` (a commitment binds a seed); set, it is
-        taken as given (`check_worker_dtype` refuses it without seeded draws)."""
+        """`committed_draws` left unset follows `seeded_draws` (a commitment binds a seed), and
+        `standing_groups` left unset follows `committed_draws`; set, they are taken as given
+        (`check_worker_dtype` refuses either without what it needs)."""
         if "committed_draws" not in self.model_fields_set and not self.seeded_draws:
             object.__setattr__(self, "committed_draws", False)  # frozen; still not counted as given
+        if "standing_groups" not in self.model_fields_set and not self.committed_draws:
+            object.__setattr__(self, "standing_groups", 0)  # standing counts the seqs ticks show
         return self
 
 

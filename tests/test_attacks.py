@@ -23,8 +23,9 @@ from pnyx_harness.producer import HonestWorker, Producer
 
 WHOLE_GROUP_PICKER = (
     "a Sybil whole-group picker uploads only honest draws, each under a fresh key it abandons after a group it "
-    "does not want: no key it keeps has an empty seq, so nothing is held back or counted (issue #25, open: "
-    "only standing for new keys can bind it)"
+    "does not want: no key it keeps has an empty seq, so nothing is held back or counted. Nothing detects it; "
+    "standing binds it (a name's first seqs never trained, on by default under committed draws, which this "
+    "arena turns off: test_sybil_picker_with_a_fresh_key_per_group_gets_nothing_trained_under_standing)"
 )
 
 SEQ_REUSING_PICKER = (
@@ -455,6 +456,21 @@ def test_sybil_picker_that_keeps_a_key_while_it_likes_its_draws_needs_standing_t
     trained = [layout.parse_rollout_key(u.key)[2] for u in ups if arena.verdict(u.key) == TRAINED]
     assert all(seq >= STANDING for seq in trained), trained
     print(f"\ncommitted Sybil picker: {len(ups)} groups under {len(names)} keys, {len(trained)} trained")
+
+
+def test_sybil_picker_with_a_fresh_key_per_group_gets_nothing_trained_under_standing(committed_arena):
+    """The whole-group picker with a fresh key and name per group (the strict xfail above, in the arena
+    without committed draws): each of its groups is the first seq of its name, so under standing none is
+    ever trained, while the honest workers beside it keep being trained."""
+    arena = committed_arena
+    before = arena.tally("honest").get(TRAINED, 0)
+    _committed_rounds(arena, A.Sybil("sybil-c", source="sybil_whole_c", inner="cherry_whole"), 4, 4)
+    ups = [u for u in arena.uploads if u.source == "sybil_whole_c" and not layout.is_skip_key(u.key)]
+    assert len({layout.parse_rollout_key(u.key)[1] for u in ups}) == len(ups) >= 2  # a name per group
+    verdicts = {arena.verdict(u.key) for u in ups}
+    assert TRAINED not in verdicts, verdicts
+    assert arena.tally("honest").get(TRAINED, 0) > before
+    print(f"\ncommitted Sybil, a key per group: {len(ups)} groups, verdicts {sorted(verdicts)}")
 
 
 def test_a_restarted_honest_workers_undrawn_cohort_is_excused_not_counted_as_gaps(committed_arena):

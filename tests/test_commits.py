@@ -206,8 +206,9 @@ def test_a_stopping_ticker_ticks_once_more_for_the_commitments_waiting(parts):
 
 
 def test_committed_draws_need_seeded_draws_and_standing_needs_committed_draws():
-    """Committed draws are on by default wherever seeded draws are: turning seeded draws off turns them off
-    too (and keeps them off through run.json), while setting both ways is refused, as is standing without them."""
+    """Committed draws are on by default wherever seeded draws are, and standing wherever committed draws
+    are: turning one off turns what needs it off too (and keeps it off through run.json), while setting
+    both ways is refused."""
     from pnyx.config import check_worker_dtype, config_from_dict, load_config
 
     assert load_config().security.committed_draws  # the default
@@ -222,6 +223,13 @@ def test_committed_draws_need_seeded_draws_and_standing_needs_committed_draws():
     with pytest.raises(ConfigError, match="standing_groups needs security.committed_draws"):
         check_worker_dtype(cfg)
     check_worker_dtype(load_config(None, {"security": {"standing_groups": 4}}))  # on by default
+    # standing: 8 by default under committed draws, 0 wherever they are off unless set
+    assert load_config().security.standing_groups == 8
+    for off in ({"committed_draws": False}, {"seeded_draws": False}):
+        cfg = load_config(None, {"security": off})
+        assert cfg.security.standing_groups == 0
+        check_worker_dtype(cfg)
+        assert config_from_dict(cfg.model_dump(mode="json")).security.standing_groups == 0
 
 
 def test_a_tick_whose_put_landed_but_reported_a_failure_is_adopted_not_redrawn(parts, monkeypatch):

@@ -344,6 +344,17 @@ def test_the_backlog_counts_the_fetched_groups_the_hold_back_passes_over(store):
     d = {"phase": "waiting", "phase_s": 40.0, "have": 2, "need": 4, "backlog": ing.backlog(0)}
     note = starving_note(d)
     assert note is not None and "2 of them held back until a seq their worker committed below them" in note
+    assert "standing_groups" not in note
+    # standing (`Ticker.held` answers (-1, seq)): seq 3 is on probation for good, seq 2 waits on a lower seq
+    ing.planner.held = lambda g: (
+        (-1, g.group.seq) if g.group.seq == 3 else (0, 0) if g.group.seq == 2 else None
+    )
+    b = ing.backlog(0)
+    assert b["held"] == 2 and b["probation"] == 1
+    note = starving_note({**d, "backlog": b})
+    assert note is not None and "1 of them held back until a seq" in note
+    assert "1 of them a new worker's first groups under an untrusted key" in note
+    assert "security.standing_groups" in note and "security.trusted_keys" in note
 
 
 def test_per_prompt_cap_is_kept_when_only_the_top_is_fetched(store):

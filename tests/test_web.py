@@ -53,7 +53,11 @@ def run(tmp_path_factory) -> Iterator[dict[str, Any]]:
     from pnyx_harness.arena import Arena
     from pnyx_harness.producer import HonestWorker
 
-    arena = Arena(tmp_path_factory.mktemp("web"), {"trainer": {"groups_per_step": 4}})
+    # the page is what is tested, not standing: the worker's first groups count (security.standing_groups)
+    arena = Arena(
+        tmp_path_factory.mktemp("web"),
+        {"trainer": {"groups_per_step": 4}, "security": {"standing_groups": 0}},
+    )
     try:
         folder = Path(arena.store.local_path or "")
         evals = [_eval_record(arena, 0)]

@@ -248,7 +248,8 @@ class Ingestor:
     def backlog(self, version: int) -> dict[str, int]:
         """Keys in the window by state: `waiting` (listed, not fetched), `fetched` (valid, in memory) and,
         under committed draws, `held`: fetched groups the hold-back passes over now (`Ticker.held`: a seq
-        their name committed below them is not read yet)."""
+        their name committed below them is not read yet, or, counted again as `probation`, one of the first
+        `security.standing_groups` seqs of an untrusted name, never trained)."""
         with self.shared.lock:
             low = self.listing.low(version)
             window = [g for g in self.shared.ready.values() if g.version >= low]
@@ -260,7 +261,9 @@ class Ingestor:
                 "gets": self.admission.fetched,
             }
             if (held := self.planner.held) is not None:
-                out["held"] = sum(held(g) is not None for g in window)
+                why = [h for g in window if (h := held(g)) is not None]
+                out["held"] = len(why)
+                out["probation"] = sum(h[0] < 0 for h in why)
             return out
 
     def zero_variance(self) -> dict[str, Any]:

@@ -93,12 +93,19 @@ def starving_note(d: dict[str, Any]) -> str | None:
         if (zv.get("frac") or 0.0) > 0.5
         else ""
     )
+    probation = int(b.get("probation") or 0)
+    behind = int(b.get("held") or 0) - probation
     held = (
-        f", {b['held']} of them held back until a seq their worker committed below them is read (committed "
+        f", {behind} of them held back until a seq their worker committed below them is read (committed "
         "draws: a seq left empty is settled as a gap when its version leaves the window, docs/security.md)"
-        if b.get("held")
+        if behind > 0
         else ""
     )
+    if probation:
+        held += (
+            f", {probation} of them a new worker's first groups under an untrusted key, never trained "
+            "(security.standing_groups; your own workers' keys go in security.trusted_keys)"
+        )
     return (
         f"{head}: {b.get('waiting', 0)} groups waiting, {b.get('fetched', 0)} fetched{held}; drops so far "
         f"{fmt_counts(d.get('drops') or {})}{hint} (`pnyx status` shows each key's checks)."
