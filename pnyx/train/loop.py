@@ -142,7 +142,7 @@ class Trainer:
         )  # fmt: skip
         ticker.standing = sec.standing_groups
         ticker.trusted = frozenset(parts.ingestor.settings.trusted_keys)
-        ticker.restore()
+        ticker.restore(unswept=parts.ingestor.shared.cursor.swept_below if self.resume else None)
         admission = parts.ingestor.admission
         admission.check_draws = ticker.policy(admission.check_draws)
         parts.ingestor.skips.check_draws = admission.check_draws

@@ -106,13 +106,18 @@ class Ticker:
 
     # --- the trainer's side ------------------------------------------------------------------------------
 
-    def restore(self) -> None:
+    def restore(self, unswept: int | None = None) -> None:
         """Read back the ticks this run wrote (a restarted trainer): the newest first, down to the first
-        whose version left the window."""
+        whose version left the window, or, when the checkpoint's cursor has versions below the window it
+        has not swept yet (`unswept`: its `swept_below`), down to `KEEP_VERSIONS_EXTRA` below those: their
+        seqs are settled after the restart, and a killed worker's undrawn cohort among them is a gap unless
+        the tick that excused it is read back too."""
         keys = sorted(
             m.key for m in self.store.list(layout.TICKS_PREFIX) if layout.parse_tick_key(m.key) is not None
         )
         low = self.version() - self.max_staleness - KEEP_VERSIONS_EXTRA
+        if unswept is not None:
+            low = min(low, unswept - KEEP_VERSIONS_EXTRA)
         loaded: list[Tick] = []
         for key in reversed(keys):
             try:
