@@ -296,8 +296,10 @@ def test_a_group_is_held_while_a_seq_committed_below_it_is_not_delivered(parts):
     ticker.standing = 2
     assert ticker.held(group(1), SeqBook(low=0, verified=[0])) == (-1, 1)
     assert ticker.held(group(2), SeqBook(low=0, verified=[0, 1])) is None
+    assert [ticker.on_probation("w1", fp, s) for s in range(3)] == [True, True, False]  # the sweep's label
     ticker.trusted = frozenset({fp})
     assert ticker.held(group(1), SeqBook(low=0, verified=[0])) is None
+    assert not ticker.on_probation("w1", fp, 0)
 
 
 def test_a_restarted_workers_undrawn_cohort_is_excused_within_a_budget_and_not_held_for(parts):

@@ -357,6 +357,20 @@ def test_the_backlog_counts_the_fetched_groups_the_hold_back_passes_over(store):
     assert "security.standing_groups" in note and "security.trusted_keys" in note
 
 
+def test_groups_standing_held_are_counted_probation_at_the_sweep_not_stale(store):
+    """Unconsumed groups of a version that leaves the window are `stale`, except a new name's first seqs
+    that standing holds for good (`Listing.probation`, `Ticker.on_probation` in the trainer): `probation`,
+    so a supply report does not read them as supply the trainer was too slow for."""
+    for seq in range(4):
+        put(store, make_group(0, "w", seq, task_index=seq))
+    ing = make_ingestor(store, max_staleness=1)
+    ing.listing.probation = lambda worker, seq: worker == "w" and seq < 3
+    ing.refresh(0)
+    ing.sweep(5)
+    assert ing.cursor.swept_below > 0
+    assert ing.cursor.drops == {"probation": 3, "stale": 1}
+
+
 def test_per_prompt_cap_is_kept_when_only_the_top_is_fetched(store):
     for seq in range(3):
         put(store, make_group(0, "w", seq, task_index=0), stamp_ms=1000 + seq)

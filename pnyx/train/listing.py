@@ -138,6 +138,9 @@ class WindowListings:
         self.excused: Callable[[str, str], list[tuple[int, int]]] | None = None
         """(worker name, key) -> seq ranges whose absence is no gap (committed draws: a restarted worker's
         undrawn cohort, `Ticker.excused`); None: none are."""
+        self.probation: Callable[[str, int], bool] | None = None
+        """(worker name, seq) -> whether standing holds that seq for good (`Ticker.on_probation` for the
+        name's key): left unconsumed, it is counted `probation` at the sweep, not `stale`. None: never."""
         self.read_signer: ReadSigner = lambda key, worker, seq: None
         """(fingerprint, seeded) of the record under `key` if it is a valid signed record of (worker, seq),
         else None: how the sweep settles seqs it listed but never read (`seq_books`); the `Ingestor`
@@ -385,6 +388,8 @@ class WindowListings:
             if cursor.uses.get(key, 0) == 0 and key not in cursor.rejected:
                 if layout.is_skip_key(key):  # swept before its audit: never trained on either way
                     cursor.skips["unaudited"] = cursor.skips.get("unaudited", 0) + 1
+                elif self.probation is not None and self._on_probation(key):
+                    self.drop("probation")  # a new name's first seqs under standing: never trainable
                 else:
                     self.drop("stale")
         settlement.settle(
@@ -404,6 +409,10 @@ class WindowListings:
         self.shared.cursor.swept_below = version + 1
 
     # --- rejections: the cursor's record of keys never to be trained on -----------------------------
+
+    def _on_probation(self, key: str) -> bool:
+        parsed = layout.parse_rollout_key(key)
+        return parsed is not None and self.probation is not None and self.probation(parsed[1], parsed[2])
 
     def drop(self, reason: str) -> None:
         """Count one drop for `reason` (caller holds the lock)."""

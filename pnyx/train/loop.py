@@ -149,6 +149,9 @@ class Trainer:
         shared = parts.ingestor.shared  # its cursor is replaced whole on resume: read it at each call
         parts.ingestor.planner.held = lambda g: ticker.held(g, shared.cursor.seqs.get(g.group.worker_id))
         parts.ingestor.listing.excused = ticker.excused  # a restarted worker's undrawn cohort: no gap
+        parts.ingestor.listing.probation = lambda worker, seq: (
+            (fp := shared.cursor.keys.get(worker)) is not None and ticker.on_probation(worker, fp, seq)
+        )  # standing's groups expire as `probation`, not `stale`
         parts.ticker = ticker
 
     def load(self, run: RunManifest) -> None:

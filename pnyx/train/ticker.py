@@ -333,6 +333,14 @@ class Ticker:
         with self._lock:
             return self.ticks.get(n)
 
+    def on_probation(self, worker_id: str, fp: str, seq: int) -> bool:
+        """Whether seq `seq` of (`worker_id`, key `fp`) is one of the first `standing` seqs that pair
+        committed (an untrusted key's: never trained)."""
+        if not self.standing or fp in self.trusted:
+            return False
+        with self._lock:
+            return seq < self.seqs.get((worker_id, fp), (0, 0))[0] + self.standing
+
     def held(self, g: ScoredGroup, book: SeqBook | None) -> tuple[int, int] | None:
         """Whether the planner must pass over committed group `g` for now: a seq its (name, key) committed
         below it, in a tick of the window, is not delivered yet (read and signed: `book.verified`, its name's
@@ -346,15 +354,11 @@ class Ticker:
         grp = g.group
         if grp.tick < 0 or not g.signer:
             return None
+        if self.on_probation(grp.worker_id, g.signer, grp.seq):
+            return -1, grp.seq  # on probation for good (standing): nothing to fetch
         now = time.monotonic()
         with self._lock:
             pair = (grp.worker_id, g.signer)
-            if (
-                self.standing
-                and g.signer not in self.trusted
-                and grp.seq < self.seqs.get(pair, (0, 0))[0] + self.standing
-            ):
-                return -1, grp.seq  # on probation for good (standing): nothing to fetch
             ranges = self.ranges.get(pair)
             version = self.version()
             if version != self._seen_version[0]:
