@@ -388,7 +388,7 @@ class WindowListings:
             if cursor.uses.get(key, 0) == 0 and key not in cursor.rejected:
                 if layout.is_skip_key(key):  # swept before its audit: never trained on either way
                     cursor.skips["unaudited"] = cursor.skips.get("unaudited", 0) + 1
-                elif self.probation is not None and self._on_probation(key):
+                elif self._on_probation(key):
                     self.drop("probation")  # a new name's first seqs under standing: never trainable
                 else:
                     self.drop("stale")
@@ -411,8 +411,10 @@ class WindowListings:
     # --- rejections: the cursor's record of keys never to be trained on -----------------------------
 
     def _on_probation(self, key: str) -> bool:
+        if self.probation is None:
+            return False
         parsed = layout.parse_rollout_key(key)
-        return parsed is not None and self.probation is not None and self.probation(parsed[1], parsed[2])
+        return parsed is not None and self.probation(parsed[1], parsed[2])
 
     def drop(self, reason: str) -> None:
         """Count one drop for `reason` (caller holds the lock)."""
