@@ -2,10 +2,11 @@
 measured, rows flagged by the step's forward (per staleness), passing stale rows audited at random
 (`security.stale_draw_audit`), rows failed, the check's seconds (the exact
 re-checks, the distances computed inside the step's own forward, and the exact check of skip records' draws,
-`skip_audit`) against the steps' own seconds, the drift probe's seconds beside them (`probe_s`: the
-statistical checks' calibration, not a draw check), the groups the steps rejected by reason and the last
+`skip_audit`: `s` on the step's path, `idle_s` in time the trainer waited for groups, since 2026-12-05 evening;
+before, all of it on the path) against the steps' own seconds, the drift probe's seconds beside them (`probe_s`:
+the statistical checks' calibration, not a draw check), the groups the steps rejected by reason and the last
 step's drops; then the skip records' audit by thirds of the run (records and rows checked per step, their
-share of step time), which follows the share of zero-variance groups.
+share of step time on the path and in the wait), which follows the share of zero-variance groups.
 
     python benchmarks/draw_run_summary.py runs/<name>
 """
@@ -41,6 +42,8 @@ def main() -> None:
         total["forward_s"] += d.get("forward_s", 0.0)  # recorded since the exact re-check shares prompts
         total["step_s"] += m["step_s"]
         total["skip_s"] += (m.get("skip_audit") or {}).get("s", 0.0)
+        total["idle_s"] += (m.get("skip_audit") or {}).get("idle_s", 0.0)
+        total["wait_s"] += m.get("ingest_wait_s", 0.0)
         total["probe_s"] += m.get("probe_s", 0.0)
         for s, row in d["by_staleness"].items():
             acc = by_staleness.setdefault(s, [0, 0, 0])
@@ -50,14 +53,15 @@ def main() -> None:
     for m in metrics:
         rejected.update(m["rejected"])
     step, exact, fwd = total["step_s"], total["exact_s"], total["forward_s"]
-    skip, probe = total["skip_s"], total["probe_s"]
+    skip, probe, idle = total["skip_s"], total["probe_s"], total["idle_s"]
     print(
         f"{len(checked)} of {len(metrics)} steps checked draws: rows {total['rows']}, flagged {total['flagged']}, "
         f"stale rows audited {total['audited']}, failed {total['failed']}, groups dropped {total['dropped']}; of {step:.2f} s of step time, exact "
         f"re-checks {exact:.2f} s ({100 * exact / step:.1f}%) + distances in the step's forward {fwd:.2f} s "
-        f"({100 * fwd / step:.1f}%) + skip records' draws {skip:.2f} s ({100 * skip / step:.1f}%) = "
-        f"{100 * (exact + fwd + skip) / step:.1f}%; beside them the drift probe {probe:.2f} s "
-        f"({100 * probe / step:.1f}%)"
+        f"({100 * fwd / step:.1f}%) + skip records' draws on the step's path {skip:.2f} s "
+        f"({100 * skip / step:.1f}%) = {100 * (exact + fwd + skip) / step:.1f}% on the path; skip records' draws "
+        f"checked while waiting for groups {idle:.2f} s ({100 * idle / step:.1f}%; the trainer waited "
+        f"{total['wait_s']:.2f} s in all); beside them the drift probe {probe:.2f} s ({100 * probe / step:.1f}%)"
     )
     print(
         "by staleness [rows, flagged, failed]:", dict(sorted(by_staleness.items(), key=lambda kv: int(kv[0])))
@@ -73,11 +77,13 @@ def main() -> None:
         audits = [m.get("skip_audit") or {} for m in part]
         part_s = sum(m["step_s"] for m in part)
         audit_s = sum(a.get("s", 0.0) for a in audits)
+        idle_s = sum(a.get("idle_s", 0.0) for a in audits)
         print(
             f"skip records' audit, v{part[0]['version']}-v{part[-1]['version']}: "
             f"{sum(a.get('groups', 0) for a in audits) / len(part):.1f} records and "
             f"{sum(a.get('rows', 0) for a in audits) / len(part):.1f} rows per step, "
-            f"{audit_s:.2f} s of {part_s:.2f} s ({100 * audit_s / part_s:.1f}%)"
+            f"{audit_s:.2f} s of {part_s:.2f} s on the path ({100 * audit_s / part_s:.1f}%), "
+            f"{idle_s:.2f} s while waiting ({100 * idle_s / part_s:.1f}%)"
         )
 
 

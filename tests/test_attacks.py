@@ -12,6 +12,8 @@ its tokens must be the one its seeded uniform draws under the published weights.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from pnyx.protocol import layout
@@ -535,6 +537,41 @@ def test_whole_group_picker_with_forged_skip_records_is_quarantined_by_their_dra
     assert all(arena.verdict(k) not in (TRAINED, "waiting") for k in late), [arena.verdict(k) for k in late]
 
 
+def test_a_forged_skip_record_is_checked_while_the_trainer_waits_and_its_key_is_out_before_the_batch(
+    tmp_path,
+):
+    """The trainer checks skip records in the time it waits for a full batch (`idle_s` of the step's
+    `skip_audit`, off the step's path): a forged one listed while it waits quarantines its key before the
+    batch is taken, so the forger's kept groups, listed beside it, are not trained."""
+    arena = Arena(tmp_path, {"trainer": {"groups_per_step": 8}, "security": {"committed_draws": False}})
+    honest = [HonestWorker("honest-i1"), HonestWorker("honest-i2")]
+    picker = A.CherryPicker("picker-i", source="cherry_idle", form="whole_forged")
+    try:
+        arena.upload([u for h in honest for u in h.uploads(arena, 2)])  # 4 of the 8 groups a step needs
+        forged = 0
+        while (
+            not forged
+        ):  # until the picker hid a group behind a forged skip record (its first: checked whole)
+            before = picker.true_skips
+            ups = picker.uploads(arena, 1)
+            forged += sum(layout.is_skip_key(u.key) for u in ups) - (picker.true_skips - before)
+            arena.upload(ups)
+        kept = [u.key for u in arena.uploads if u.source == "cherry_idle" and not layout.is_skip_key(u.key)]
+        assert 0 < len(kept) < 4
+        rest = threading.Timer(3.0, lambda: arena.upload([u for h in honest for u in h.uploads(arena, 3)]))
+        rest.start()  # the batch fills 3 s into the step's wait
+        result = arena.step()
+        rest.join()
+        audit = arena.trainer._skip_audit
+        assert result is not None and audit is not None
+        assert audit["false"] >= 1 and audit["idle_groups"] >= 1 and audit["idle_s"] > 0, audit
+        assert "false skip" in (_picker_report(arena, picker)["quarantined"] or "")
+        assert not {g.key for g in result.groups} & set(kept)
+        assert {arena.verdict(k) for k in kept} == {"quarantined"}, arena.tally("cherry_idle")
+    finally:
+        arena.close()
+
+
 def test_patient_forger_is_caught_by_the_samples_checked_of_each_skip_record(tmp_path):
     """The forger that knows the defence: it delivers true skip records until its key's first ones (checked
     whole, `security.skip_audit_first`, 2 here) are behind it, offering every group meanwhile, then hides
@@ -542,8 +579,9 @@ def test_patient_forger_is_caught_by_the_samples_checked_of_each_skip_record(tmp
     `skip_draw_samples` random samples checked (7 of 8 here, so a record with one forged sample is found
     with chance 7/8 and the test cannot miss by luck; the default checks 1): the key is quarantined for a
     `false_skip` found by a sampled check, nothing it uploads afterwards is trained on, and nothing it
-    offered in its standing phase was a false reject. (The groups it chose beside its first forged records
-    can be trained in the step that lists them, before the check: bench_attacks.py counts them.)"""
+    offered in its standing phase was a false reject. The groups it chose beside forged records the sampled
+    checks missed are trained (bench_attacks.py counts them); those listed with the record that is found are
+    not, since skip records are checked before a batch is taken."""
     sec = {"skip_audit_first": 2, "skip_draw_samples": 7, "skip_draw_audit": 0.0, "committed_draws": False}
     arena = Arena(tmp_path, {"trainer": {"groups_per_step": 8}, "security": sec})
     honest = [HonestWorker("honest-p1"), HonestWorker("honest-p2")]
@@ -553,11 +591,14 @@ def test_patient_forger_is_caught_by_the_samples_checked_of_each_skip_record(tmp
         # until quarantined: the forger forges only once its first skip records are behind it, and how soon it
         # draws zero-variance groups varies with the run (one in 24 rounds in a CI-like run, 2026-12-05)
         for _ in range(80):
-            arena.upload(picker.uploads(arena, 2))
+            round_ = picker.uploads(arena, 2)
+            arena.upload(round_)
             arena.upload([u for h in honest for u in h.uploads(arena, 3)])
             arena.step()
             if picker.signer.fingerprint in arena.trainer.parts.ingestor.cursor.quarantined:
                 break
+        chosen = [u.key for u in round_ if not layout.is_skip_key(u.key)]  # listed with the record found
+        assert chosen and all(arena.verdict(k) != TRAINED for k in chosen), [arena.verdict(k) for k in chosen]
         report = _picker_report(arena, picker)
         assert "false skip" in (report["quarantined"] or ""), (report, picker.forged_samples)
         assert picker.forged_samples and min(picker.forged_samples) >= 1, picker.forged_samples

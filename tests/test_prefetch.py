@@ -98,3 +98,36 @@ def test_a_stop_request_ends_a_selection_that_waits_on_slow_fetches(store):
     assert ing.select(0, 4, stop=stop.is_set) is None
     assert time.monotonic() - t0 < 2.0
     ing.close()
+
+
+def test_work_while_the_batch_is_short_and_a_check_before_it_is_taken(store):
+    """`idle` runs while the batch is short (each call that did work reads the ranking again at once), and
+    `ready` before a full batch is taken: False (its check changed what may be chosen) reads the ranking
+    again, True takes it."""
+    for seq in range(2):
+        put(store, make_group(0, "w", seq, task_index=seq))
+    ing = make_ingestor(store)
+    pre = Prefetcher(ing, need=4, list_interval_s=0.0)
+    pre.start()
+    idle_calls, ready_calls = [], []
+
+    def idle() -> bool:
+        idle_calls.append(ing.available(0))
+        if len(idle_calls) == 3:  # the rest of the batch lands while the trainer works
+            for seq in range(2, 6):
+                put(store, make_group(0, "w", seq, task_index=seq))
+        return len(idle_calls) <= 3
+
+    def ready() -> bool:
+        ready_calls.append(True)
+        return len(ready_calls) > 1
+
+    try:
+        pre.ahead(0)
+        chosen = pre.next_batch(0, 4, stop=lambda: False, deadline_s=10.0, idle=idle, ready=ready)
+        assert chosen is not None and len(chosen) == 4
+        assert len(idle_calls) >= 3 and max(idle_calls) < 4  # never called with a full batch at hand
+        assert len(ready_calls) == 2  # the first said the ranking changed; the second took it
+    finally:
+        pre.close()
+        ing.close()

@@ -188,9 +188,9 @@ class Ingestor:
         self.floods.audit()
         self.skips.audit_skips(wait)
 
-    def take_draw_audits(self, version: int | None = None) -> list[DrawAudit]:
+    def take_draw_audits(self, version: int | None = None, limit: int | None = None) -> list[DrawAudit]:
         """`SkipAudits.take_draw_audits`."""
-        return self.skips.take_draw_audits(version)
+        return self.skips.take_draw_audits(version, limit)
 
     def draws_audited(self, audits: list[DrawAudit], worst: list[float], tolerance: float) -> int:
         """`SkipAudits.draws_audited`."""

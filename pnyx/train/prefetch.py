@@ -125,13 +125,20 @@ class Prefetcher:
         stop: Callable[[], bool],
         deadline_s: float,
         on_short: Callable[[int], None] | None = None,
+        idle: Callable[[], bool] | None = None,
+        ready: Callable[[], bool] | None = None,
     ) -> list[ScoredGroup] | None:
         """The top `need` groups of the ranking for the step at `version` (`Ingestor.select`); short of
         them, ask for a listing and wait for it or for a listing that brings news; asks at most once per
         `POKE_BASE_S` (0.05 s), backing off to `POKE_MAX_S` (a listing that just finished is never re-asked
         for at once: with no groups arriving the trainer would otherwise list the store back to back). None once `stop()` turns true or
         after `deadline_s` without a full batch; `on_short(have)` is told each time it has to wait. A store
-        that stays unavailable is retried until the deadline; errors of the thread re-raise here."""
+        that stays unavailable is retried until the deadline; errors of the thread re-raise here.
+
+        `idle()` is work the caller does while the batch is short, in place of the wait (True: it did
+        some, so the ranking is read again at once; keep each call short, it delays seeing a full batch);
+        `ready()` is what must be done before a full batch is taken (False: it changed what may be chosen,
+        so the ranking is read again)."""
         deadline = time.monotonic() + deadline_s
         pokes = Backoff.polling(cap_s=POKE_MAX_S, base_s=POKE_BASE_S)
         next_poke = 0.0
@@ -145,7 +152,9 @@ class Prefetcher:
             if chosen is None:
                 return None
             if len(chosen) >= need:
-                return chosen
+                if ready is None or ready():
+                    return chosen
+                continue
             if on_short is not None:
                 on_short(len(chosen))
             now = time.monotonic()
@@ -156,6 +165,8 @@ class Prefetcher:
                     self.ingestor.refresh(version)
                 self.poke()
                 next_poke = now + pokes.next()
+            if idle is not None and idle():
+                continue
             end = min(next_poke, deadline)
             while not stop() and time.monotonic() < end:  # wakes at once on stop, on a listing soon after
                 if self.wait_listing(min(0.1, max(0.0, end - time.monotonic()))):

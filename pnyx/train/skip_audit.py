@@ -178,23 +178,26 @@ class SkipAudits:
             self.ledger.quarantine(fp, f"false skip record {key}: {why}")
         log.warning("ingest: false skip record %s: %s", key, why)
 
-    def take_draw_audits(self, version: int | None = None) -> list[DrawAudit]:
+    def take_draw_audits(self, version: int | None = None, limit: int | None = None) -> list[DrawAudit]:
         """The skip records whose tokens await the exact check of their seeded draws (oldest first), of
-        versions not swept. With the trainer's `version`, a trusted key's records wait until their version's
-        last step in the window: a trusted key is never quarantined, so its audit is a measurement, made
-        with one forward per version instead of one per step (the others are checked at once: a forger's
-        key must be out before its chosen groups train)."""
+        versions not swept, at most `limit` of them (the rest stay queued, in order). With the trainer's
+        `version`, a trusted key's records wait until their version's last step in the window: a trusted
+        key is never quarantined, so its audit is a measurement, made with one forward per version instead
+        of one per step (the others are checked before the next batch trains: a forger's key must be out
+        before its chosen groups train)."""
         with self.shared.lock:
             last = None if version is None else version - self.settings.max_staleness
             trusted = self.settings.trusted_keys
-            out, wait = [], []
+            out: list[DrawAudit] = []
+            keep: list[DrawAudit] = []
             for a in self._draw_audits:
                 if a.group.version < self.cursor.swept_below:
                     continue
                 later = last is not None and a.group.signer in trusted and a.group.version > last
-                (wait if later else out).append(a)
+                full = limit is not None and len(out) >= limit
+                (keep if later or full else out).append(a)
             self._draw_audits.clear()
-            self._draw_audits.extend(wait)
+            self._draw_audits.extend(keep)
             return out
 
     def draws_audited(self, audits: list[DrawAudit], worst: list[float], tolerance: float) -> int:

@@ -31,7 +31,8 @@ def step_metrics(
 ) -> dict[str, Any]:
     """The metrics of step `r` (published as `r.version`), with the ingestion's state at the trainer's
     `version`, its `world` size, the seconds it waited for the batch and its prefetcher was busy, and the
-    exact check of skip records taken before the step (`skip_audit`)."""
+    exact check of skip records made while its batch was chosen (`skip_audit`: `s` on the step's path, `idle_s`
+    in time it waited for groups)."""
     s = r.stats
     stale = Counter(r.version - 1 - g.version for g in r.groups)
     rewards = [x for g in r.groups for x in g.rewards]
