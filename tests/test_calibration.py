@@ -165,6 +165,38 @@ def test_a_whole_run_that_drifts_is_not_quarantined_even_for_groups_judged_befor
     assert "where honest groups show -1.00" in calibrated.cursor.quarantined[MINE.fingerprint]
 
 
+def test_a_crowd_that_pulls_the_population_centre_down_cannot_frame_an_honest_key(tmp_path):
+    """The population's centre (no trusted keys) is the median of every checked group, so a crowd of keys
+    with low z pulls it down, and an honest key at z 0 stood above it: quarantined on the upper side (the
+    attack suite's arena, key z +6.6 over 170 groups). The upper side is judged against the trusted keys'
+    centres, else 0, which no upload moves: the honest key stays, a key above 0 is still quarantined, and
+    the crowd's own bucket is still judged low against its centre on the lower side."""
+    store = open_store(tmp_path / "s")
+    honest, liar = (Signer(Ed25519PrivateKey.generate()) for _ in range(2))
+    ing = _ingestor(store)
+
+    def checked(signer: Signer, name: str, n: int, raw: float) -> None:
+        """`n` groups of `signer`'s checked with raw z `raw` at staleness 1."""
+        keys = [_put(store, make_group(0, name, i, task_index=i), signer) for i in range(n)]
+        assert ing.poll(0) == n
+        ev = GroupEvidence(1, 200, 2.0, raw * math.sqrt(200.0), 200.0, engine="torch")
+        for k in keys:
+            ing.commit([k], evidence={k: ev}, version=1)
+
+    checked(STRANGER, "crowd", 40, -1.5)
+    checked(honest, "honest", 24, 0.0)
+    centre = ing.allowances(2).calibrated_center
+    assert centre("torch", 1) == pytest.approx(-1.5)  # the crowd's median
+    assert honest.fingerprint not in ing.cursor.quarantined, ing.cursor.quarantined
+    framed = quarantine_reason(
+        {"groups": 24}, ing.cursor.evidence[honest.fingerprint], QuarantineSettings(), centre
+    )
+    assert framed is not None and "where honest groups show -1.50" in framed  # the old rule's upper side
+    checked(liar, "liar", 24, 1.5)
+    assert "where honest groups show +0.00" in ing.cursor.quarantined[liar.fingerprint]
+    assert STRANGER.fingerprint not in ing.cursor.quarantined  # the crowd is the centre it made
+
+
 def test_the_probe_is_held_out_from_the_step_and_prefers_trusted_keys(tmp_path):
     store = open_store(tmp_path / "s")
     ing = _ingestor(store, trusted_keys=frozenset({MINE.fingerprint}))

@@ -17,7 +17,9 @@ two reasons; the trainer measures both, from sources an attacker does not contro
    show: the median raw z of **trusted keys'** groups (`pnyx run`'s own workers, `security.trusted_keys`)
    in that bucket, else the median of all checked groups at that staleness, clamped to
    [-Z_CENTER_MAX, 0] (honest drift only lowers z, and a crowd of liars cannot shift the centre above 0 or
-   below -Z_CENTER_MAX). Untrusted keys never widen the gap bound.
+   below -Z_CENTER_MAX; a key's running statistic judges its upper side against the trusted centres only,
+   else 0, so a crowd that pulls the population's centre down frames no honest key:
+   `checks.quarantine_reason`). Untrusted keys never widen the gap bound.
    Until a bucket (engine, staleness s > 0) has its own centre, a group there is judged against the
    centre of the nearest lower staleness measured, and its **lower** limit is widened by what the drift
    since then can do to its z: Z_DRIFT_MARGIN · (A(s) − A(s')) · tokens / sqrt(Σ Var), the probe's mean
@@ -342,14 +344,15 @@ def derive(floors: CheckSettings, calib: Calibration | None, version: int, max_s
     return Allowances(floors, tuple(a_cum), base, centers(calib), NOISE_PER_DRIFT * largest)
 
 
-def centers(calib: Calibration) -> dict[str, float]:
-    """The z centres of the run (`Allowances.z_center`): trusted buckets, then the population's."""
+def centers(calib: Calibration, population: bool = True) -> dict[str, float]:
+    """The z centres of the run (`Allowances.z_center`): trusted buckets, then (with `population`) the
+    population's."""
     out = {
         k: max(-Z_CENTER_MAX, min(Z_CENTER_MAX, _median(z)))
         for k, z in calib.zt.items()
         if len(z) >= MIN_TRUSTED
     }
-    for s, z in calib.zall.items():
+    for s, z in calib.zall.items() if population else ():
         if len(z) >= MIN_ALL:
             out[s] = max(-Z_CENTER_MAX, min(0.0, _median(z)))
     return out

@@ -331,31 +331,41 @@ def quarantine_reason(
     ev: KeyEvidence | None,
     q: QuarantineSettings,
     center: Callable[[str, int], float | None] | None = None,
+    upper: Callable[[str, int], float | None] | None = None,
 ) -> str | None:
     """Why a key with these counters and evidence is quarantined now, or None. `center(engine, staleness)`:
     the run's honest z there, None where the run has not measured it yet (`calibration.Allowances.
     calibrated_center`; without it, 0 everywhere): the key's statistic is judged against what honest drift
-    explains, over the groups whose bucket is calibrated."""
+    explains, over the groups whose bucket is calibrated. `upper`: the centres its upper side is judged
+    against (default `center`), where a bucket without one counts 0, above any honest centre (honest drift
+    only lowers z). The key ledger passes the trusted keys' centres only: a crowd of untrusted uploaders
+    with low z can pull the population's centre down (to -Z_CENTER_MAX at most), and an honest key would then
+    stand above it by as much (an honest key of the attack suite's arena was quarantined so, key z +6.6 over
+    170 groups, mean z +0.09 against a population centre of -0.42)."""
     if counts.get(UNCOMMITTED, 0):  # an honest worker draws only under commitments its tick included
         return f"{counts[UNCOMMITTED]} uncommitted group(s): drawn without a commitment the trainer's tick included"
     bad, total = faults(counts), judged(counts)
     if q.quarantine_rate is not None and bad >= q.quarantine_min and bad >= q.quarantine_rate * total:
         which = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k in FAULTS and v)
         return f"{bad} of {total} groups faulty ({which})"
-    if ev is not None and q.quarantine_key_z is not None:
-        for c, sides in ((center, (-1, 1)), (_or_zero(center), (1,))):
-            # Groups of buckets the run has not calibrated are judged only on the upper side, with
-            # centre 0: honest drift only lowers z, so a key above it is above any honest centre.
-            n = ev.judged_groups(c)
-            if c is None and center is not None or n < q.key_z_min_groups:
-                continue
-            kz, shift = ev.key_z(c), ev.mean_shift(c)
-            if any(side * kz > q.quarantine_key_z and side * shift >= q.key_z_min_shift for side in sides):
-                mean = ev.z_sum / ev.n
-                return (
-                    f"implausible sampling over {n} groups (key z {kz:+.1f}: mean z {mean:+.2f} where honest "
-                    f"groups show {mean - shift:+.2f})"
-                )
+    if ev is None or q.quarantine_key_z is None:
+        return None
+    passes: tuple[tuple[Callable[[str, int], float | None] | None, int], ...] = (
+        ((None, -1), (None, 1))
+        if center is None
+        else ((center, -1), (_or_zero(upper if upper is not None else center), 1))
+    )
+    for c, side in passes:
+        n = ev.judged_groups(c)
+        if n < q.key_z_min_groups:
+            continue
+        kz, shift = ev.key_z(c), ev.mean_shift(c)
+        if side * kz > q.quarantine_key_z and side * shift >= q.key_z_min_shift:
+            mean = ev.z_sum / ev.n
+            return (
+                f"implausible sampling over {n} groups (key z {kz:+.1f}: mean z {mean:+.2f} where honest "
+                f"groups show {mean - shift:+.2f})"
+            )
     return None
 
 

@@ -161,17 +161,23 @@ class KeyLedger:
         ):
             return
         why = quarantine_reason(
-            self.shared.cursor.by_key.get(fp, {}), self.shared.cursor.evidence.get(fp), q, self._center()
+            self.shared.cursor.by_key.get(fp, {}),
+            self.shared.cursor.evidence.get(fp),
+            q,
+            self._center(),
+            self._center(population=False),
         )
         if why is not None:
             self.quarantine(fp, why)
 
-    def _center(self) -> Callable[[str, int], float | None]:
-        """The run's honest z per (engine, staleness) now (`calibration.Allowances.center`)."""
+    def _center(self, population: bool = True) -> Callable[[str, int], float | None]:
+        """The run's honest z per (engine, staleness) now (`calibration.Allowances.calibrated_center`):
+        without `population`, the trusted keys' centres only (the upper side of a key's statistic,
+        `checks.quarantine_reason`)."""
         from pnyx.security.calibration import Allowances, centers
 
         return Allowances(
-            self.shared.settings.checks, z_center=centers(self.shared.cursor.calibration)
+            self.shared.settings.checks, z_center=centers(self.shared.cursor.calibration, population)
         ).calibrated_center
 
     def quarantine(self, fp: str, why: str) -> None:
