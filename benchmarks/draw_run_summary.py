@@ -18,6 +18,8 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+AT_ONCE_S = 1.5
+"""A step whose trainer waited less than this for its batch found it full at once."""
 sys.path.insert(0, str(REPO))
 
 
@@ -44,6 +46,11 @@ def main() -> None:
         total["skip_s"] += (m.get("skip_audit") or {}).get("s", 0.0)
         total["idle_s"] += (m.get("skip_audit") or {}).get("idle_s", 0.0)
         total["wait_s"] += m.get("ingest_wait_s", 0.0)
+        audit = m.get("skip_audit") or {}
+        total["records"] += audit.get("groups", 0)
+        total["records_idle"] += audit.get("idle_groups", 0)
+        total["records_rows"] += audit.get("rows", 0)
+        total["at_once"] += m.get("ingest_wait_s", 0.0) < AT_ONCE_S
         total["probe_s"] += m.get("probe_s", 0.0)
         for s, row in d["by_staleness"].items():
             acc = by_staleness.setdefault(s, [0, 0, 0])
@@ -62,6 +69,11 @@ def main() -> None:
         f"({100 * skip / step:.1f}%) = {100 * (exact + fwd + skip) / step:.1f}% on the path; skip records' draws "
         f"checked while waiting for groups {idle:.2f} s ({100 * idle / step:.1f}%; the trainer waited "
         f"{total['wait_s']:.2f} s in all); beside them the drift probe {probe:.2f} s ({100 * probe / step:.1f}%)"
+    )
+    print(
+        f"skip records checked {total['records']} ({total['records_rows']} rows): {total['records_idle']} while "
+        f"waiting, {total['records'] - total['records_idle']} on the path; a full batch at once (the trainer "
+        f"waited under {AT_ONCE_S} s, its check of skip records included) in {total['at_once']} of {len(checked)} steps"
     )
     print(
         "by staleness [rows, flagged, failed]:", dict(sorted(by_staleness.items(), key=lambda kv: int(kv[0])))

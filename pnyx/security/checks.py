@@ -350,12 +350,7 @@ def quarantine_reason(
         return f"{bad} of {total} groups faulty ({which})"
     if ev is None or q.quarantine_key_z is None:
         return None
-    passes: tuple[tuple[Callable[[str, int], float | None] | None, int], ...] = (
-        ((None, -1), (None, 1))
-        if center is None
-        else ((center, -1), (_or_zero(upper if upper is not None else center), 1))
-    )
-    for c, side in passes:
+    for c, side in ((center, -1), (_or_zero(upper if upper is not None else center), 1)):
         n = ev.judged_groups(c)
         if n < q.key_z_min_groups:
             continue
