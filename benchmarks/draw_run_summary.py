@@ -3,10 +3,12 @@ measured, rows flagged by the step's forward (per staleness), passing stale rows
 (`security.stale_draw_audit`), rows failed, the check's seconds (the exact
 re-checks, the distances computed inside the step's own forward, and the exact check of skip records' draws,
 `skip_audit`: `s` on the step's path, `idle_s` in time the trainer waited for groups, since 2026-12-05 evening;
-before, all of it on the path) against the steps' own seconds, the drift probe's seconds beside them (`probe_s`:
+before, all of it on the path) against the steps' own seconds, the stale rows measured exactly while the trainer
+waited (`precheck`, since 2026-12-06: rows, seconds, and the rows the steps' exact re-checks read from them), the drift probe's seconds beside them (`probe_s`:
 the statistical checks' calibration, not a draw check), the groups the steps rejected by reason and the last
 step's drops; then the skip records' audit by thirds of the run (records and rows checked per step, their
-share of step time on the path and in the wait), which follows the share of zero-variance groups.
+share of step time on the path and in the wait), which follows the share of zero-variance groups; and the
+share on the path of the steps that found a full batch at once against those that waited for groups.
 
     python benchmarks/draw_run_summary.py runs/<name>
 """
@@ -52,6 +54,10 @@ def main() -> None:
         total["records_rows"] += audit.get("rows", 0)
         total["at_once"] += m.get("ingest_wait_s", 0.0) < AT_ONCE_S
         total["probe_s"] += m.get("probe_s", 0.0)
+        pre = m.get("precheck") or {}
+        total["pre_rows"] += pre.get("rows", 0)
+        total["pre_s"] += pre.get("s", 0.0)
+        total["pre_known"] += pre.get("known", 0)
         for s, row in d["by_staleness"].items():
             acc = by_staleness.setdefault(s, [0, 0, 0])
             for i, x in enumerate(row):
@@ -76,6 +82,11 @@ def main() -> None:
         f"waited under {AT_ONCE_S} s, its check of skip records included) in {total['at_once']} of {len(checked)} steps"
     )
     print(
+        f"stale rows measured exactly while waiting for groups {total['pre_rows']} in {total['pre_s']:.2f} s "
+        f"({100 * total['pre_s'] / step:.1f}% of step time, off the path); the steps' exact re-checks read "
+        f"{total['pre_known']} rows from them (of {total['flagged'] + total['audited']} flagged or audited)"
+    )
+    print(
         "by staleness [rows, flagged, failed]:", dict(sorted(by_staleness.items(), key=lambda kv: int(kv[0])))
     )
     print(
@@ -83,6 +94,21 @@ def main() -> None:
         f"of a flagged row kept {max(m['draws']['max_exact_kept'] for m in checked):.3g}; "
         f"rejected by reason {dict(rejected)}; drops at the end {metrics[-1].get('drops', {})}"
     )
+    for label, part in (
+        ("with a full batch at once", [m for m in checked if m.get("ingest_wait_s", 0.0) < AT_ONCE_S]),
+        ("that waited for groups", [m for m in checked if m.get("ingest_wait_s", 0.0) >= AT_ONCE_S]),
+    ):
+        if not part:
+            continue
+        part_s = sum(m["step_s"] for m in part)
+        ex = sum(m["draws"]["exact_s"] for m in part)
+        fw = sum(m["draws"].get("forward_s", 0.0) for m in part)
+        sk = sum((m.get("skip_audit") or {}).get("s", 0.0) for m in part)
+        print(
+            f"steps {label}: {len(part)}, on the path exact re-checks {100 * ex / part_s:.1f}% + distances "
+            f"{100 * fw / part_s:.1f}% + skip records {100 * sk / part_s:.1f}% = "
+            f"{100 * (ex + fw + sk) / part_s:.1f}% of their {part_s:.2f} s"
+        )
     third = max(1, -(-len(checked) // 3))
     for i in range(0, len(checked), third):
         part = checked[i : i + third]

@@ -286,10 +286,11 @@ def test_ingestion_drops_unseeded_groups_of_untrusted_keys_only():
     assert unseeded_policy(True, set())(group("stranger", "")) is None  # type: ignore[arg-type]
 
 
-def _step_on_fresh_stale_and_liars(run, device: str = "cpu"):
+def _step_on_fresh_stale_and_liars(run, device: str = "cpu", precheck: bool = False):
     """The trainer at v1 (its master: v1's published weights, on `device`) takes one step on 3 fresh v1
     groups, 3 stale v0 groups and 3 v0 temperature-liar groups (drawn at 0.3 with the honest uniforms,
-    claiming 1.0), the draw check on (tolerance 1e-3), exact re-checks on the CPU. Returns (exact, stats,
+    claiming 1.0), the draw check on (tolerance 1e-3), exact re-checks on the CPU (`precheck`: the stale and
+    liar rows measured before the step, as the trainer does while it waits). Returns (exact, stats,
     {version: rows}, keys of the liar groups that differ from the honest draw, the stale groups)."""
     import copy
 
@@ -320,6 +321,10 @@ def _step_on_fresh_stale_and_liars(run, device: str = "cpu"):
     }
     assert differ
     batch = [_scored(g, "k1", adv) for g in fresh + stale + liars]
+    if precheck:
+        from pnyx.train.microbatch import build_rows
+
+        exact.rejudge.precheck(build_rows(batch[len(fresh) :]))
     stats = train_step(
         master, make_optimizer(master, 1e-4, (0.9, 0.99), 0.0), batch, LossSettings(), micro_batch_tokens=4096,
         grad_clip=1.0, policy_version=1, checks=CheckSettings(lp_gap_base=None, plausibility_z=None, draw_tolerance=1e-3),
@@ -349,6 +354,50 @@ def test_the_step_measures_every_token_in_its_own_forward_and_rechecks_only_rows
     from pnyx.train.microbatch import build_rows
 
     assert max(exact.rejudge.draws(build_rows([_scored(g, "k1") for g in stale]))) <= 1e-5
+
+
+def test_stale_rows_measured_while_the_trainer_waits_give_the_step_the_same_verdicts_without_a_forward(run):
+    """The same step, its stale and liar rows measured exactly beforehand (`Rejudge.precheck`, what the
+    trainer does with the batch so far while it waits for the rest): the step's re-check of each flagged
+    row (a prefix of a measured row) reads the measurement and runs no forward, and the verdicts are the
+    same: the liars' groups that differ are dropped as `draw_mismatch`, the honest stale groups kept."""
+    exact, stats, rows, differ, _ = _step_on_fresh_stale_and_liars(run, precheck=True)
+    tally = stats.draws
+    assert tally is not None
+    n1, flagged, failed = tally.by_staleness["1"]
+    assert exact.rejudge.prechecked_rows == rows[0] == n1  # every stale row, measured before the step
+    assert exact.rejudge.draw_rows == rows[0]  # ... and none in the step
+    assert exact.rejudge.known_rows == flagged > 0 and 0 < failed <= flagged
+    assert stats.rejected == dict.fromkeys(sorted(differ), "draw_mismatch")
+
+
+def test_a_measurement_answers_only_for_the_same_row_or_its_prefix(run):
+    """`Rejudge.draws` reads an earlier measurement only for the very row (or a prefix of it): a record
+    that changed a token, its prompt, its sampling or its uniforms under the same key, index and version
+    is measured again, and a tampered token is found."""
+    import dataclasses
+
+    from pnyx.train.drawcheck import prefix
+    from pnyx.train.microbatch import build_rows
+
+    exact = _Exact(run)
+    engine, digest = _engine(run, "torch", 0)
+    rows = build_rows([_scored(g, "k1") for g in _groups(run, engine, digest, 0, key="k1", n=2)])
+    assert exact.rejudge.precheck(rows) == len(rows) and exact.rejudge.precheck(rows) == 0  # once
+    measured = exact.rejudge.draw_rows
+    r = next(r for r in rows if len(r.completion) >= 3)
+    assert exact.rejudge.draws([r, prefix(r, 2)]) == [0.0, 0.0]
+    assert exact.rejudge.draw_rows == measured and exact.rejudge.known_rows == 2  # no forward
+    flipped = dataclasses.replace(r, completion=[(r.completion[0] + 1) % 10, *r.completion[1:]])
+    others = [
+        flipped,
+        dataclasses.replace(r, prompt=r.prompt[1:]),
+        dataclasses.replace(r, sampling=(0.5, *r.sampling[1:])),
+        dataclasses.replace(r, uniforms=[1.0 - u for u in r.uniforms or ()]),
+    ]
+    found = exact.rejudge.draws(others)
+    assert exact.rejudge.draw_rows == measured + len(others) and exact.rejudge.known_rows == 2
+    assert found[0] > 1e-3 and found[3] > 1e-3  # another token for the uniform; other uniforms for the tokens
 
 
 @pytest.mark.parametrize("audit", [0.0, 1.0])

@@ -190,3 +190,44 @@ def test_prepare_does_the_first_checks_start_up_work_before_any_step_and_fetches
     assert prefix_tree._PROVEN.get(pm._model) is True  # proven once, here: the first check reuses it
     name, param = next(iter(pm._params.items()))
     assert torch.equal(param.detach(), (state[name] + 1).float())
+
+
+def test_the_trainer_measures_the_stale_groups_of_its_batch_while_it_waits_and_the_step_reads_them(tmp_path):
+    """A trainer at v1 holds 4 of its 8 groups, stale v0 ones, and the rest lands 3 s into its wait: it
+    measures the stale groups' rows exactly in that wait (`precheck` in the step's metrics: time that was
+    waiting), and the step's exact re-check of every stale row its forward flags reads that measurement
+    (`known`; and of the passing stale rows `security.stale_draw_audit` picks) instead of running a forward
+    on the step's path."""
+    import threading
+
+    from pnyx_harness.arena import Arena
+    from pnyx_harness.producer import HonestWorker
+
+    arena = Arena(tmp_path, {"trainer": {"groups_per_step": 8}, "security": {"committed_draws": False}})
+    honest = [HonestWorker("honest-w1"), HonestWorker("honest-w2")]
+    try:
+        stale = [u for h in honest for u in h.uploads(arena, 2)]  # drawn at v0, uploaded after v1
+        arena.upload([u for h in honest for u in h.uploads(arena, 4)])
+        assert arena.step() is not None and arena.trainer.version == 1
+        arena.upload(stale)
+        rest = threading.Timer(3.0, lambda: arena.upload([u for h in honest for u in h.uploads(arena, 3)]))
+        rest.start()
+        rejudge = arena.trainer.parts.rejudge
+        assert rejudge is not None
+        measured = rejudge.draw_rows
+        result = arena.step()
+        rest.join()
+        assert result is not None
+        pre, tally = arena.trainer._precheck, result.stats.draws
+        assert pre is not None and tally is not None
+        kept = {g.key for g in result.groups if g.version == 0}
+        stale_rows = sum(len(g.group.samples) for g in result.groups if g.version == 0)
+        assert kept and pre["groups"] >= len(kept) and pre["rows"] >= stale_rows and pre["s"] > 0, pre
+        n1, flagged, _ = tally.by_staleness["1"]
+        assert n1 == stale_rows and flagged > 0, tally.by_staleness
+        # every flagged stale row, and every passing one the stale audit measures, read from the wait's work
+        assert pre.get("known") == flagged + tally.audited, (pre, tally.audited)
+        skips = (arena.trainer._skip_audit or {}).get("rows", 0)  # honest skip records, checked in the wait
+        assert rejudge.draw_rows - measured == pre["rows"] + skips  # no exact forward on the step's path
+    finally:
+        arena.close()

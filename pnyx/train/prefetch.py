@@ -125,7 +125,7 @@ class Prefetcher:
         stop: Callable[[], bool],
         deadline_s: float,
         on_short: Callable[[int], None] | None = None,
-        idle: Callable[[], bool] | None = None,
+        idle: Callable[[list[ScoredGroup]], bool] | None = None,
         ready: Callable[[], bool] | None = None,
     ) -> list[ScoredGroup] | None:
         """The top `need` groups of the ranking for the step at `version` (`Ingestor.select`); short of
@@ -135,8 +135,9 @@ class Prefetcher:
         after `deadline_s` without a full batch; `on_short(have)` is told each time it has to wait. A store
         that stays unavailable is retried until the deadline; errors of the thread re-raise here.
 
-        `idle()` is work the caller does while the batch is short, in place of the wait (True: it did
-        some, so the ranking is read again at once; keep each call short, it delays seeing a full batch);
+        `idle(chosen)` is work the caller does while the batch is short (`chosen`: its groups so far), in
+        place of the wait (True: it did some, so the ranking is read again at once; keep each call short, it
+        delays seeing a full batch);
         `ready()` is what must be done before a full batch is taken (False: it changed what may be chosen,
         so the ranking is read again)."""
         deadline = time.monotonic() + deadline_s
@@ -165,7 +166,7 @@ class Prefetcher:
                     self.ingestor.refresh(version)
                 self.poke()
                 next_poke = now + pokes.next()
-            if idle is not None and idle():
+            if idle is not None and idle(chosen):
                 continue
             end = min(next_poke, deadline)
             while not stop() and time.monotonic() < end:  # wakes at once on stop, on a listing soon after

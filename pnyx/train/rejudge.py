@@ -46,6 +46,9 @@ from pnyx.train.published import PublishedModel
 log = logging.getLogger("pnyx.trainer")
 
 MICRO_BATCH_TOKENS = 8192
+MAX_KNOWN_ROWS = 4096
+"""Rows whose exact per-token distances `Rejudge` remembers at most (about four steps' stale rows of the
+SmolLM2 recipe's batch many times over; the oldest are forgotten first)."""
 
 
 class Rejudge:
@@ -63,7 +66,12 @@ class Rejudge:
         self.calls = 0
         """Groups judged again so far (each a forward of its rows)."""
         self.draw_rows = 0
-        """Rows whose draws were measured exactly so far (`draws`)."""
+        """Rows whose draws were measured exactly so far (`draws`, `precheck`)."""
+        self.known_rows = 0
+        """Rows `draws` answered from an earlier measurement (`precheck`) without a forward."""
+        self.prechecked_rows = 0
+        """Rows measured ahead of their step (`precheck`)."""
+        self._known: dict[tuple[str, int, int, str], tuple[Row, list[float]]] = {}
 
     def __call__(self, rows: list[Row], version: int) -> Mapping[str, GroupEvidence]:
         if self.published.trust is None or not rows:
@@ -91,8 +99,34 @@ class Rejudge:
         """`judgement.ExactDraws`: per row (each with seeded uniforms), its largest distance from its draws
         under exactly the published weights of its own version, rows of one version in one forward per
         micro-batch; inf for the rows of a version whose weights cannot be obtained or verified (the group
-        is then dropped as `draw_unverifiable`, not blamed on its key)."""
+        is then dropped as `draw_unverifiable`, not blamed on its key). A row measured before (`precheck`:
+        the same row, or a prefix of it) is answered from that measurement without a forward."""
         out = [math.inf] * len(rows)
+        missing: list[int] = []
+        for i, r in enumerate(rows):
+            known = self._recall(r)
+            if known is None:
+                missing.append(i)
+            else:
+                out[i] = known
+        self.known_rows += len(rows) - len(missing)
+        for i, d in zip(missing, self._measure([rows[i] for i in missing]), strict=True):
+            out[i] = max(d, default=0.0) if d is not None else math.inf
+        return out
+
+    def precheck(self, rows: list[Row]) -> int:
+        """Measure `rows` now, whole, for a later `draws` of them (the trainer's wait: `Trainer._precheck_rows`);
+        returns how many rows were measured (those measured before are not)."""
+        todo = [r for r in rows if r.uniforms is not None and self._recall(r) is None]
+        self._measure(todo)
+        self.prechecked_rows += len(todo)
+        return len(todo)
+
+    def _measure(self, rows: list[Row]) -> list[list[float] | None]:
+        """Per row, each completion token's distance from its draw under the published weights of its
+        version (`_token_distances`; None where they cannot be obtained or verified: fail-closed, never
+        passed unchecked), remembered for `_recall` (`MAX_KNOWN_ROWS` at most, the oldest forgotten)."""
+        out: list[list[float] | None] = [None] * len(rows)
         by_version: dict[tuple[int, str], list[int]] = {}
         for i, r in enumerate(rows):
             by_version.setdefault((r.version, r.weights_digest), []).append(i)
@@ -104,10 +138,32 @@ class Rejudge:
             try:
                 for k, d in enumerate(self._exact(mine, version, digest)):
                     out[idx[k]] = d
+                    if d is not None:
+                        self._known[_row_id(mine[k])] = (mine[k], d)
             except PnyxError as e:  # fail-closed: never passed unchecked
                 log.warning("trainer: cannot check draws against v%d (%s)", version, e)
             self.draw_rows += len(idx)
+        while len(self._known) > MAX_KNOWN_ROWS:
+            self._known.pop(next(iter(self._known)))
         return out
+
+    def _recall(self, row: Row) -> float | None:
+        """`row`'s largest distance from a measurement of it or of a longer row it begins (same version,
+        plane, prompt, sampling and uniforms), else None."""
+        known = self._known.get(_row_id(row))
+        if known is None:
+            return None
+        whole, d = known
+        n = len(row.completion)
+        same = (
+            whole.prompt == row.prompt
+            and whole.sampling == row.sampling
+            and whole.completion[:n] == row.completion
+            and whole.uniforms is not None
+            and row.uniforms is not None
+            and _same_floats(whole.uniforms[:n], row.uniforms)
+        )
+        return max(d[:n], default=0.0) if same else None
 
     def prepare(self) -> float:
         """Start-up work of the first check, done before the first step instead of inside it: each plane's
@@ -126,8 +182,8 @@ class Rejudge:
                     log.warning("trainer: exact checks not prepared on the %s plane: %s", pm.plane, e)
         return time.perf_counter() - t0
 
-    def _exact(self, rows: list[Row], version: int, digest: str) -> list[float]:
-        """The rows' largest distances under the plane of `version` whose chain digest is `digest`."""
+    def _exact(self, rows: list[Row], version: int, digest: str) -> list[list[float] | None]:
+        """The rows' per-token distances under the plane of `version` whose chain digest is `digest`."""
         for pm in self.planes.values():
             if pm.trust is None:
                 raise IntegrityError("no run key to verify the published weights with")
@@ -135,7 +191,7 @@ class Rejudge:
                 model = pm.at(version)
                 if pm.digest != digest and len(self.planes) > 1:
                     continue
-                return _distances(model, rows)
+                return _token_distances(model, rows)
         raise IntegrityError(f"no published plane of v{version} has digest {digest}")
 
 
@@ -153,17 +209,26 @@ def sharing_of(model: torch.nn.Module) -> Sharing:
 
 
 def _distances(model: torch.nn.Module, rows: list[Row], sharing: Sharing | None = None) -> list[float]:
-    """Per row (each with uniforms and a completion), its largest distance from its draws under `model` over
-    its model tokens (a tool token has no uniform: NaN), rows of one sampling setting together, shared as
-    `sharing` says (default: `sharing_of(model)`): the rows' prefix tree in one forward per call
-    (`prefix_tree.tree_logits`), each distinct prompt forwarded once and the completions on its KV cache
-    (`drawcheck.cached_prompt_logits`), or each row whole, rows sorted by length in calls of
+    """Per row, its largest distance from its draws under `model` (`_token_distances`; inf: not measured)."""
+    return [
+        max(d, default=0.0) if d is not None else math.inf for d in _token_distances(model, rows, sharing)
+    ]
+
+
+def _token_distances(
+    model: torch.nn.Module, rows: list[Row], sharing: Sharing | None = None
+) -> list[list[float] | None]:
+    """Per row (each with uniforms and a completion), each completion token's distance from its draw under
+    `model` (0 at a tool token, which has no uniform; None: not measured), rows of one sampling setting
+    together, shared as `sharing` says (default: `sharing_of(model)`): the rows' prefix tree in one forward
+    per call (`prefix_tree.tree_logits`), each distinct prompt forwarded once and the completions on its KV
+    cache (`drawcheck.cached_prompt_logits`), or each row whole, rows sorted by length in calls of
     `drawcheck.CHUNK_TOKENS`."""
     from pnyx.models.logprobs import draw_distance, sampling_logprobs
     from pnyx.train.drawcheck import cached_prompt_logits, chunks
     from pnyx.train.prefix_tree import tree_logits
 
-    out = [math.inf] * len(rows)
+    out: list[list[float] | None] = [None] * len(rows)
     by_setting: dict[tuple[float, int, float], list[int]] = {}
     for i, r in enumerate(rows):
         by_setting.setdefault(r.sampling, []).append(i)
@@ -175,12 +240,12 @@ def _distances(model: torch.nn.Module, rows: list[Row], sharing: Sharing | None 
             mine = [rows[i] for i in idx]
             if sharing == "none":
                 for part in chunks([len(r.prompt) + len(r.completion) for r in mine], vocab):
-                    for k, w in zip(
-                        part,
-                        _worst(fwd.run([mine[k] for k in part], entropy=False, var=False, draws=True)),
-                        strict=True,
-                    ):
-                        out[idx[k]] = math.inf if w is None else w
+                    mb = fwd.run([mine[k] for k in part], entropy=False, var=False, draws=True)
+                    if mb.draw is None:
+                        continue
+                    for j, k in enumerate(part):
+                        if mine[k].uniforms is not None:
+                            out[idx[k]] = mb.draw[j, : len(mine[k].completion)].tolist()
                 continue
             wanted = [[t for t, x in enumerate(r.uniforms or ()) if x == x] for r in mine]  # model tokens
             logits_of = tree_logits if sharing == "tree" else cached_prompt_logits
@@ -194,9 +259,22 @@ def _distances(model: torch.nn.Module, rows: list[Row], sharing: Sharing | None 
                     targets[j, : len(at)] = torch.tensor([r.completion[t] for t in at], dtype=torch.long)
                     u[j, : len(at)] = torch.tensor([(r.uniforms or ())[t] for t in at], dtype=torch.float64)
                 d = draw_distance(sampling_logprobs(logits, temp, top_k, top_p), targets.to(logits.device), u)
-                for k, w in zip(part, d.amax(1).tolist(), strict=True):
-                    out[idx[k]] = w
+                for j, k in enumerate(part):
+                    per_token = [0.0] * len(mine[k].completion)
+                    for t, x in zip(wanted[k], d[j, : len(wanted[k])].tolist(), strict=True):
+                        per_token[t] = x
+                    out[idx[k]] = per_token
     return out
+
+
+def _row_id(row: Row) -> tuple[str, int, int, str]:
+    """Where `Rejudge` files a row's measurement: its group, sample, version and plane."""
+    return (row.key, row.index, row.version, row.weights_digest)
+
+
+def _same_floats(a: list[float], b: list[float]) -> bool:
+    """Whether `a` and `b` hold the same floats, NaN equal to NaN (a tool token's uniform)."""
+    return len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b, strict=True))
 
 
 def _worst(mb: MicroBatch) -> list[float | None]:

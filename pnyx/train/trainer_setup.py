@@ -170,7 +170,7 @@ class TrainerParts:
     would drop; `security.seeded_draws`: of rows the step's forward puts over the draw tolerance), or None."""
     rounding: torch.dtype | None = None
     ticker: Ticker | None = None
-    """The beacon of committed draws (`security.committed_draws`; rank 0, from `TrainerLoop.start`)."""
+    """The beacon of committed draws (`security.committed_draws`; rank 0, from `Trainer.start`)."""
     """The dtype the steps round their weights to in the forward (`forward_rounding`), or None."""
     published: list[PublishedModel] = field(default_factory=list)
     """The second models the exact checks compute with (one per plane), pointed at the run's key by
