@@ -29,12 +29,15 @@ thresholds.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from pnyx.errors import IntegrityError, PnyxError
@@ -47,8 +50,8 @@ log = logging.getLogger("pnyx.trainer")
 
 MICRO_BATCH_TOKENS = 8192
 MAX_KNOWN_ROWS = 4096
-"""Rows whose exact per-token distances `Rejudge` remembers at most (about four steps' stale rows of the
-SmolLM2 recipe's batch many times over; the oldest are forgotten first)."""
+"""Rows measured ahead (`Rejudge.precheck`) whose per-token distances are remembered at most, the oldest
+forgotten first (a few KB each: 128 times the stale rows of the SmolLM2 recipe's batch)."""
 
 
 class Rejudge:
@@ -71,7 +74,7 @@ class Rejudge:
         """Rows `draws` answered from an earlier measurement (`precheck`) without a forward."""
         self.prechecked_rows = 0
         """Rows measured ahead of their step (`precheck`)."""
-        self._known: dict[tuple[str, int, int, str], tuple[Row, list[float]]] = {}
+        self._known: dict[tuple[str, int, int, str], _Measured] = {}
 
     def __call__(self, rows: list[Row], version: int) -> Mapping[str, GroupEvidence]:
         if self.published.trust is None or not rows:
@@ -118,14 +121,18 @@ class Rejudge:
         """Measure `rows` now, whole, for a later `draws` of them (the trainer's wait: `Trainer._precheck_rows`);
         returns how many rows were measured (those measured before are not)."""
         todo = [r for r in rows if r.uniforms is not None and self._recall(r) is None]
-        self._measure(todo)
+        for r, d in zip(todo, self._measure(todo), strict=True):
+            if d is not None:
+                self._known[_row_id(r)] = _Measured.of(r, d)
+        while len(self._known) > MAX_KNOWN_ROWS:
+            self._known.pop(next(iter(self._known)))
         self.prechecked_rows += len(todo)
         return len(todo)
 
     def _measure(self, rows: list[Row]) -> list[list[float] | None]:
         """Per row, each completion token's distance from its draw under the published weights of its
         version (`_token_distances`; None where they cannot be obtained or verified: fail-closed, never
-        passed unchecked), remembered for `_recall` (`MAX_KNOWN_ROWS` at most, the oldest forgotten)."""
+        passed unchecked)."""
         out: list[list[float] | None] = [None] * len(rows)
         by_version: dict[tuple[int, str], list[int]] = {}
         for i, r in enumerate(rows):
@@ -138,32 +145,16 @@ class Rejudge:
             try:
                 for k, d in enumerate(self._exact(mine, version, digest)):
                     out[idx[k]] = d
-                    if d is not None:
-                        self._known[_row_id(mine[k])] = (mine[k], d)
             except PnyxError as e:  # fail-closed: never passed unchecked
                 log.warning("trainer: cannot check draws against v%d (%s)", version, e)
             self.draw_rows += len(idx)
-        while len(self._known) > MAX_KNOWN_ROWS:
-            self._known.pop(next(iter(self._known)))
         return out
 
     def _recall(self, row: Row) -> float | None:
-        """`row`'s largest distance from a measurement of it or of a longer row it begins (same version,
-        plane, prompt, sampling and uniforms), else None."""
+        """`row`'s largest distance from a measurement of it or of a longer row it begins (`precheck`: same
+        key, sample, version and plane, and the same prompt, sampling and uniforms), else None."""
         known = self._known.get(_row_id(row))
-        if known is None:
-            return None
-        whole, d = known
-        n = len(row.completion)
-        same = (
-            whole.prompt == row.prompt
-            and whole.sampling == row.sampling
-            and whole.completion[:n] == row.completion
-            and whole.uniforms is not None
-            and row.uniforms is not None
-            and _same_floats(whole.uniforms[:n], row.uniforms)
-        )
-        return max(d[:n], default=0.0) if same else None
+        return None if known is None else known.largest(row)
 
     def prepare(self) -> float:
         """Start-up work of the first check, done before the first step instead of inside it: each plane's
@@ -272,9 +263,42 @@ def _row_id(row: Row) -> tuple[str, int, int, str]:
     return (row.key, row.index, row.version, row.weights_digest)
 
 
-def _same_floats(a: list[float], b: list[float]) -> bool:
-    """Whether `a` and `b` hold the same floats, NaN equal to NaN (a tool token's uniform)."""
-    return len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b, strict=True))
+@dataclass(frozen=True)
+class _Measured:
+    """A row measured by `Rejudge.precheck`, compact (a prompt can be long): what identifies it and each
+    completion token's distance from its draw."""
+
+    prompt: bytes
+    """A digest of the prompt's tokens (`_digest`)."""
+    sampling: tuple[float, int, float]
+    completion: np.ndarray
+    uniforms: np.ndarray
+    distances: np.ndarray
+
+    @classmethod
+    def of(cls, row: Row, distances: list[float]) -> _Measured:
+        return cls(
+            _digest(row.prompt), row.sampling, np.asarray(row.completion, dtype=np.int64),
+            np.asarray(row.uniforms, dtype=np.float64), np.asarray(distances, dtype=np.float32),
+        )  # fmt: skip
+
+    def largest(self, row: Row) -> float | None:
+        """`row`'s largest distance if `row` is this one or a prefix of it (else None)."""
+        n = len(row.completion)
+        if row.uniforms is None or n > len(self.completion) or len(row.uniforms) != n:
+            return None
+        same = (
+            row.sampling == self.sampling
+            and np.array_equal(self.completion[:n], np.asarray(row.completion, dtype=np.int64))
+            and np.array_equal(self.uniforms[:n], np.asarray(row.uniforms, dtype=np.float64), equal_nan=True)
+            and _digest(row.prompt) == self.prompt
+        )
+        return float(self.distances[:n].max(initial=0.0)) if same else None
+
+
+def _digest(tokens: list[int]) -> bytes:
+    """A collision-resistant digest of a token sequence."""
+    return hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
 def _worst(mb: MicroBatch) -> list[float | None]:
