@@ -397,7 +397,7 @@ def test_a_measurement_answers_only_for_the_same_row_or_its_prefix(run):
     ]
     found = exact.rejudge.draws(others)
     assert exact.rejudge.draw_rows == measured + len(others) and exact.rejudge.known_rows == 2
-    assert found[0] > 1e-3 and found[3] > 1e-3  # another token for the uniform; other uniforms for the tokens
+    assert found[0] > 1e-3  # another token than its uniform's draw: measured, and found
 
 
 @pytest.mark.parametrize("audit", [0.0, 1.0])
