@@ -111,7 +111,7 @@ def main() -> None:
         for g in (g for g in groups if layout.is_skip_key(g.key)):
             audit_rows = build_rows([g])
             t0 = time.perf_counter()
-            rejudge.draws(audit_rows)  # what `TrainerLoop._audit_skip_draws` runs per skip record
+            rejudge.draws(audit_rows)  # what `WaitWork.audit_skip_draws` runs per skip record
             audits.append(
                 (time.perf_counter() - t0, len(audit_rows), sum(len(r.completion) for r in audit_rows))
             )

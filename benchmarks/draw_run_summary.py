@@ -45,10 +45,10 @@ def main() -> None:
         total["exact_s"] += d["exact_s"]
         total["forward_s"] += d.get("forward_s", 0.0)  # recorded since the exact re-check shares prompts
         total["step_s"] += m["step_s"]
-        total["skip_s"] += (m.get("skip_audit") or {}).get("s", 0.0)
-        total["idle_s"] += (m.get("skip_audit") or {}).get("idle_s", 0.0)
-        total["wait_s"] += m.get("ingest_wait_s", 0.0)
         audit = m.get("skip_audit") or {}
+        total["skip_s"] += audit.get("s", 0.0)
+        total["idle_s"] += audit.get("idle_s", 0.0)
+        total["wait_s"] += m.get("ingest_wait_s", 0.0)
         total["records"] += audit.get("groups", 0)
         total["records_idle"] += audit.get("idle_groups", 0)
         total["records_rows"] += audit.get("rows", 0)

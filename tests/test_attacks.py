@@ -568,7 +568,7 @@ def test_a_forged_skip_record_is_checked_while_the_trainer_waits_and_its_key_is_
         rest.start()  # the batch fills 3 s into the step's wait
         result = arena.step()
         rest.join()
-        audit = arena.trainer._skip_audit
+        audit = arena.trainer.waiting.skip_audit
         assert result is not None and audit is not None
         assert audit["false"] >= 1 and audit["idle_groups"] >= 1 and audit["idle_s"] > 0, audit
         assert "false skip" in (_picker_report(arena, picker)["quarantined"] or "")

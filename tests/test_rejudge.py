@@ -220,7 +220,7 @@ def test_the_trainer_measures_the_stale_groups_of_its_batch_while_it_waits_and_t
         result = arena.step()
         rest.join()
         assert result is not None
-        pre, tally = arena.trainer._precheck, result.stats.draws
+        pre, tally = arena.trainer.waiting.precheck, result.stats.draws
         assert pre is not None and tally is not None
         kept = {g.key for g in result.groups if g.version == 0}
         stale_rows = sum(len(g.group.samples) for g in result.groups if g.version == 0)
@@ -229,7 +229,9 @@ def test_the_trainer_measures_the_stale_groups_of_its_batch_while_it_waits_and_t
         assert n1 == stale_rows and flagged + tally.audited == n1, (tally.by_staleness, tally.audited)
         # every stale row, flagged (1-3 of 16-24 here) or audited, read from the wait's measurement
         assert pre.get("known") == n1, pre
-        skips = (arena.trainer._skip_audit or {}).get("rows", 0)  # honest skip records, checked in the wait
+        skips = (arena.trainer.waiting.skip_audit or {}).get(
+            "rows", 0
+        )  # honest skip records, checked in the wait
         assert rejudge.draw_rows - measured == pre["rows"] + skips  # no exact forward on the step's path
     finally:
         arena.close()

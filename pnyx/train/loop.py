@@ -59,6 +59,7 @@ from pnyx.train.step import StepStats, train_step
 from pnyx.train.step_metrics import step_metrics
 from pnyx.train.ticker import Ticker
 from pnyx.train.trainer_setup import TrainerParts, attach_run, load_parts, open_run
+from pnyx.train.wait_work import WaitWork
 from pnyx.weights.manifest import WeightManifest
 
 T = TypeVar("T")
@@ -67,13 +68,6 @@ log = logging.getLogger("pnyx.train")
 
 STATUS_KEYS = 32
 """`trainer/status.json` reports at most this many worker keys (quarantined first, then by faults)."""
-
-IDLE_AUDITS = 4
-"""Skip records whose draws are checked per call while the trainer waits for a batch (`_wait_for_batch`):
-each call delays seeing a full batch by their forward, ~0.3 s on SmolLM2-135M on one thread."""
-IDLE_PRECHECKS = 1
-"""Stale groups of the batch so far whose rows are measured exactly per call while the trainer waits and no
-skip record is queued (`_precheck_rows`): one group's forward, about as long as `IDLE_AUDITS` skip records'."""
 
 
 class Trainer:
@@ -100,9 +94,7 @@ class Trainer:
         self._probe_after: tuple[int, tuple[object, ...], MicroBatch] | None = None
         """(the version after the step, its probe rows, their forward after it): the next step's forward
         before the same rows (`train_batch`)."""
-        self._skip_audit: dict[str, Any] | None = None  # this step's exact check of skip records
-        self._precheck: dict[str, Any] | None = None  # this step's exact measurements made while waiting
-        self._prechecked: set[str] = set()  # groups measured ahead (`_precheck`), forgotten in bulk
+        self._waiting: WaitWork | None = None
         self.progress = Progress(store, self._describe)
         self.manifest: RunManifest | None = None
         self.trust: Verifier | None = None
@@ -114,6 +106,13 @@ class Trainer:
         if self._parts is None:
             raise RuntimeError("the trainer has no model or ingestor before start()")
         return self._parts
+
+    @property
+    def waiting(self) -> WaitWork:
+        """The exact checks done while a batch is chosen, and their metrics (from the parts `start()` loads)."""
+        if self._waiting is None:
+            self._waiting = WaitWork(self.parts.ingestor, self.parts.rejudge, self.cfg.security)
+        return self._waiting
 
     @property
     def run_id(self) -> str:
@@ -237,7 +236,7 @@ class Trainer:
     def _wait_for_batch(self) -> list[ScoredGroup] | None:
         """The top `groups_per_step` groups of the ranking (None: stop requested, or no full batch for
         `trainer.max_wait_s`); see `Prefetcher.next_batch`. Skip records are checked while it waits and
-        before the batch is taken (`_audit_skip_draws`)."""
+        before the batch is taken, and stale rows measured while it waits (`wait_work.WaitWork`)."""
         self.progress.phase("ingesting", have=0)
         chosen = self.parts.prefetcher.next_batch(
             self.version,
@@ -245,10 +244,8 @@ class Trainer:
             stop=lambda: self._stop,
             deadline_s=self.cfg.trainer.max_wait_s,
             on_short=lambda have: self.progress.phase("waiting", have=have),
-            idle=lambda chosen: (
-                self._audit_skip_draws(IDLE_AUDITS) is not None or self._precheck_rows(chosen)
-            ),
-            ready=lambda: not self._audit_skip_draws(),
+            idle=lambda chosen: self.waiting.idle(self.version, chosen),
+            ready=lambda: self.waiting.ready(self.version),
         )
         if chosen is None and not self._stop:
             log.warning(
@@ -275,15 +272,12 @@ class Trainer:
     def step(self) -> StepResult | None:
         """One step V → V+1 (None if stopped while waiting for data). Every rank calls it together."""
         target = self.version + 1
-        self._skip_audit = self._precheck = None
+        self.waiting.new_step()
         batch = self.on_main(lambda: self._choose_batch(target))
         if batch is None:
             return None
         self.progress.phase("training", have=len(batch.groups))
-        known = self.parts.rejudge.known_rows if self.parts.rejudge is not None else 0
-        stats = self.train_batch(batch)
-        if self.parts.rejudge is not None and (read := self.parts.rejudge.known_rows - known):
-            self._precheck = {"groups": 0, "rows": 0, "s": 0.0, **(self._precheck or {}), "known": read}
+        stats = self.waiting.reading(lambda: self.train_batch(batch))
         hooks.point("after_step", target)
         self.progress.phase("publishing")
         t0 = time.perf_counter()
@@ -300,78 +294,6 @@ class Trainer:
         self.version = target
         hooks.point("after_publish", target)
         return StepResult(target, stats, batch.groups, publish_s, m.kind, batch.lr, batch.checks)
-
-    def _audit_skip_draws(self, limit: int | None = None) -> int | None:
-        """Rank 0, while a step's batch is chosen: the exact check of the tokens of the skip records
-        re-scored and not yet checked (`Ingestor.take_draw_audits`: each record's chosen samples, at most
-        `limit` records): each must be the draws of its seeded uniforms under the published weights of its
-        version (`Rejudge.draws`, the exact re-check's forward), or its key is quarantined (`false_skip`).
-        `_wait_for_batch` calls it while the batch is short, in time the trainer would spend waiting (`limit`
-        records at a time: `idle_s` in the step's `skip_audit` metrics), and for every record left before a
-        full batch is taken (`s`: time on the step's path), so a forger's key is out before its groups
-        train. Returns how many records were false; None when nothing was checked."""
-        ing, rejudge = self.parts.ingestor, self.parts.rejudge
-        audits = ing.take_draw_audits(self.version, limit)
-        if not audits or rejudge is None or not self.cfg.security.seeded_draws:
-            return None
-        from pnyx.train.microbatch import build_rows
-
-        t0 = time.perf_counter()
-        chosen = {a.group.key: a for a in audits}
-        rows = [r for r in build_rows([a.group for a in audits]) if chosen[r.key].checks(r.index)]
-        worst: dict[str, float] = {}
-        for row, d in zip(rows, rejudge.draws(rows), strict=True):
-            worst[row.key] = max(d, worst.get(row.key, 0.0))
-        tol = self.cfg.security.draw_tolerance
-        bad = ing.draws_audited(audits, [worst.get(a.group.key, 0.0) for a in audits], tol)
-        m = self._skip_audit or {
-            "groups": 0,
-            "rows": 0,
-            "false": 0,
-            "s": 0.0,
-            "idle_groups": 0,
-            "idle_s": 0.0,
-        }
-        m["groups"] += len(audits)
-        m["rows"] += len(rows)
-        m["false"] += bad
-        spent = "s" if limit is None else "idle_s"
-        m[spent] = round(m[spent] + time.perf_counter() - t0, 4)
-        if limit is not None:
-            m["idle_groups"] += len(audits)
-        self._skip_audit = m
-        return bad
-
-    def _precheck_rows(self, chosen: list[ScoredGroup]) -> bool:
-        """Rank 0, while the batch is short: measure exactly, under the published weights of their version
-        (`Rejudge.precheck`), the rows of `IDLE_PRECHECKS` of the stalest groups of the batch so far
-        (`chosen`) that are older than the trainer's version. The step's forward flags most such rows (it
-        runs on newer weights: at staleness 1-3 on the SmolLM2 recipe, 33%, 53% and 82% of them), and each
-        flagged one then costs an exact forward on the step's path; measured here, in time the trainer
-        would spend waiting, the step reads the distance instead (`known` in the step's `precheck`
-        metrics). Returns whether it measured any."""
-        rejudge = self.parts.rejudge
-        if rejudge is None or not self.cfg.security.seeded_draws:
-            return False
-        todo = sorted(
-            (g for g in chosen if g.version < self.version and g.key not in self._prechecked),
-            key=lambda g: g.version,
-        )[:IDLE_PRECHECKS]
-        if not todo:
-            return False
-        from pnyx.train.microbatch import build_rows
-
-        t0 = time.perf_counter()
-        rows = rejudge.precheck(build_rows(todo))
-        if len(self._prechecked) > 8192:
-            self._prechecked.clear()
-        self._prechecked.update(g.key for g in todo)
-        m = self._precheck or {"groups": 0, "rows": 0, "s": 0.0}
-        m["groups"] += len(todo)
-        m["rows"] += rows
-        m["s"] = round(m["s"] + time.perf_counter() - t0, 4)
-        self._precheck = m
-        return True
 
     def _choose_batch(self, target: int) -> Batch | None:
         """Rank 0: the batch of the step producing `target`: its record if one exists, else a new one."""
@@ -401,7 +323,7 @@ class Trainer:
             )
             self.progress.phase("ingesting", have=0)
             groups = self.load_recorded(rec)
-            self._audit_skip_draws()  # the recorded batch stands whatever it finds
+            self.waiting.audit_skip_draws(self.version)  # the recorded batch stands whatever it finds
             self._ingest_wait_s = 0.0
         self.parts.prefetcher.ahead(target, rec.keys)  # the next step's groups, fetched while this one runs
         return self.make_batch(rec, groups)
@@ -436,8 +358,8 @@ class Trainer:
         return step_metrics(
             r, self.parts.ingestor, version=self.version, world=self.parts.dist.world,
             max_staleness=self.cfg.algorithm.max_staleness, ingest_wait_s=self._ingest_wait_s,
-            prefetch_busy_s=self.parts.prefetcher.busy_s, skip_audit=self._skip_audit,
-            precheck=self._precheck,
+            prefetch_busy_s=self.parts.prefetcher.busy_s, skip_audit=self.waiting.skip_audit,
+            precheck=self.waiting.precheck,
         )  # fmt: skip
 
     def _describe(self) -> dict[str, Any]:

@@ -118,7 +118,7 @@ class Rejudge:
         return out
 
     def precheck(self, rows: list[Row]) -> int:
-        """Measure `rows` now, whole, for a later `draws` of them (the trainer's wait: `Trainer._precheck_rows`);
+        """Measure `rows` now, whole, for a later `draws` of them (the trainer's wait: `WaitWork.precheck_rows`);
         returns how many rows were measured (those measured before are not)."""
         todo = [r for r in rows if r.uniforms is not None and self._recall(r) is None]
         for r, d in zip(todo, self._measure(todo), strict=True):

@@ -4,7 +4,7 @@
 re-scores every listed skip record in the fetch threads (a false one quarantines its key at once), and queues
 those that pass for the exact check of their draws (`DrawAudit`: a few random samples of each, every sample
 of a random share and of an untrusted key's first skip records), which the trainer loop runs
-(`Trainer._audit_skip_draws`) and reports back (`draws_audited`). Outcomes are counted in
+(`WaitWork.audit_skip_draws`) and reports back (`draws_audited`). Outcomes are counted in
 `Cursor.skips`. Thread-safe through the shared lock; store I/O runs outside it.
 """
 
