@@ -4,7 +4,11 @@ measured, rows flagged by the step's forward (per staleness), passing stale rows
 re-checks, the distances computed inside the step's own forward, and the exact check of skip records' draws,
 `skip_audit`: `s` on the step's path, `idle_s` in time the trainer waited for groups, since 2026-12-05 evening;
 before, all of it on the path) against the steps' own seconds, the stale rows measured exactly while the trainer
-waited (`precheck`, since 2026-12-06: rows, seconds, and the rows the steps' exact re-checks read from them), the drift probe's seconds beside them (`probe_s`:
+waited (`precheck`, since 2026-12-06: rows, seconds, and the rows the steps' exact re-checks read from them), the skip
+records checked on the trainer's background thread while its steps trained (`checks_background`, a running total,
+since 2026-12-06 morning: off the path; and the stale rows of the prefetcher's forecast of the next batch measured
+there, `pre_*`) with the steps' training throughput beside it (median `tok_s`: what the
+thread's use of a core cost the step), the drift probe's seconds beside them (`probe_s`:
 the statistical checks' calibration, not a draw check), the groups the steps rejected by reason and the last
 step's drops; then the skip records' audit by thirds of the run (records and rows checked per step, their
 share of step time on the path and in the wait), which follows the share of zero-variance groups; and the
@@ -85,6 +89,18 @@ def main() -> None:
         f"stale rows measured exactly while waiting for groups {total['pre_rows']} in {total['pre_s']:.2f} s "
         f"({100 * total['pre_s'] / step:.1f}% of step time, off the path); the steps' exact re-checks read "
         f"{total['pre_known']} rows from them (of {total['flagged'] + total['audited']} flagged or audited)"
+    )
+    bg = metrics[-1].get("checks_background") or {}
+    first_bg = (checked[0].get("checks_background") or {}) if len(checked) > 1 else {}
+    tok_s = sorted(m["tok_s"] for m in checked if m.get("tok_s"))
+    print(
+        f"skip records checked on the background thread while steps trained {bg.get('groups', 0)} "
+        f"({bg.get('rows', 0)} rows, false {bg.get('false', 0)}) in {bg.get('s', 0.0):.2f} s "
+        f"({100 * bg.get('s', 0.0) / step:.1f}% of step time, off the path; after the first step "
+        f"{bg.get('groups', 0) - first_bg.get('groups', 0)}); forecast stale rows measured there "
+        f"{bg.get('pre_rows', 0)} ({bg.get('pre_groups', 0)} groups) in {bg.get('pre_s', 0.0):.2f} s "
+        f"({100 * bg.get('pre_s', 0.0) / step:.1f}%); the steps' training throughput, median "
+        f"{tok_s[len(tok_s) // 2] if tok_s else 0.0:.2f} tokens/s"
     )
     print(
         "by staleness [rows, flagged, failed]:", dict(sorted(by_staleness.items(), key=lambda kv: int(kv[0])))

@@ -267,6 +267,13 @@ class SecurityConfig(_Section):
     its records measures, and does not guard: checked all, they cost 3.8% of the SmolLM2 recipe's step time
     once its policy answered most sums right (most groups zero-variance, BENCHMARKS.md, "Seeded draws").
     Untrusted keys' records are always checked."""
+    background_checks: bool = True
+    """Check skip records' draws on a background thread of the trainer as soon as they are re-scored, while
+    the step trains, instead of in the trainer's wait or on the step's path (`pnyx/train/wait_work.py`).
+    The exact forwards run on the CPU in fp32 whatever device trains: on a GPU trainer they take cores the
+    step leaves idle; on a CPU trainer, cores it shares with whatever else runs there (a worker paced by
+    supply control idles while the trainer is the bottleneck). Records the thread has not reached when a
+    batch is full are still checked before it trains. False: all in the trainer's own thread."""
     committed_draws: bool = True
     """Commit, then reveal (docs/security.md, "Committed draws"; `pnyx.protocol.commits`): before each
     cohort a worker writes a signed commitment (its seqs, their tasks, the version it will draw at) and

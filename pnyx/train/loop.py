@@ -238,14 +238,16 @@ class Trainer:
         `trainer.max_wait_s`); see `Prefetcher.next_batch`. Skip records are checked while it waits and
         before the batch is taken, and stale rows measured while it waits (`wait_work.WaitWork`)."""
         self.progress.phase("ingesting", have=0)
-        chosen = self.parts.prefetcher.next_batch(
-            self.version,
-            self.cfg.trainer.groups_per_step,
-            stop=lambda: self._stop,
-            deadline_s=self.cfg.trainer.max_wait_s,
-            on_short=lambda have: self.progress.phase("waiting", have=have),
-            idle=lambda chosen: self.waiting.idle(self.version, chosen),
-            ready=lambda: self.waiting.ready(self.version),
+        chosen = self.waiting.choosing(
+            lambda: self.parts.prefetcher.next_batch(
+                self.version,
+                self.cfg.trainer.groups_per_step,
+                stop=lambda: self._stop,
+                deadline_s=self.cfg.trainer.max_wait_s,
+                on_short=lambda have: self.progress.phase("waiting", have=have),
+                idle=lambda chosen: self.waiting.idle(self.version, chosen),
+                ready=lambda: self.waiting.ready(self.version),
+            )
         )
         if chosen is None and not self._stop:
             log.warning(
@@ -359,7 +361,7 @@ class Trainer:
             r, self.parts.ingestor, version=self.version, world=self.parts.dist.world,
             max_staleness=self.cfg.algorithm.max_staleness, ingest_wait_s=self._ingest_wait_s,
             prefetch_busy_s=self.parts.prefetcher.busy_s, skip_audit=self.waiting.skip_audit,
-            precheck=self.waiting.precheck,
+            precheck=self.waiting.precheck, checks_background=self.waiting.background,
         )  # fmt: skip
 
     def _describe(self) -> dict[str, Any]:
@@ -391,6 +393,7 @@ class Trainer:
             self.parts.prefetcher.start()
             if self.parts.ticker is not None:
                 self.parts.ticker.start()
+            self.waiting.start(lambda: self.version, lambda: self.parts.prefetcher.planned)
         with self.progress.running(status=self.parts.dist.is_main):
             self._loop(sinks)
         return self.version
@@ -429,6 +432,7 @@ class Trainer:
                 sink.close()
             if self.parts.ticker is not None:
                 self.parts.ticker.close()
+            self.waiting.close()
             self.parts.prefetcher.close()
             self.parts.ingestor.close()
         if self._stop:

@@ -62,6 +62,9 @@ class Prefetcher:
         self.error: BaseException | None = None
         self.busy_s = 0.0
         """Seconds the thread spent working (listing, sweeping, fetching): ingestion hidden behind steps."""
+        self.planned: tuple[int, list[ScoredGroup]] = (0, [])
+        """The next step's version and the top of its ranking as the thread last fetched it (a forecast of
+        its batch: fresher uploads may still outrank some of it; `WaitWork` measures its stale rows ahead)."""
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._listed = threading.Condition()
@@ -245,6 +248,7 @@ class Prefetcher:
             if self._stop.is_set():
                 return
             plan = ing.plan(version, self.need, in_flight, extra=0)
+            self.planned = (version, plan.chosen)
             if plan.unlisted is not None:
                 ing.list_version(plan.unlisted, full=True)
                 continue

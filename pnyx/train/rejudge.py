@@ -32,8 +32,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -75,12 +77,33 @@ class Rejudge:
         self.prechecked_rows = 0
         """Rows measured ahead of their step (`precheck`)."""
         self._known: dict[tuple[str, int, int, str], _Measured] = {}
+        self._turn = threading.Condition()  # guards the counters, `_known` and `_foreground`
+        self._foreground = 0  # calls of the trainer's own thread in progress: background checks wait for them
+
+    @contextmanager
+    def _turn_of(self, background: bool) -> Iterator[None]:
+        """Where a forward may start: a call of the trainer's own thread (the step, its wait) at once, and
+        counted while it runs; a background one (`WaitWork.start`) once none is, so the step waits at most
+        for the background forward already under way."""
+        if background:
+            with self._turn:
+                self._turn.wait_for(lambda: self._foreground == 0)
+            yield
+            return
+        with self._turn:
+            self._foreground += 1
+        try:
+            yield
+        finally:
+            with self._turn:
+                self._foreground -= 1
+                self._turn.notify_all()
 
     def __call__(self, rows: list[Row], version: int) -> Mapping[str, GroupEvidence]:
         if self.published.trust is None or not rows:
             return {}
         out: dict[str, GroupEvidence] = {}
-        with self.published.lock:
+        with self._turn_of(background=False), self.published.lock:
             try:
                 model = self.published.at(version)
             except (
@@ -95,15 +118,22 @@ class Rejudge:
                 for idx in plan_micro_batches(rows, MICRO_BATCH_TOKENS):
                     mb = fwd.run([rows[i] for i in idx], entropy=False, var=True, draws=True)
                     merge_evidence(out, group_evidence(mb, version, _worst(mb)))
-        self.calls += 1
+        with self._turn:
+            self.calls += 1
         return out
 
-    def draws(self, rows: list[Row]) -> list[float]:
+    def draws(self, rows: list[Row], background: bool = False) -> list[float]:
         """`judgement.ExactDraws`: per row (each with seeded uniforms), its largest distance from its draws
         under exactly the published weights of its own version, rows of one version in one forward per
         micro-batch; inf for the rows of a version whose weights cannot be obtained or verified (the group
         is then dropped as `draw_unverifiable`, not blamed on its key). A row measured before (`precheck`:
-        the same row, or a prefix of it) is answered from that measurement without a forward."""
+        the same row, or a prefix of it) is answered from that measurement without a forward. `background`:
+        a call from the trainer's background check (`WaitWork.start`), which first waits until no call of the
+        trainer's own thread is in progress."""
+        with self._turn_of(background):
+            return self._draws(rows, count_known=not background)
+
+    def _draws(self, rows: list[Row], count_known: bool = True) -> list[float]:
         out = [math.inf] * len(rows)
         missing: list[int] = []
         for i, r in enumerate(rows):
@@ -112,21 +142,26 @@ class Rejudge:
                 missing.append(i)
             else:
                 out[i] = known
-        self.known_rows += len(rows) - len(missing)
+        if count_known:
+            with self._turn:
+                self.known_rows += len(rows) - len(missing)
         for i, d in zip(missing, self._measure([rows[i] for i in missing]), strict=True):
             out[i] = max(d, default=0.0) if d is not None else math.inf
         return out
 
-    def precheck(self, rows: list[Row]) -> int:
-        """Measure `rows` now, whole, for a later `draws` of them (the trainer's wait: `WaitWork.precheck_rows`);
-        returns how many rows were measured (those measured before are not)."""
+    def precheck(self, rows: list[Row], background: bool = False) -> int:
+        """Measure `rows` now, whole, for a later `draws` of them (the trainer's wait: `WaitWork.precheck_rows`;
+        `background`: as in `draws`); returns how many rows were measured (those measured before are not)."""
         todo = [r for r in rows if r.uniforms is not None and self._recall(r) is None]
-        for r, d in zip(todo, self._measure(todo), strict=True):
-            if d is not None:
-                self._known[_row_id(r)] = _Measured.of(r, d)
-        while len(self._known) > MAX_KNOWN_ROWS:
-            self._known.pop(next(iter(self._known)))
-        self.prechecked_rows += len(todo)
+        with self._turn_of(background):
+            measured = self._measure(todo)
+        with self._turn:
+            for r, d in zip(todo, measured, strict=True):
+                if d is not None:
+                    self._known[_row_id(r)] = _Measured.of(r, d)
+            while len(self._known) > MAX_KNOWN_ROWS:
+                self._known.pop(next(iter(self._known)))
+            self.prechecked_rows += len(todo)
         return len(todo)
 
     def _measure(self, rows: list[Row]) -> list[list[float] | None]:
@@ -147,13 +182,15 @@ class Rejudge:
                     out[idx[k]] = d
             except PnyxError as e:  # fail-closed: never passed unchecked
                 log.warning("trainer: cannot check draws against v%d (%s)", version, e)
-            self.draw_rows += len(idx)
+            with self._turn:
+                self.draw_rows += len(idx)
         return out
 
     def _recall(self, row: Row) -> float | None:
         """`row`'s largest distance from a measurement of it or of a longer row it begins (`precheck`: same
         key, sample, version and plane, and the same prompt, sampling and uniforms), else None."""
-        known = self._known.get(_row_id(row))
+        with self._turn:
+            known = self._known.get(_row_id(row))
         return None if known is None else known.largest(row)
 
     def prepare(self) -> float:

@@ -29,12 +29,15 @@ def step_metrics(
     prefetch_busy_s: float,
     skip_audit: dict[str, Any] | None,
     precheck: dict[str, Any] | None = None,
+    checks_background: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The metrics of step `r` (published as `r.version`), with the ingestion's state at the trainer's
     `version`, its `world` size, the seconds it waited for the batch and its prefetcher was busy, and the
     exact check of skip records made while its batch was chosen (`skip_audit`: `s` on the step's path, `idle_s`
     in time it waited for groups), and the exact measurements of its stale rows made while it waited
-    (`precheck`: groups, rows and seconds, and `known`, the rows its exact re-check then read from them)."""
+    (`precheck`: groups, rows and seconds, and `known`, the rows its exact re-check then read from them),
+    and the checks of skip records the trainer's background thread made since it started
+    (`checks_background`: a running total of groups, rows, false ones and seconds)."""
     s = r.stats
     stale = Counter(r.version - 1 - g.version for g in r.groups)
     rewards = [x for g in r.groups for x in g.rewards]
@@ -82,6 +85,7 @@ def step_metrics(
         "draws": _draw_metrics(s),
         "skip_audit": skip_audit,
         "precheck": precheck,
+        "checks_background": checks_background,
         **ingestor.stats(),
     }
 
