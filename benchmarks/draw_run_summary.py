@@ -91,13 +91,11 @@ def main() -> None:
         f"{total['pre_known']} rows from them (of {total['flagged'] + total['audited']} flagged or audited)"
     )
     bg = metrics[-1].get("checks_background") or {}
-    first_bg = (checked[0].get("checks_background") or {}) if len(checked) > 1 else {}
     tok_s = sorted(m["tok_s"] for m in checked if m.get("tok_s"))
     print(
         f"skip records checked on the background thread while steps trained {bg.get('groups', 0)} "
         f"({bg.get('rows', 0)} rows, false {bg.get('false', 0)}) in {bg.get('s', 0.0):.2f} s "
-        f"({100 * bg.get('s', 0.0) / step:.1f}% of step time, off the path; after the first step "
-        f"{bg.get('groups', 0) - first_bg.get('groups', 0)}); forecast stale rows measured there "
+        f"({100 * bg.get('s', 0.0) / step:.1f}% of step time, off the path); forecast stale rows measured there "
         f"{bg.get('pre_rows', 0)} ({bg.get('pre_groups', 0)} groups) in {bg.get('pre_s', 0.0):.2f} s "
         f"({100 * bg.get('pre_s', 0.0) / step:.1f}%); the steps' training throughput, median "
         f"{tok_s[len(tok_s) // 2] if tok_s else 0.0:.2f} tokens/s"

@@ -268,8 +268,9 @@ class SecurityConfig(_Section):
     once its policy answered most sums right (most groups zero-variance, BENCHMARKS.md, "Seeded draws").
     Untrusted keys' records are always checked."""
     background_checks: bool = True
-    """Check skip records' draws on a background thread of the trainer as soon as they are re-scored, while
-    the step trains, instead of in the trainer's wait or on the step's path (`pnyx/train/wait_work.py`).
+    """While the step trains, a background thread of the trainer checks skip records' draws as soon as they
+    are re-scored, and measures ahead the stale rows (2+ versions behind) of the prefetcher's forecast of the
+    next batch, instead of in the trainer's wait or on the step's path (`pnyx/train/wait_work.py`).
     The exact forwards run on the CPU in fp32 whatever device trains: on a GPU trainer they take cores the
     step leaves idle; on a CPU trainer, cores it shares with whatever else runs there (a worker paced by
     supply control idles while the trainer is the bottleneck). Records the thread has not reached when a

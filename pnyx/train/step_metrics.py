@@ -36,8 +36,8 @@ def step_metrics(
     exact check of skip records made while its batch was chosen (`skip_audit`: `s` on the step's path, `idle_s`
     in time it waited for groups), and the exact measurements of its stale rows made while it waited
     (`precheck`: groups, rows and seconds, and `known`, the rows its exact re-check then read from them),
-    and the checks of skip records the trainer's background thread made since it started
-    (`checks_background`: a running total of groups, rows, false ones and seconds)."""
+    and what the trainer's background thread checked since it started (`checks_background`, a running
+    total: skip records' groups, rows, false ones and seconds; forecast stale rows, `pre_*`)."""
     s = r.stats
     stale = Counter(r.version - 1 - g.version for g in r.groups)
     rewards = [x for g in r.groups for x in g.rewards]

@@ -31,7 +31,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pnyx.train.microbatch import build_rows
@@ -88,10 +89,9 @@ class WaitWork:
         self._prechecked: set[str] = set()  # groups measured ahead, so a failed measurement is not retried
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._choosing = threading.Event()  # the trainer's thread chooses a batch (`choosing`)
-        self._flight = threading.Condition()
+        self._flight = threading.Condition()  # guards the two counts below
         self._in_flight = 0  # background turns under way: taken from the queue, verdict not yet filed
-        self._holding = False  # `ready` runs: the background thread takes no record
+        self._paused = 0  # the trainer's thread chooses a batch (`choosing`, `ready`): no turn starts
         self._false_seen = 0  # the background thread's false records `ready` has reported
 
     @property
@@ -136,11 +136,8 @@ class WaitWork:
 
     def _run(self, version: Callable[[], int], planned: Callable[[], tuple[int, list[ScoredGroup]]]) -> None:
         while not self._stop.is_set():
-            if self._choosing.is_set():  # the trainer's thread does this work in its own wait (`idle`)
-                self._stop.wait(BACKGROUND_POLL_S)
-                continue
-            with self._flight:
-                if not self._flight.wait_for(lambda: not self._holding, BACKGROUND_POLL_S):
+            with self._flight:  # paused while the trainer's thread does this work in its own wait
+                if not self._flight.wait_for(lambda: self._paused == 0, BACKGROUND_POLL_S):
                     continue
                 self._in_flight += 1  # before the records leave the queue: `ready` waits for them
             try:
@@ -174,10 +171,9 @@ class WaitWork:
         counts as `s`, on the step's path); a false record it found since the last call also means False
         (the batch so far was chosen before its key was quarantined)."""
         t0 = time.perf_counter()
-        with self._flight:
-            self._holding = True
-            self._flight.wait_for(lambda: self._in_flight == 0 or self.error is not None)
-        try:
+        with self._pause():
+            with self._flight:
+                self._flight.wait_for(lambda: self._in_flight == 0 or self.error is not None)
             self.check()
             with self._lock:
                 if (waited := time.perf_counter() - t0) > 1e-3:
@@ -188,10 +184,6 @@ class WaitWork:
                     self._background["false"],
                 )
             return not self.audit_skip_draws(version) and not found
-        finally:
-            with self._flight:
-                self._holding = False
-                self._flight.notify_all()
 
     def audit_skip_draws(
         self, version: int, limit: int | None = None, background: bool = False
@@ -278,11 +270,20 @@ class WaitWork:
         """Run `choose` (the wait for a batch: `Prefetcher.next_batch`), during which the background thread
         starts no new turn: the trainer's thread checks in its wait (`idle`), where a second thread would
         only take the core a worker generates on."""
-        self._choosing.set()
-        try:
+        with self._pause():
             return choose()
+
+    @contextmanager
+    def _pause(self) -> Iterator[None]:
+        """No background turn starts inside (`_paused`; one under way finishes)."""
+        with self._flight:
+            self._paused += 1
+        try:
+            yield
         finally:
-            self._choosing.clear()
+            with self._flight:
+                self._paused -= 1
+                self._flight.notify_all()
 
     def reading(self, train: Callable[[], T]) -> T:
         """Run `train` (the step) and count, as `known` in `precheck`, the rows its exact re-check read
