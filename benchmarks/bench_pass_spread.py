@@ -40,6 +40,31 @@ def mixed_chance(passes: int, samples: int, g: int) -> float:
     return 1.0 - p**g - (1.0 - p) ** g
 
 
+def open_version(run: str, version: int, threads: int):
+    """(the run's evaluator with `version` loaded and proved, the run's worker sampling settings): the engine,
+    env and tool loop a worker of that run would sample with."""
+    import torch
+
+    from pnyx.config import config_from_dict, resolve_env_kwargs, resolve_max_new_tokens
+    from pnyx.eval.runner import VersionEvaluator
+    from pnyx.models.source import resolve_run_model
+    from pnyx.store import open_store
+    from pnyx.weights import TrustedWeights
+
+    torch.set_num_threads(threads)
+    weights = TrustedWeights.open(open_store(run), None)
+    cfg = config_from_dict(weights.run.config or {}, source="run.json")
+    source = resolve_run_model(weights.run.model or {}, cfg.model.path, cfg.model.revision, check="tokenizer")
+    ev = VersionEvaluator(weights, source.folder, cfg.env.name, resolve_env_kwargs(cfg), tasks=1)
+    ev.load(version)
+    w = cfg.worker
+    sampling = {
+        "temperature": w.temperature, "top_p": w.top_p, "top_k": w.top_k,
+        "max_new_tokens": resolve_max_new_tokens(w.max_new_tokens, ev.env),
+    }  # fmt: skip
+    return ev, sampling
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--run", required=True, help="a finished run's store")
@@ -51,19 +76,9 @@ def main() -> None:
     args = p.parse_args()
     if args.groups < 2:
         sys.exit("--groups must be at least 2: one or more to rank by, the last one to test")
-    import torch
+    from pnyx.eval.runner import is_correct, scored_samples
 
-    from pnyx.config import config_from_dict, resolve_env_kwargs, resolve_max_new_tokens
-    from pnyx.eval.runner import VersionEvaluator, is_correct, scored_samples
-    from pnyx.models.source import resolve_run_model
-    from pnyx.store import open_store
-    from pnyx.weights import TrustedWeights
-
-    torch.set_num_threads(args.threads)
-    weights = TrustedWeights.open(open_store(args.run), None)
-    cfg = config_from_dict(weights.run.config or {}, source="run.json")
-    source = resolve_run_model(weights.run.model or {}, cfg.model.path, cfg.model.revision, check="tokenizer")
-    ev = VersionEvaluator(weights, source.folder, cfg.env.name, resolve_env_kwargs(cfg), tasks=1)
+    ev, sampling = open_version(args.run, args.version, args.threads)
     env = ev.env
     seen: set = set()
     tasks = []
@@ -74,12 +89,6 @@ def main() -> None:
             tasks.append(t)
         if len(tasks) == args.tasks:
             break
-    ev.load(args.version)
-    w = cfg.worker
-    sampling = {
-        "temperature": w.temperature, "top_p": w.top_p, "top_k": w.top_k,
-        "max_new_tokens": resolve_max_new_tokens(w.max_new_tokens, env),
-    }  # fmt: skip
     g = args.group_size
     passed = [[0] * args.groups for _ in tasks]  # per problem, per group: passes
     done = collections.Counter()
