@@ -32,6 +32,9 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]  # pnyx, and bench_pass_spread beside this file
 
 
+LEVELS = ("asked", "namesake", "job", "both", "plus10")
+
+
 def levels(env, n: int) -> dict[str, list[tuple[str, list[str]]]]:
     """Candidate level -> up to `n` (question, golds that must all be in the answer)."""
     people = env.world.people
@@ -61,6 +64,7 @@ def main() -> None:
     p.add_argument("--version", type=int, required=True)
     p.add_argument("--questions", type=int, default=40, help="questions per candidate level")
     p.add_argument("--groups-of", type=int, default=8, help="samples per question (one group)")
+    p.add_argument("--levels", nargs="+", default=list(LEVELS), choices=LEVELS, help="which candidates")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     from bench_pass_spread import open_version
@@ -78,6 +82,8 @@ def main() -> None:
     print(f"{args.run} v{args.version}: groups of {g}, sampling {sampling}")
     print(f"{'level':>9} {'questions':>9} {'pass rate':>9} {'mixed':>6}  passes per question -> questions")
     for name, qs in levels(env, args.questions).items():
+        if name not in args.levels:
+            continue
         tasks = [
             Task(id=f"searchqa/train/0/{i}", prompt=env.chat(f"Question: {q}"), answer=golds, meta={})
             for i, (q, golds) in enumerate(qs)
