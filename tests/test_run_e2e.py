@@ -59,6 +59,22 @@ def test_plan_run_refuses_to_overwrite_an_existing_run_and_resume_picks_the_newe
     assert resumed.name == "second" and resumed.cfg.env.name == "countdown" and resumed.resumed
 
 
+def test_plan_run_refuses_a_bad_environment_before_making_a_folder(tmp_path):
+    # a recipe's env.kwargs are its environment's: switching --env.name alone keeps options the new one refuses
+    recipe = load_config(None, ["--run.name=switched", "--env.name=searchqa", '--env.kwargs={"digits": 1}'])
+    with pytest.raises(ConfigError, match=r"'digits'.*its options: world_seed.*pass --env.kwargs '\{\}'"):
+        plan_run(recipe, resume=False, root=tmp_path)
+    with pytest.raises(ConfigError, match="no environment named 'nosuch'; available: arith"):
+        plan_run(load_config(None, ["--run.name=unknown", "--env.name=nosuch"]), resume=False, root=tmp_path)
+    with pytest.raises(ConfigError, match="max_turns must be >= 1"):  # the constructor's own checks run too
+        plan_run(
+            load_config(None, ["--run.name=bad", "--env.name=searchqa", '--env.kwargs={"max_turns": 0}']),
+            resume=False,
+            root=tmp_path,
+        )
+    assert list(tmp_path.iterdir()) == []  # no run folder to clash with the corrected command's name
+
+
 def test_resume_without_any_run_is_an_actionable_error(tmp_path):
     with pytest.raises(ConfigError, match="no run"):
         plan_run(PnyxConfig(), resume=True, root=tmp_path)

@@ -1,7 +1,9 @@
 """The run folder of `pnyx run`: `./runs/<name>/` with its `config.toml` (what the trainer reads), `logs/`,
 `evals.jsonl`, `learning_curve.png` and `summary.json`; naming a new run, finding the newest one to resume.
 
-Knows nothing about processes, evaluation or the store beyond defaulting its URL to the folder.
+Knows nothing about processes, evaluation or the store beyond defaulting its URL to the folder. Before it
+makes a folder it builds the run's environment once (`check_env`), so a bad environment name or option is
+refused at the prompt, not in the trainer's and workers' logs after they started.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def plan_run(cfg: PnyxConfig, resume: bool, root: Path = RUNS_ROOT) -> RunPlan:
                 "or pick another --run.name"
             )
     check_worker_dtype(cfg)  # before any folder is made: the trainer would refuse it anyway
+    check_env(cfg)
     folder = (root / name).resolve()
     store_url = cfg.store.url if cfg.store.url is not None else str(folder)
     cfg = with_fields(
@@ -74,6 +77,30 @@ def plan_run(cfg: PnyxConfig, resume: bool, root: Path = RUNS_ROOT) -> RunPlan:
     (folder / "logs").mkdir(exist_ok=True)
     (folder / CONFIG_FILE).write_text(to_toml(cfg))
     return RunPlan(name=name, folder=folder, store_url=store_url, cfg=cfg, resumed=resume)
+
+
+def check_env(cfg: PnyxConfig) -> None:
+    """Build the run's environment and drop it: ConfigError (naming the options it takes) unless every
+    process of the run could build it. A recipe's `env.kwargs` belong to its environment, so switching
+    `--env.name` alone keeps options the new one refuses: the error then says how to clear them."""
+    from pnyx.config import resolve_env_kwargs
+    from pnyx.envs.registry import get_env
+    from pnyx.errors import EnvironmentNotFound
+
+    try:
+        get_env(cfg.env.name, **resolve_env_kwargs(cfg))
+    except EnvironmentNotFound as e:
+        raise ConfigError(e.args[0] if e.args else str(e)) from None
+    except ImportError as e:
+        raise ConfigError(f"environment {cfg.env.name!r} could not be imported: {e}") from None
+    except ConfigError as e:
+        hint = ""
+        if cfg.env.kwargs and "does not take these options" in str(e):
+            hint = (
+                f". env.kwargs {dict(cfg.env.kwargs)} came from the config or the command line: after "
+                f"switching --env.name, pass --env.kwargs '{{}}' or options that {cfg.env.name!r} takes"
+            )
+        raise ConfigError(f"{e}{hint}") from None
 
 
 def trusted_with_local_workers(cfg: PnyxConfig) -> list[str]:
