@@ -282,7 +282,7 @@ def main() -> None:
         f"{limits['kernel'] / limits['read_both']:.2f}, kernel / memcpy = {limits['kernel'] / limits['memcpy']:.2f}"
     )
     print(
-        f"the traffic ceiling ({bound_threads} threads): reading both states {limits['read_both_par'] * 1e3:.1f} ms "
+        f"the traffic ceiling (codec threads {bound_threads}): reading both states {limits['read_both_par'] * 1e3:.1f} ms "
         f"(the least an encode reads) + a memcpy {limits['memcpy_par'] * 1e3:.1f} ms (the least a decode into "
         f"fresh arrays moves): a round trip that did nothing else would be "
         f"{limits['memcpy'] / (limits['read_both_par'] + limits['memcpy_par']):.3f}x the one-thread memcpy"

@@ -19,6 +19,10 @@ class ConfigError(PnyxError, ValueError):
 # --- object store ---------------------------------------------------------------------------------
 
 
+class EnvOptionsError(ConfigError):
+    """An environment's constructor does not take an option it was given (the message names those it does)."""
+
+
 class StoreError(PnyxError):
     """Something went wrong talking to the object store."""
 

@@ -85,7 +85,7 @@ def check_env(cfg: PnyxConfig) -> None:
     `--env.name` alone keeps options the new one refuses: the error then says how to clear them."""
     from pnyx.config import resolve_env_kwargs
     from pnyx.envs.registry import get_env
-    from pnyx.errors import EnvironmentNotFound
+    from pnyx.errors import EnvironmentNotFound, EnvOptionsError
 
     try:
         get_env(cfg.env.name, **resolve_env_kwargs(cfg))
@@ -93,14 +93,11 @@ def check_env(cfg: PnyxConfig) -> None:
         raise ConfigError(e.args[0] if e.args else str(e)) from None
     except ImportError as e:
         raise ConfigError(f"environment {cfg.env.name!r} could not be imported: {e}") from None
-    except ConfigError as e:
-        hint = ""
-        if cfg.env.kwargs and "does not take these options" in str(e):
-            hint = (
-                f". env.kwargs {dict(cfg.env.kwargs)} came from the config or the command line: after "
-                f"switching --env.name, pass --env.kwargs '{{}}' or options that {cfg.env.name!r} takes"
-            )
-        raise ConfigError(f"{e}{hint}") from None
+    except EnvOptionsError as e:
+        raise ConfigError(
+            f"{e}. env.kwargs {dict(cfg.env.kwargs)} came from the config or the command line: after "
+            f"switching --env.name, pass --env.kwargs '{{}}' or options that {cfg.env.name!r} takes"
+        ) from None
 
 
 def trusted_with_local_workers(cfg: PnyxConfig) -> list[str]:

@@ -21,7 +21,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from pnyx.envs.base import BASE_OPTIONS, Environment
-from pnyx.errors import ConfigError, EnvironmentNotFound
+from pnyx.errors import ConfigError, EnvironmentNotFound, EnvOptionsError
 
 ENTRY_POINT_GROUP = "pnyx.envs"
 VERIFIERS_PREFIX = "verifiers:"
@@ -110,7 +110,7 @@ def _check_options(name: str, factory: Callable[..., Environment], kwargs: dict[
         signature.bind(**kwargs)
     except TypeError as e:
         accepted = [p for p in signature.parameters if p not in ("self", "args", "kwargs")]
-        raise ConfigError(
+        raise EnvOptionsError(
             f"environment {name!r} does not take these options ({e}); its options: "
             f"{', '.join([*accepted, *BASE_OPTIONS])}"
         ) from None

@@ -72,10 +72,12 @@ class WaitWork:
     def __init__(self, ingestor: Ingestor, rejudge: Rejudge | None, security: SecurityConfig):
         self.ingestor, self.security = ingestor, security
         self.rejudge = rejudge if security.seeded_draws else None
+        self.skip_audit: dict[str, Any] | None = None
+        """The current step's check of skip records by the trainer's own thread (only it writes this):
+        `groups`, `rows`, `false`, `s` on the step's path, `idle_groups` and `idle_s` in its wait."""
         self.precheck: dict[str, Any] | None = None
         self.error: BaseException | None = None
         """What ended the background thread (re-raised in the trainer's thread by `idle` and `ready`)."""
-        self._skip_audit: dict[str, Any] | None = None
         self._background = {
             "groups": 0,
             "rows": 0,
@@ -95,13 +97,6 @@ class WaitWork:
         self._false_seen = 0  # the background thread's false records `ready` has reported
 
     @property
-    def skip_audit(self) -> dict[str, Any] | None:
-        """The current step's check of skip records by the trainer's thread (a copy; None: none): `groups`,
-        `rows`, `false`, `s` on the step's path, `idle_groups` and `idle_s` in its wait."""
-        with self._lock:
-            return None if self._skip_audit is None else dict(self._skip_audit)
-
-    @property
     def background(self) -> dict[str, Any]:
         """The background thread's work since the trainer started (a copy): skip records checked (`groups`,
         `rows`, `false`, `s`) and forecast stale rows measured ahead (`pre_groups`, `pre_rows`, `pre_s`)."""
@@ -111,7 +106,7 @@ class WaitWork:
     def new_step(self) -> None:
         """A new step's batch is about to be chosen: its metrics start empty."""
         with self._lock:
-            self._skip_audit = self.precheck = None
+            self.skip_audit = self.precheck = None
 
     def start(
         self,
@@ -177,7 +172,7 @@ class WaitWork:
             self.check()
             with self._lock:
                 if (waited := time.perf_counter() - t0) > 1e-3:
-                    m = self._skip_audit = self._skip_audit or _empty_audit()
+                    m = self.skip_audit = self.skip_audit or _empty_audit()
                     m["s"] = round(m["s"] + waited, 4)
                 found, self._false_seen = (
                     self._background["false"] - self._false_seen,
@@ -211,7 +206,7 @@ class WaitWork:
             if background:
                 m = self._background
             else:
-                m = self._skip_audit = self._skip_audit or _empty_audit()
+                m = self.skip_audit = self.skip_audit or _empty_audit()
                 if limit is not None:
                     m["idle_groups"] += len(audits)
             m["groups"] += len(audits)
